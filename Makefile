@@ -1,0 +1,50 @@
+# eagle-pipeline: `make demo` runs the whole graph offline; `make test` runs the test suite.
+# Both create .venv when missing and install the project through pyproject.toml.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.eagle-installed
+# CPU machines get this torch (a CPU build where the index offers one). GPU users: install your own CUDA torch
+# into $(VENV) first, or run `make TORCH_SPEC= venv`; an importable torch is never replaced.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test ui validate bench gpu-check clean-data
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "eagle-pipeline needs Python 3.11+"'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ] && ! $(PY) -c 'import torch' 2>/dev/null; then \
+		echo "installing $(TORCH_SPEC)"; $(PIP) install --quiet "$(TORCH_SPEC)"; fi
+	$(PIP) install --quiet -e '.[dev]'
+	@touch $@
+
+demo: venv
+	$(PY) -m eagle_pipeline.demo
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+validate: venv
+	$(VENV)/bin/dagster definitions validate -w workspace.yaml
+
+ui: venv
+	DAGSTER_HOME=$$($(PY) -m eagle_pipeline.demo --print-dagster-home) $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: venv
+	$(PY) benchmarks/bench_reconstruct.py
+	$(PY) benchmarks/bench_audit.py
+	$(PY) benchmarks/bench_generation.py
+	$(PY) benchmarks/bench_merge.py
+	$(PY) benchmarks/bench_extract.py
+
+gpu-check: venv
+	$(PY) scripts/gpu_check.py
+
+clean-data:
+	rm -rf .eagle-data

@@ -1,0 +1,145 @@
+"""Atomic file writes and the data-root layout.
+
+Every file the pipeline produces is written to a temporary name in the same directory, fsynced, then renamed
+into place: a reader (or a resumed run) never sees a partial file, even after kill -9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TMP_SUFFIX = ".tmp"
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it onto `path`."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=TMP_SUFFIX, dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_parquet_atomic(table: pa.Table, path: str | os.PathLike, **kwargs: Any) -> Path:
+    """Write `table` to `path` atomically (zstd-compressed Parquet)."""
+    kwargs.setdefault("compression", "zstd")
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, **kwargs)
+    return Path(path)
+
+
+def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """Write `obj` as indented JSON to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    return Path(path)
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def clean_stale_tmp(directory: str | os.PathLike) -> int:
+    """Remove temporary files a killed writer left behind; returns how many were removed."""
+    d = Path(directory)
+    if not d.exists():
+        return 0
+    n = 0
+    for p in d.glob(f".*{TMP_SUFFIX}"):
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class DataRoot:
+    """The layout of everything the pipeline writes under one data root."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    def prompts(self, dataset: str) -> Path:
+        return self.root / "prompts" / f"{dataset}.parquet"
+
+    def responses_dir(self, dataset: str) -> Path:
+        return self.root / "responses" / dataset
+
+    def errors_dir(self, dataset: str) -> Path:
+        return self.root / "responses" / dataset / "errors"
+
+    def tokens(self, dataset: str) -> Path:
+        return self.root / "tokens" / f"{dataset}.parquet"
+
+    def audit_report(self, dataset: str) -> Path:
+        return self.root / "audit" / f"{dataset}.json"
+
+    @property
+    def merged_dir(self) -> Path:
+        return self.root / "merged"
+
+    @property
+    def draft_vocab_dir(self) -> Path:
+        return self.root / "draft_vocab"
+
+    @property
+    def hidden_states_dir(self) -> Path:
+        return self.root / "hidden_states"
+
+    @property
+    def exports_dir(self) -> Path:
+        return self.root / "exports"
+
+    @property
+    def dagster_home(self) -> Path:
+        return self.root / "dagster_home"
