@@ -1,0 +1,306 @@
+"""Generation client throughput at thousands of requests in flight (prints figures; not a test).
+
+    .venv/bin/python benchmarks/bench_generation.py            # the full set (~2-3 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_generation.py --quick    # a smaller set (~1 minute)
+
+Every scenario runs a fixed-latency loopback server in one process and the client in another, so the client's
+CPU time and peak RSS are its own. The server is a raw asyncio HTTP/1.1 server answering every request with one
+precomputed OpenRouter-format body (~2 KB of reasoning + content), cheap enough not to be the bottleneck.
+
+Clients:
+  pipeline  eagle_pipeline.generation.generate_dataset (aiohttp, parsing, rows, Parquet commits): the real thing
+  aiohttp   a bare aiohttp ClientSession loop (one session, connector sized to the in-flight count)
+  httpx     a bare httpx.AsyncClient loop (one pool sized to the in-flight count)
+
+Steady throughput: for the pipeline, between the 20th and 90th percentile of completion times (connection ramp and
+final drain excluded); the bare clients run for a fixed time and count completions from two latencies after the
+start to the end. Share of ideal = throughput / (in_flight / latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _body() -> bytes:
+    reasoning = ("The user asks for a careful explanation; let me reason about each step and check the edge cases. " * 12).strip()
+    content = ("Here is the answer, with a short example and the caveat that matters in practice. " * 12).strip()
+    obj = {
+        "id": "gen-1767225600-aBcDeFgHiJkLmNoPqRsT",
+        "provider": "Bench",
+        "model": "moonshotai/kimi-k2.5",
+        "object": "chat.completion",
+        "created": 1767225600,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": "stop",
+                "native_finish_reason": "stop",
+                "message": {
+                    "role": "assistant",
+                    "content": content,
+                    "refusal": None,
+                    "reasoning": reasoning,
+                    "reasoning_details": [{"type": "reasoning.text", "text": reasoning, "format": "unknown", "index": 0}],
+                },
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 120,
+            "completion_tokens": 560,
+            "total_tokens": 680,
+            "completion_tokens_details": {"reasoning_tokens": 300},
+            "cost": 0.0015,
+        },
+    }
+    return json.dumps(obj).encode()
+
+
+# ---- server ----------------------------------------------------------------------------------------------
+
+
+def serve(latency: float, port_file: str) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    body = _body()
+    response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    class Proto(asyncio.Protocol):
+        def connection_made(self, transport):  # type: ignore[override]
+            self.t = transport
+            self.buf = bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while True:
+                i = self.buf.find(b"\r\n\r\n")
+                if i < 0:
+                    return
+                head = bytes(self.buf[:i]).lower()
+                j = head.find(b"content-length:")
+                n = int(head[j + 15 : head.find(b"\r\n", j) if head.find(b"\r\n", j) > 0 else None]) if j >= 0 else 0
+                if len(self.buf) < i + 4 + n:
+                    return
+                del self.buf[: i + 4 + n]
+                loop.call_later(latency, self._respond)
+
+        def _respond(self) -> None:
+            if not self.t.is_closing():
+                self.t.write(response)
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(loop.create_server(Proto, "127.0.0.1", 0, backlog=8192))
+    Path(port_file).write_text(str(server.sockets[0].getsockname()[1]))
+    loop.run_forever()
+
+
+# ---- clients ---------------------------------------------------------------------------------------------
+
+
+def _steady(times: list[float], in_flight: int, latency: float) -> dict:
+    times = sorted(times)
+    n = len(times)
+    a, b = int(n * 0.2), int(n * 0.9) - 1
+    steady = (b - a) / (times[b] - times[a]) if b > a and times[b] > times[a] else 0.0
+    return {"steady_per_s": steady, "share_of_ideal": steady / (in_flight / latency)}
+
+
+def _usage() -> tuple[float, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+
+
+def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
+    import pyarrow as pa
+
+    from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.prompts import canonical_json
+
+    sampling = SamplingSpec(seed=1, max_tokens=4096)
+    text = "Explain, with one worked example, how the following idea applies in practice: " + "context " * 40
+    prompts = pa.table(
+        {
+            "sample_id": [f"B1-{i:08d}" for i in range(n)],
+            "dataset": ["B1"] * n,
+            "source_id": [str(i) for i in range(n)],
+            "messages_json": [canonical_json([{"role": "user", "content": f"{text} #{i}"}]) for i in range(n)],
+            "tools_json": pa.nulls(n, pa.string()),
+        }
+    )
+    backend = BackendSpec(name="bench", kind="openrouter", endpoint=url, model="moonshotai/kimi-k2.5", concurrency=in_flight, timeout_s=120)
+    with tempfile.TemporaryDirectory() as d:
+        cpu0, _ = _usage()
+        t0 = time.monotonic()
+        s = generate_dataset(dataset="B1", prompts=prompts, backend=backend, sampling=sampling, out_dir=Path(d) / "r",
+                             errors_dir=Path(d) / "r" / "errors", progress_every_s=3600)
+        wall = time.monotonic() - t0
+        cpu1, rss = _usage()
+        t = read_responses(Path(d) / "r")
+        times = [x.timestamp() for x in t.column("finished_at").to_pylist()]
+    return {"completed": s.completed, "failed": s.failed, "wall_s": wall, "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, s.completed),
+            "peak_rss_mib": rss / 2**20, **_steady(times, in_flight, latency)}
+
+
+async def _bare(kind: str, url: str, in_flight: int, duration: float) -> tuple[list[float], int, float]:
+    """Requests for `duration` seconds, then everything still in flight is cancelled (a stalled pool cannot stretch the run)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 4096}).encode()
+    headers = {"Content-Type": "application/json"}
+    times: list[float] = []
+    failures = 0
+    if kind == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight), timeout=aiohttp.ClientTimeout(total=60))
+
+        async def one() -> None:
+            async with session.post(url, data=body, headers=headers) as r:
+                json.loads(await r.read())
+    else:
+        import httpx
+
+        session = httpx.AsyncClient(limits=httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight), timeout=60)
+
+        async def one() -> None:
+            r = await session.post(url, content=body, headers=headers)
+            json.loads(r.content)
+
+    async def worker() -> None:
+        nonlocal failures
+        while True:
+            try:
+                await one()
+                times.append(time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                failures += 1
+
+    t0 = time.time()
+    tasks = [asyncio.create_task(worker()) for _ in range(in_flight)]
+    await asyncio.sleep(duration)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if kind == "aiohttp":
+        await session.close()
+    else:
+        await session.aclose()
+    return times, failures, t0
+
+
+def client_bare(kind: str, url: str, in_flight: int, n: int, latency: float, duration: float) -> dict:
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    cpu0, _ = _usage()
+    t_start = time.monotonic()
+    with asyncio.Runner(loop_factory=loop_factory) as r:
+        times, failures, t0 = r.run(_bare(kind, url, in_flight, duration))
+    wall = time.monotonic() - t_start
+    cpu1, rss = _usage()
+    # Steady window: from two latencies after the start (connection ramp) to the end of the time box.
+    a, b = t0 + 2 * latency, t0 + duration
+    steady = sum(1 for t in times if a <= t <= b) / (b - a)
+    return {"completed": len(times), "failed": failures, "wall_s": wall, "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, len(times)),
+            "peak_rss_mib": rss / 2**20, "steady_per_s": steady, "share_of_ideal": steady / (in_flight / latency)}
+
+
+# ---- orchestration ---------------------------------------------------------------------------------------
+
+
+def scenario(client: str, in_flight: int, latency: float, n: int, duration: float = 600.0, env: dict | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        port_file = os.path.join(d, "port")
+        server = subprocess.Popen([sys.executable, __file__, "--serve", str(latency), port_file])
+        try:
+            for _ in range(200):
+                if os.path.exists(port_file) and Path(port_file).read_text():
+                    break
+                time.sleep(0.05)
+            port = Path(port_file).read_text()
+            base = f"http://127.0.0.1:{port}/api/v1"
+            url = base if client == "pipeline" else base + "/chat/completions"
+            cmd = [sys.executable, __file__, "--client", client, url, str(in_flight), str(n), str(latency), str(duration)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+            if out.returncode != 0:
+                return {"error": out.stderr[-2000:]}
+            server_cpu = _proc_cpu(server.pid)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            res["server_cpu_s"] = server_cpu
+            return res
+        finally:
+            server.kill()
+            server.wait()
+
+
+def _proc_cpu(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    q = args.quick
+    runs = [
+        ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline (uvloop)"),
+        ("pipeline", 2000, 5.0, 6000 if q else 10000, 600.0, None, "pipeline (uvloop)"),
+        ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, {"EAGLE_NO_UVLOOP": "1"}, "pipeline (asyncio loop)"),
+        ("aiohttp", 2000, 2.0, 0, 10.0 if q else 16.0, None, "bare aiohttp"),
+        ("httpx", 256, 2.0, 0, 10.0 if q else 14.0, None, "bare httpx"),
+        ("httpx", 2000, 2.0, 0, 10.0 if q else 14.0, None, "bare httpx"),
+    ]
+    cores = os.cpu_count()
+    print(f"# generation client benchmark: {cores} cores, python {sys.version.split()[0]}, loopback server in a separate process")
+    header = f"{'client':<24} {'in flight':>9} {'latency':>7} {'done':>7} {'fail':>5} {'steady/s':>9} {'ideal/s':>8} {'share':>6} {'cpu ms/resp':>11} {'peak RSS':>9} {'wall s':>7} {'srv cpu s':>9}"
+    print(header)
+    for client, inflight, latency, n, duration, env, label in runs:
+        r = scenario(client, inflight, latency, n, duration, env)
+        if "error" in r:
+            print(f"{label:<24} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            continue
+        print(
+            f"{label:<24} {inflight:>9} {latency:>6.0f}s {r['completed']:>7} {r['failed']:>5} {r['steady_per_s']:>9.0f} {inflight / latency:>8.0f} "
+            f"{100 * r['share_of_ideal']:>5.0f}% {r['cpu_ms_per_response']:>11.2f} {r['peak_rss_mib']:>6.0f} MiB {r['wall_s']:>7.1f} "
+            f"{(r['server_cpu_s'] or 0):>9.1f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(float(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--client":
+        kind, url, inflight, n, latency, duration = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+        if kind == "pipeline":
+            res = client_pipeline(url, inflight, n, latency)
+        else:
+            res = client_bare(kind, url, inflight, n, latency, duration)
+        print(json.dumps(res))
+    else:
+        main()

@@ -1,0 +1,466 @@
+"""Gate implementations. Each takes the shared AuditContext and returns which rows it checked and which failed.
+
+All gates but two are pure numpy over the event list (see context.py). `tool_sections_well_formed` loops over the
+rows that hold tool ids (to decode ids and JSON arguments); `round_trip` loops over rows to decode and re-encode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from eagle_pipeline.audit.context import (
+    ARG_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    EOT,
+    FOREIGN,
+    OUT_OF_RANGE,
+    RESERVED,
+    SECTION_BEGIN,
+    SECTION_END,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CODES,
+    AuditContext,
+)
+
+
+@dataclass
+class Outcome:
+    """checked/fail: bool per row; pos: position within the row to excerpt (-1: the row's last token)."""
+
+    checked: np.ndarray
+    fail: np.ndarray
+    pos: np.ndarray
+    details: dict[str, Any] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)  # row -> what exactly is wrong, for examples
+    passed: bool | None = None  # set by gates whose pass/fail is not "no failing row" (billing)
+    source_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _last(ctx: AuditContext) -> np.ndarray:
+    return np.maximum(ctx.lengths - 1, 0)
+
+
+def _require(ctx: AuditContext, code: int, what: str) -> int:
+    i = ctx.classes.ids.get(code)
+    if i is None:
+        raise ValueError(f"the model profile defines no {what} id, which this gate needs")
+    return i
+
+
+def gate_ids_in_vocab(ctx: AuditContext, settings: Any) -> Outcome:
+    bad = np.isin(ctx.ev_code, (RESERVED, FOREIGN, OUT_OF_RANGE))
+    pos = ctx.first_pos_where(bad)
+    fail = pos >= 0
+    kinds = {"out_of_range": OUT_OF_RANGE, "reserved_or_unassigned": RESERVED, "non_output_special": FOREIGN}
+    details = {k: int(np.count_nonzero(ctx.ev_code == c)) for k, c in kinds.items()}
+    details["vocab_size"] = ctx.classes.vocab_size
+    return Outcome(np.ones(ctx.n, dtype=bool), fail, pos, details)
+
+
+def gate_ends_with_eot(ctx: AuditContext, settings: Any) -> Outcome:
+    eot = _require(ctx, EOT, "end-of-turn")
+    lengths = ctx.lengths
+    last = np.full(ctx.n, -1, dtype=np.int64)
+    nonempty = lengths > 0
+    last[nonempty] = ctx.values[ctx.offsets[1:][nonempty] - 1]
+    checked = ctx.complete
+    fail = checked & (last != eot)
+    return Outcome(checked, fail, _last(ctx), {"empty_outputs": int(np.count_nonzero(checked & ~nonempty))})
+
+
+def gate_single_eot(ctx: AuditContext, settings: Any) -> Outcome:
+    _require(ctx, EOT, "end-of-turn")
+    cnt = ctx.count(EOT)
+    complete = ctx.complete
+    fail = (complete & (cnt != 1)) | (~complete & (cnt > 1))
+    pos = np.where(cnt > 0, ctx.first_pos(EOT), _last(ctx))
+    details = {"rows_without_eot": int(np.count_nonzero(complete & (cnt == 0))), "rows_with_several": int(np.count_nonzero(cnt > 1))}
+    return Outcome(np.ones(ctx.n, dtype=bool), fail, pos, details)
+
+
+def gate_single_think_close(ctx: AuditContext, settings: Any) -> Outcome:
+    _require(ctx, THINK_CLOSE, "think-close")
+    cnt = ctx.count(THINK_CLOSE)
+    think, complete = ctx.thinking, ctx.complete
+    fail = (think & complete & (cnt != 1)) | (think & ~complete & (cnt > 1)) | (~think & (cnt > 0))
+    pos = np.where(cnt > 1, ctx.last_pos(THINK_CLOSE), np.where(cnt == 1, ctx.first_pos(THINK_CLOSE), 0))
+    details = {
+        "thinking_rows_without": int(np.count_nonzero(think & complete & (cnt == 0))),
+        "rows_with_several": int(np.count_nonzero(cnt > 1)),
+        "non_thinking_rows_with": int(np.count_nonzero(~think & (cnt > 0))),
+    }
+    return Outcome(np.ones(ctx.n, dtype=bool), fail, pos, details)
+
+
+def gate_think_close_before_eot(ctx: AuditContext, settings: Any) -> Outcome:
+    _require(ctx, THINK_CLOSE, "think-close")
+    _require(ctx, EOT, "end-of-turn")
+    last_tc, first_eot = ctx.last_pos(THINK_CLOSE), ctx.first_pos(EOT)
+    checked = (last_tc >= 0) & (first_eot >= 0)
+    fail = checked & (last_tc > first_eot)
+    return Outcome(checked, fail, first_eot)
+
+
+def _model_opens_think(ctx: AuditContext) -> bool:
+    """True for profiles whose generation prompt does not end with <think>, so the model writes it (Qwen3)."""
+    profile = getattr(ctx.profile_ids, "profile", None)
+    return not getattr(profile, "generation_prompt_ends_with_think_open", True)
+
+
+def gate_no_think_open(ctx: AuditContext, settings: Any) -> Outcome:
+    ones = np.ones(ctx.n, dtype=bool)
+    if ctx.classes.ids.get(THINK_OPEN) is None:
+        # A profile without a think block has nothing to leak.
+        return Outcome(ones, np.zeros(ctx.n, dtype=bool), np.zeros(ctx.n, dtype=np.int64))
+    first, cnt = ctx.first_pos(THINK_OPEN), ctx.count(THINK_OPEN)
+    if not _model_opens_think(ctx):
+        return Outcome(ones, cnt > 0, first)
+    # The model opens the block itself: thinking rows hold exactly one <think>, as their first id; others none.
+    think = ctx.thinking & (ctx.lengths > 0)
+    fail = (think & ((cnt != 1) | (first != 0))) | (~ctx.thinking & (cnt > 0))
+    pos = np.where(cnt > 0, np.where(first == 0, ctx.last_pos(THINK_OPEN), first), 0)
+    return Outcome(ones, fail, pos, {"model_opens_think": True})
+
+
+def gate_reasoning_nonempty(ctx: AuditContext, settings: Any) -> Outcome:
+    _require(ctx, THINK_CLOSE, "think-close")
+    first = ctx.first_pos(THINK_CLOSE)
+    checked = ctx.thinking & (first >= 0)
+    start = np.zeros(ctx.n, dtype=np.int64)
+    if _model_opens_think(ctx) and ctx.classes.ids.get(THINK_OPEN) is not None:
+        start = np.where(ctx.first_pos(THINK_OPEN) == 0, 1, 0)
+    span = first - start
+    fail = checked & (span <= 0)
+    # Profiles that wrap reasoning in fixed text (Qwen3: "\n" ... "\n") are empty when the span is only that text.
+    profile = getattr(ctx.profile_ids, "profile", None)
+    wrapper = getattr(profile, "reasoning_prefix", "") + getattr(profile, "reasoning_suffix", "")
+    if wrapper:
+        k = len(ctx.tokenizer.encode_ordinary(wrapper))
+        for row in np.flatnonzero(checked & (span > 0) & (span <= k)).tolist():
+            a = int(ctx.offsets[row] + start[row])
+            if ctx.tokenizer.decode_bytes(ctx.values[a : a + int(span[row])]) == wrapper.encode():
+                fail[row] = True
+    return Outcome(checked, fail, np.maximum(first, 0))
+
+
+def gate_tool_tokens_declared(ctx: AuditContext, settings: Any) -> Outcome:
+    is_tool = np.isin(ctx.ev_code, TOOL_CODES)
+    has_tool_ids = np.bincount(ctx.ev_row[is_tool], minlength=ctx.n) > 0
+    checked = ~ctx.has_tools
+    return Outcome(checked, checked & has_tool_ids, ctx.first_pos_where(is_tool))
+
+
+def gate_not_truncated(ctx: AuditContext, settings: Any) -> Outcome:
+    fail = ~ctx.complete
+    rows = np.flatnonzero(fail)
+    # Only the failing rows' reasons are materialised: a clean million-row table costs nothing here.
+    reasons = ctx.finish_reasons(rows)
+    counts = Counter("null" if r is None else r for r in reasons)
+    return Outcome(
+        np.ones(ctx.n, dtype=bool),
+        fail,
+        _last(ctx),
+        {"finish_reasons": dict(counts.most_common())},
+        reasons={int(i): f"finish_reason={r!r}" for i, r in zip(rows[: settings.max_examples], reasons)},
+    )
+
+
+def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
+    usage, valid = ctx.usage
+    lengths = ctx.lengths.astype(np.int64)
+    diff = np.abs(lengths - usage)
+    tol = np.maximum(float(settings.billing_row_abs_tolerance), settings.billing_row_rel_tolerance * usage)
+    checked = valid
+    fail = checked & (diff > tol)
+
+    def rel(sum_len: int, sum_usage: int) -> float | None:
+        if sum_usage == 0:
+            return 0.0 if sum_len == 0 else None  # None: undefined (JSON null), treated as failing
+        return abs(sum_len - sum_usage) / sum_usage
+
+    sum_len, sum_usage = int(lengths[checked].sum()), int(usage[checked].sum())
+    agg = rel(sum_len, sum_usage)
+    passed = agg is not None and agg <= settings.billing_aggregate_bound
+    codes, keys = ctx.sources
+    src_len = np.bincount(codes[checked], weights=lengths[checked], minlength=len(keys))
+    src_use = np.bincount(codes[checked], weights=usage[checked], minlength=len(keys))
+    source_extra = {
+        key: {
+            "sum_output_tokens": int(src_len[k]),
+            "sum_usage_tokens": int(src_use[k]),
+            "aggregate_relative_error": rel(int(src_len[k]), int(src_use[k])),
+        }
+        for k, key in enumerate(keys)
+    }
+    reasons = {
+        int(i): f"len(output_ids)={int(lengths[i])} usage_completion_tokens={int(usage[i])}"
+        for i in np.flatnonzero(fail)[: settings.max_examples]
+    }
+    details = {
+        "aggregate_relative_error": agg,
+        "aggregate_bound": settings.billing_aggregate_bound,
+        "sum_output_tokens": sum_len,
+        "sum_usage_tokens": sum_usage,
+        "rows_without_usage": int(np.count_nonzero(~valid)),
+        "row_tolerance": f"max({settings.billing_row_abs_tolerance}, {settings.billing_row_rel_tolerance} * usage)",
+    }
+    return Outcome(checked, fail, _last(ctx), details, reasons, passed, source_extra)
+
+
+# ---- tool sections ---------------------------------------------------------------------------------------------
+
+_ID_PLAIN = re.compile(r"^\S+$")
+_ID_FUNCTIONS = re.compile(r"^functions\.\S+:\d+$")
+
+
+def tool_call_id_ok(text: str) -> bool:
+    """The id rule: non-empty, no whitespace; ids in Kimi's `functions.` namespace must be `functions.NAME:INDEX`."""
+    if not _ID_PLAIN.match(text):
+        return False
+    return not text.startswith("functions.") or bool(_ID_FUNCTIONS.match(text))
+
+
+class _ToolProblem(Exception):
+    def __init__(self, kind: str, pos: int) -> None:
+        super().__init__(kind)
+        self.kind, self.pos = kind, pos
+
+
+def _decode_text(ctx: AuditContext, ids: np.ndarray) -> str | None:
+    try:
+        return ctx.tokenizer.decode_bytes(ids).decode("utf-8")
+    except (UnicodeDecodeError, KeyError, OverflowError):
+        # Invalid UTF-8, or an id the tokenizer cannot decode (ids_in_vocab reports those): not a valid field.
+        return None
+
+
+def _check_tool_row(ctx: AuditContext, row: int, complete: bool, think_close_pos: int, expected_calls: int) -> int:
+    """Walk the special ids of one row; raise _ToolProblem at the first violation. Returns the number of calls."""
+    ids = ctx.row_ids(row)
+    a, b = ctx.ev_row_offsets[row], ctx.ev_row_offsets[row + 1]
+    codes = ctx.ev_code[a:b].tolist()
+    positions = (ctx.ev_pos[a:b] - ctx.offsets[row]).tolist()
+    has_sections = ctx.classes.ids.get(SECTION_BEGIN) is not None and ctx.classes.ids.get(SECTION_END) is not None
+    has_arg = ctx.classes.ids.get(ARG_BEGIN) is not None
+
+    def check_gap(lo: int, hi: int, kind: str = "stray_tokens") -> None:
+        # Inside a section nothing may stand between the structural ids; a profile without sections may put
+        # whitespace between calls (Qwen writes newlines there).
+        if hi > lo and (has_sections or (_decode_text(ctx, ids[lo:hi]) or "x").strip()):
+            raise _ToolProblem(kind, lo)
+
+    def check_call(begin: int, arg: int | None, end: int) -> None:
+        if arg is not None:
+            text = _decode_text(ctx, ids[begin + 1 : arg])
+            if text is None or not tool_call_id_ok(text):
+                raise _ToolProblem("bad_id", begin + 1)
+            body_lo = arg + 1
+        else:
+            body_lo = begin + 1
+        text = _decode_text(ctx, ids[body_lo:end])
+        try:
+            parsed = json.loads(text) if text is not None else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _ToolProblem("bad_arguments", body_lo)
+        if arg is None and not isinstance(parsed.get("name"), str):
+            # Without an argument marker the body is the whole call, {"name": ..., "arguments": ...} (Qwen3).
+            raise _ToolProblem("bad_arguments", body_lo)
+
+    state, calls, sections = "out", 0, 0
+    last = -1  # position of the previous structural id in the current tool region
+    call_begin = arg_pos = -1
+    for code, p in zip(codes, positions):
+        if state == "out":
+            opens = SECTION_BEGIN if has_sections else CALL_BEGIN
+            if code == opens:
+                if sections and has_sections:
+                    raise _ToolProblem("multiple_sections", p)
+                if think_close_pos >= 0 and p < think_close_pos:
+                    raise _ToolProblem("before_think_close", p)
+                sections += 1
+                if has_sections:
+                    state, last = "section", p
+                else:
+                    state, call_begin = ("id" if has_arg else "args"), p
+            elif code in TOOL_CODES:
+                raise _ToolProblem("unbalanced", p)
+        elif state == "section":
+            check_gap(last + 1, p)
+            if code == CALL_BEGIN:
+                state, call_begin = ("id" if has_arg else "args"), p
+            elif code == SECTION_END:
+                if calls == 0:
+                    raise _ToolProblem("empty_section", p)
+                state, last = "after", p
+            else:
+                raise _ToolProblem("unbalanced", p)
+        elif state == "id":
+            if code != ARG_BEGIN:
+                raise _ToolProblem("unbalanced", p)
+            state, arg_pos = "args", p
+        elif state == "args":
+            if code != CALL_END:
+                raise _ToolProblem("unbalanced", p)
+            check_call(call_begin, arg_pos if has_arg else None, p)
+            calls += 1
+            state, last = ("section" if has_sections else "after"), p
+        elif state == "after":
+            if code == EOT:
+                check_gap(last + 1, p, "not_at_end")
+                state = "done"
+            elif code == CALL_BEGIN and not has_sections:
+                check_gap(last + 1, p)
+                state, call_begin = ("id" if has_arg else "args"), p
+            elif code in TOOL_CODES:
+                raise _ToolProblem("multiple_sections" if code == SECTION_BEGIN else "unbalanced", p)
+            else:
+                raise _ToolProblem("not_at_end", p)
+        elif code in TOOL_CODES:  # state == "done"
+            raise _ToolProblem("unbalanced", p)
+    if complete:
+        if state in ("section", "id", "args"):
+            raise _ToolProblem("unbalanced", len(ids) - 1)
+        if state == "after":
+            raise _ToolProblem("not_at_end", len(ids) - 1)
+        if expected_calls >= 0 and calls != expected_calls:
+            raise _ToolProblem("count_mismatch", len(ids) - 1)
+    return calls
+
+
+def gate_tool_sections_well_formed(ctx: AuditContext, settings: Any) -> Outcome:
+    is_tool = np.isin(ctx.ev_code, TOOL_CODES)
+    has_tool_ids = np.bincount(ctx.ev_row[is_tool], minlength=ctx.n) > 0
+    expected = ctx.n_tool_calls
+    checked = has_tool_ids | (expected > 0 if expected is not None else False)
+    fail = np.zeros(ctx.n, dtype=bool)
+    pos = np.full(ctx.n, -1, dtype=np.int64)
+    reasons: dict[int, str] = {}
+    kinds: Counter[str] = Counter()
+    complete, thinking = ctx.complete, ctx.thinking
+    tc_first = ctx.first_pos(THINK_CLOSE) if ctx.classes.ids.get(THINK_CLOSE) is not None else np.full(ctx.n, -1)
+    calls_total = 0
+    for row in np.flatnonzero(checked).tolist():
+        try:
+            calls_total += _check_tool_row(
+                ctx,
+                row,
+                bool(complete[row]),
+                int(tc_first[row]) if thinking[row] else -1,
+                int(expected[row]) if expected is not None else -1,
+            )
+        except _ToolProblem as problem:
+            fail[row], pos[row] = True, problem.pos
+            kinds[problem.kind] += 1
+            if len(reasons) < settings.max_examples:
+                reasons[row] = problem.kind
+    details = {"problems": dict(kinds.most_common()), "well_formed_calls": calls_total}
+    return Outcome(checked, fail, pos, details, reasons)
+
+
+# ---- round trip ------------------------------------------------------------------------------------------------
+
+_ROUND_TRIP_BATCH_TOKENS = 1 << 20
+
+
+def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
+    """Split each row at its non-ordinary ids; every span must decode to valid UTF-8 and re-encode to itself.
+
+    The last span of an incomplete row is skipped: a generation cut by max_tokens may end inside a character.
+    """
+    tok = ctx.tokenizer
+    n = ctx.n
+    checked = ctx.lengths > 0
+    fail = np.zeros(n, dtype=bool)
+    pos = np.full(n, -1, dtype=np.int64)
+    reasons: dict[int, str] = {}
+    kinds: Counter[str] = Counter()
+    complete = ctx.complete
+    ev_off, ev_pos, offs, vals = ctx.ev_row_offsets, ctx.ev_pos, ctx.offsets, ctx.values
+    batch_encode: Callable[[list[str]], list[list[int]]] | None = getattr(tok, "encode_ordinary_batch", None)
+
+    pending: list[tuple[int, int, list[int], str]] = []  # (row, span start in row, ids, text)
+    pending_tokens = 0
+
+    def mark(row: int, p: int, kind: str) -> None:
+        if not fail[row]:
+            fail[row], pos[row] = True, p
+            kinds[kind] += 1
+            if len(reasons) < settings.max_examples:
+                reasons[row] = kind
+
+    def flush() -> None:
+        nonlocal pending_tokens
+        if not pending:
+            return
+        texts = [t for _, _, _, t in pending]
+        encoded = batch_encode(texts) if batch_encode is not None else [tok.encode_ordinary(t) for t in texts]
+        for (row, start, ids, _), again in zip(pending, encoded):
+            if list(again) != ids:
+                k = next((j for j, (x, y) in enumerate(zip(ids, again)) if x != y), min(len(ids), len(again)))
+                mark(row, start + k, "non_canonical")
+        pending.clear()
+        pending_tokens = 0
+
+    for row in np.flatnonzero(checked).tolist():
+        a, b = int(offs[row]), int(offs[row + 1])
+        ids = vals[a:b].tolist()
+        cuts = (ev_pos[ev_off[row] : ev_off[row + 1]] - a).tolist()
+        start = 0
+        for end in [*cuts, b - a]:
+            if end > start and not (end == b - a and not complete[row]):
+                span = ids[start:end]
+                try:
+                    # A numpy slice converts to ints faster than a list inside decode_bytes.
+                    text = tok.decode_bytes(vals[a + start : a + end]).decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    # Locate the offending token: the first whose cumulative bytes cover the bad byte.
+                    mark(row, start + _token_at_byte(tok, span, exc.start), "invalid_utf8")
+                    break
+                pending.append((row, start, span, text))
+                pending_tokens += len(span)
+            start = end + 1
+        if pending_tokens >= _ROUND_TRIP_BATCH_TOKENS:
+            flush()
+    flush()
+    origin = ctx.origin
+    details = {
+        "problems": dict(kinds.most_common()),
+        "failing_reconstructed": int(np.count_nonzero(fail & (origin == 0))),
+        "failing_returned": int(np.count_nonzero(fail & (origin == 1))),
+    }
+    return Outcome(checked, fail, pos, details, reasons)
+
+
+def _token_at_byte(tok: Any, span: list[int], byte: int) -> int:
+    total = 0
+    for k, t in enumerate(span):
+        total += len(tok.decode_bytes([t]))
+        if total > byte:
+            return k
+    return max(len(span) - 1, 0)
+
+
+GATE_FUNCTIONS: dict[str, Callable[[AuditContext, Any], Outcome]] = {
+    "ids_in_vocab": gate_ids_in_vocab,
+    "ends_with_eot": gate_ends_with_eot,
+    "single_eot": gate_single_eot,
+    "single_think_close": gate_single_think_close,
+    "think_close_before_eot": gate_think_close_before_eot,
+    "no_think_open": gate_no_think_open,
+    "reasoning_nonempty": gate_reasoning_nonempty,
+    "tool_tokens_declared": gate_tool_tokens_declared,
+    "tool_sections_well_formed": gate_tool_sections_well_formed,
+    "round_trip": gate_round_trip,
+    "billing_agreement": gate_billing_agreement,
+    "not_truncated": gate_not_truncated,
+}

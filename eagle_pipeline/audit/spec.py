@@ -1,0 +1,237 @@
+"""The catalogue of audit gates and the settings that choose what each gate's failure does."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from eagle_pipeline.audit.context import ORIGINS
+
+ACTIONS = ("block", "filter", "warn")
+
+
+class AuditSettingsError(ValueError):
+    """Audit settings name an unknown gate, origin or action, or hold an invalid number; lists every problem."""
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """One gate: stable name, what it catches, and what its failure does by default.
+
+    `origin_defaults` overrides `default_action` for rows of one ids origin ('reconstructed' | 'returned'):
+    a server's own ids can legitimately differ from what our tokenizer would produce, ours cannot.
+    """
+
+    name: str
+    title: str
+    description: str
+    default_action: str
+    origin_defaults: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def _spec(name: str, title: str, description: str, default_action: str, **origin_defaults: str) -> GateSpec:
+    return GateSpec(name, title, description, default_action, MappingProxyType(dict(origin_defaults)))
+
+
+GATES: tuple[GateSpec, ...] = (
+    _spec(
+        "ids_in_vocab",
+        "Every id is a real, output-legal token",
+        "Ids outside [0, vocab_size), reserved/unnamed special slots, and named special ids that never belong in a "
+        "model output (e.g. [PAD], <|im_user|>). Catches a wrong tokenizer, id arithmetic bugs and corrupt buffers; "
+        "such ids crash or silently poison embedding lookups in training.",
+        "block",
+    ),
+    _spec(
+        "ends_with_eot",
+        "A complete output ends with the end-of-turn id",
+        "Complete rows (finish_reason stop/tool_calls) whose last id is not the end-of-turn id: a lost <|im_end|> or a "
+        "cut tail. The drafter must learn where turns end.",
+        "block",
+    ),
+    _spec(
+        "single_eot",
+        "Exactly one end-of-turn id",
+        "Complete rows with zero or several end-of-turn ids (incomplete rows: more than one). Catches doubled or "
+        "concatenated turns.",
+        "block",
+    ),
+    _spec(
+        "single_think_close",
+        "Exactly one </think> with thinking on, none with thinking off",
+        "With thinking on a complete output holds exactly one think-close id (incomplete rows: at most one); with "
+        "thinking off it holds none (the prompt already closed the think block). Catches dropped or doubled </think> "
+        "and a wrong `thinking` flag.",
+        "block",
+    ),
+    _spec(
+        "think_close_before_eot",
+        "</think> comes before the end of turn",
+        "Rows holding both ids where a think-close id follows the first end-of-turn id: swapped or misplaced "
+        "structure.",
+        "block",
+    ),
+    _spec(
+        "no_think_open",
+        "No <think> in outputs",
+        "The think-open id belongs to the prompt (the generation prompt ends with it), never to the output. Catches "
+        "prompt/output boundary mistakes and a template that double-opens the think block.",
+        "block",
+    ),
+    _spec(
+        "reasoning_nonempty",
+        "Thinking rows carry reasoning",
+        "Thinking-on rows whose think-close id is the very first output id: the provider dropped the reasoning (or "
+        "it was never requested). The ids would teach the drafter a turn the target never produced.",
+        "filter",
+    ),
+    _spec(
+        "tool_tokens_declared",
+        "Tool-call ids only in tool datasets",
+        "Tool-section or tool-call special ids in a row whose dataset declares no tools. For reconstructed rows this "
+        "means tools were sent for a dataset not flagged as a tool dataset (a configuration bug); for returned ids it "
+        "is the model calling tools it was never given.",
+        "block",
+        returned="filter",
+    ),
+    _spec(
+        "tool_sections_well_formed",
+        "Tool sections are balanced, ordered and parseable",
+        "section_begin (call_begin ID arg_begin ARGS call_end)+ section_end, once, after </think>, directly before "
+        "the end of turn; ID is non-empty without whitespace (and `functions.NAME:INDEX` when it starts with "
+        "'functions.'); ARGS decode to a JSON object; the number of calls equals n_tool_calls.",
+        "filter",
+    ),
+    _spec(
+        "round_trip",
+        "Ordinary spans are canonical BPE",
+        "Each run of ordinary ids between special ids is decoded to bytes and re-encoded; the result must equal the "
+        "run. Catches non-canonical ids, off-by-one ids that change the BPE, and runs that split a UTF-8 character. "
+        "A server's returned ids can legitimately be non-canonical (the model sampled an unusual split), so "
+        "returned rows only warn by default.",
+        "block",
+        returned="warn",
+    ),
+    _spec(
+        "billing_agreement",
+        "Token counts agree with the provider's bill",
+        "Per row |len(output_ids) - usage_completion_tokens| must be within max(abs, rel*usage); in aggregate the "
+        "relative difference of the sums must be within the bound. Rows without usage are not checked. The "
+        "aggregate decides pass/fail; failing rows are listed (and excluded). Catches dropped reasoning, a "
+        "tokenizer other than the target's and template tokens counted twice.",
+        "block",
+    ),
+    _spec(
+        "not_truncated",
+        "The generation finished on its own",
+        "finish_reason other than stop/tool_calls (length, content_filter, error, abort, missing): the output may be "
+        "cut short. Such rows are excluded and counted, never silently kept.",
+        "filter",
+    ),
+)
+
+GATE_NAMES: tuple[str, ...] = tuple(g.name for g in GATES)
+GATES_BY_NAME: dict[str, GateSpec] = {g.name: g for g in GATES}
+
+
+@dataclass
+class AuditSettings:
+    """What each gate's failure does, and the gates' numeric thresholds.
+
+    `actions` keys are a gate name ("round_trip") or a gate name and an ids origin ("round_trip@returned");
+    resolution order: "gate@origin", then "gate", then the gate's own origin default, then its default action.
+    """
+
+    actions: dict[str, str] = field(default_factory=dict)
+    billing_row_abs_tolerance: int = 2
+    billing_row_rel_tolerance: float = 0.01
+    billing_aggregate_bound: float = 0.005
+    max_examples: int = 5
+    excerpt_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if not isinstance(self.actions, Mapping):
+            problems.append(f"actions must be a mapping of gate -> action, got {type(self.actions).__name__}")
+        else:
+            self.actions = dict(self.actions)
+            for key, action in self.actions.items():
+                problems.extend(_check_action_key(key, action))
+        problems.extend(_check_number("billing_row_abs_tolerance", self.billing_row_abs_tolerance, int, 0, None))
+        problems.extend(_check_number("billing_row_rel_tolerance", self.billing_row_rel_tolerance, float, 0, 1))
+        problems.extend(_check_number("billing_aggregate_bound", self.billing_aggregate_bound, float, 0, 1))
+        problems.extend(_check_number("max_examples", self.max_examples, int, 0, None))
+        problems.extend(_check_number("excerpt_tokens", self.excerpt_tokens, int, 1, None))
+        if problems:
+            raise AuditSettingsError("invalid audit settings:\n  - " + "\n  - ".join(problems))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "AuditSettings":
+        """Settings from plain data (YAML/JSON); unknown keys, gates, origins or actions are errors."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise AuditSettingsError(f"audit settings must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AuditSettingsError(
+                f"invalid audit settings:\n  - unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        kwargs = dict(data)
+        if kwargs.get("actions") is None:
+            kwargs.pop("actions", None)
+        return cls(**kwargs)
+
+    def action_for(self, gate: str, origin: str | None = None) -> str:
+        """The effective action of `gate` for rows of `origin` (None: the gate-level action)."""
+        spec = GATES_BY_NAME[gate]
+        if origin is not None and f"{gate}@{origin}" in self.actions:
+            return self.actions[f"{gate}@{origin}"]
+        if gate in self.actions:
+            return self.actions[gate]
+        if origin is not None and origin in spec.origin_defaults:
+            return spec.origin_defaults[origin]
+        return spec.default_action
+
+    def row_filter_gates(self) -> list[str]:
+        """The gates whose failing rows must be excluded downstream once no gate blocks.
+
+        A 'block' gate that failed stops the pipeline, so a filter pass after a passed audit only needs the gates
+        with a 'filter' action for some origin, plus billing, whose rows fail individually under an aggregate pass.
+        """
+        out = []
+        for name in GATE_NAMES:
+            acts = {self.action_for(name, o) for o in ORIGINS}
+            if "filter" in acts or (name == "billing_agreement" and acts & {"block", "filter"}):
+                out.append(name)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_action_key(key: Any, action: Any) -> list[str]:
+    problems = []
+    if not isinstance(key, str):
+        return [f"action key {key!r} is not a string"]
+    gate, _, origin = key.partition("@")
+    if gate not in GATES_BY_NAME:
+        problems.append(f"unknown gate {gate!r} in actions; gates: {', '.join(GATE_NAMES)}")
+    if "@" in key and origin not in ORIGINS:
+        problems.append(f"unknown ids origin {origin!r} in actions key {key!r}; origins: {', '.join(ORIGINS)}")
+    if action not in ACTIONS:
+        problems.append(f"action {action!r} for {key!r} is not one of {', '.join(ACTIONS)}")
+    return problems
+
+
+def _check_number(name: str, value: Any, kind: type, lo: float, hi: float | None) -> list[str]:
+    # bool is an int subclass; True as a tolerance is surely a mistake.
+    ok_types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_types):
+        return [f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"]
+    if value < lo or (hi is not None and value > hi):
+        return [f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}"]
+    return []

@@ -1,0 +1,301 @@
+"""`eagle-pipeline`: the pipeline's core steps from the command line, with the same code the Dagster assets run.
+
+    eagle-pipeline reconstruct --tokenizer DIR [--profile kimi-k2.5] --in responses.jsonl --out tokens.parquet
+    eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
+                         [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
+
+Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed, 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_OK, EXIT_BLOCKED, EXIT_USAGE = 0, 1, 2
+PROG = "eagle-pipeline"
+
+
+class CliError(Exception):
+    """A usage or input problem: printed as one message, exit status 2."""
+
+
+# ---- reconstruct ---------------------------------------------------------------------------------------------------
+
+
+def _read_response_lines(path: Path, default_dataset: str, skip_unusable: bool) -> tuple[list[dict[str, Any]], list[int], int]:
+    """Parse a responses JSONL file into responses-table rows; returns (rows, line numbers, skipped)."""
+    from eagle_pipeline.generation.backends import parse_chat_completion
+    from eagle_pipeline.generation.failures import RequestFailure
+
+    if not path.is_file():
+        raise CliError(f"{path}: input file not found")
+    rows: list[dict[str, Any]] = []
+    lines: list[int] = []
+    first_line: dict[str, int] = {}
+    skipped = 0
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CliError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(rec, dict):
+                raise CliError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            sid = rec.get("sample_id")
+            if not isinstance(sid, str) or not sid:
+                raise CliError(f"{where}: 'sample_id' must be a non-empty string")
+            if sid in first_line:
+                raise CliError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
+            first_line[sid] = lineno
+            body = rec.get("response")
+            if isinstance(body, str):  # the body exactly as returned, as text
+                try:
+                    body = json.loads(body)
+                except json.JSONDecodeError as exc:
+                    raise CliError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
+            if not isinstance(body, dict):
+                raise CliError(f"{where}: 'response' must be the chat-completion body (an object)")
+            dataset = rec.get("dataset", default_dataset)
+            if not isinstance(dataset, str) or not dataset:
+                raise CliError(f"{where}: 'dataset' must be a non-empty string")
+            tools = rec.get("tools")
+            if not (tools is None or isinstance(tools, (bool, list))):
+                raise CliError(f"{where}: 'tools' must be a list of tool definitions, true or false")
+            thinking = rec.get("thinking", True)
+            if not isinstance(thinking, bool):
+                raise CliError(f"{where}: 'thinking' must be true or false")
+            messages = rec.get("messages")
+            if messages is not None and not isinstance(messages, list):
+                raise CliError(f"{where}: 'messages' must be a list of chat messages")
+            choices = body.get("choices")
+            want_ids = bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+            try:
+                parsed = parse_chat_completion(body, 200, want_ids=want_ids)
+            except RequestFailure as exc:
+                if skip_unusable:
+                    skipped += 1
+                    continue
+                raise CliError(f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines") from None
+            prompt_ids = parsed.prompt_token_ids
+            if prompt_ids is None and messages is None:
+                prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
+            rows.append(
+                {
+                    "sample_id": sid,
+                    "dataset": dataset,
+                    "messages_json": json.dumps(messages if messages is not None else [], ensure_ascii=False),
+                    "tools_json": json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
+                    "has_tools": bool(tools),
+                    "has_prompt": messages is not None or parsed.prompt_token_ids is not None,
+                    "source": "import",
+                    "backend": "import",
+                    "provider": parsed.provider,
+                    "reasoning": parsed.reasoning,
+                    "content": parsed.content,
+                    "tool_calls_json": parsed.tool_calls_json,
+                    "prompt_token_ids": prompt_ids,
+                    "output_token_ids": parsed.output_token_ids,
+                    "finish_reason": parsed.finish_reason,
+                    "usage_completion_tokens": parsed.usage_completion_tokens,
+                    "thinking": thinking,
+                }
+            )
+            lines.append(lineno)
+    return rows, lines, skipped
+
+
+def _responses_table(rows: list[dict[str, Any]]):
+    import pyarrow as pa
+
+    ids = pa.list_(pa.int32())
+    schema = pa.schema(
+        [("sample_id", pa.string()), ("dataset", pa.string()), ("messages_json", pa.string()), ("tools_json", pa.string()),
+         ("source", pa.string()), ("backend", pa.string()), ("provider", pa.string()), ("reasoning", pa.string()),
+         ("content", pa.string()), ("tool_calls_json", pa.string()), ("prompt_token_ids", ids), ("output_token_ids", ids),
+         ("finish_reason", pa.string()), ("usage_completion_tokens", pa.int64()), ("thinking", pa.bool_())]
+    )
+    return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
+
+
+def cmd_reconstruct(args: argparse.Namespace) -> int:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from eagle_pipeline.storage import write_parquet_atomic
+    from eagle_pipeline.tokens import reconstruct_table
+
+    tok, profile = _load_target(args.tokenizer, args.profile)
+    src = Path(args.input)
+    rows, lines, skipped = _read_response_lines(src, args.dataset, args.skip_unusable)
+    if not rows:
+        raise CliError(f"{src}: no usable responses" + (f" ({skipped} skipped)" if skipped else ""))
+    # dataset_has_tools is a dataset property: a dataset declares tools when any of its lines does.
+    datasets: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        datasets.setdefault(r["dataset"], []).append(i)
+    parts, order = [], []
+    for name, idx in datasets.items():
+        has_tools = any(rows[i]["has_tools"] for i in idx)
+        part_rows = [rows[i] for i in idx]
+        try:
+            parts.append(reconstruct_table(_responses_table(part_rows), tok, profile, dataset_has_tools=has_tools))
+        except ValueError as exc:
+            raise CliError(_locate_failure(src, part_rows, [lines[i] for i in idx], tok, profile, has_tools, exc)) from None
+        order.extend(idx)
+    table = pa.concat_tables(parts).take(pa.array(np.argsort(np.asarray(order), kind="stable")))
+    # Without a prompt the prompt-based dedup key would merge every such row into one: key them by sample instead.
+    no_prompt = [not r["has_prompt"] for r in rows]
+    if any(no_prompt):
+        keys = pc.if_else(pa.array(no_prompt), pc.binary_join_element_wise("sample:", table.column("sample_id"), ""), table.column("prompt_key"))
+        table = table.set_column(table.schema.get_field_index("prompt_key"), "prompt_key", keys.cast(pa.string()))
+    write_parquet_atomic(table, args.output)
+    origin = table.column("ids_origin").to_pylist()
+    print(
+        f"wrote {table.num_rows} token samples ({origin.count('reconstructed')} reconstructed, "
+        f"{origin.count('returned')} returned ids) to {args.output}" + (f"; skipped {skipped} unusable lines" if skipped else "")
+    )
+    return EXIT_OK
+
+
+def _locate_failure(src: Path, rows: list[dict[str, Any]], lines: list[int], tok: Any, profile: Any, has_tools: bool, exc: Exception) -> str:
+    """Reconstruct rows one by one to name the line of the first that fails (only on the error path)."""
+    from eagle_pipeline.tokens import reconstruct_table
+
+    for row, line in zip(rows, lines):
+        try:
+            reconstruct_table(_responses_table([row]), tok, profile, dataset_has_tools=has_tools)
+        except ValueError as one:
+            return f"{src}:{line}: cannot reconstruct: {one}"
+    return f"{src}: cannot reconstruct: {exc}"
+
+
+# ---- audit ---------------------------------------------------------------------------------------------------------
+
+
+def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
+    """`--set` values -> AuditSettings.from_dict data: GATE[@ORIGIN]=ACTION, or SETTING=VALUE for numeric settings."""
+    import dataclasses
+
+    from eagle_pipeline.audit import AuditSettings
+
+    fields = {f.name for f in dataclasses.fields(AuditSettings)} - {"actions"}
+    data: dict[str, Any] = {"actions": {}}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise CliError(f"--set {item!r}: expected KEY=VALUE, e.g. round_trip=warn or billing_aggregate_bound=0.01")
+        if key in fields:
+            try:
+                data[key] = json.loads(value)
+            except json.JSONDecodeError:
+                raise CliError(f"--set {item!r}: {key} needs a number") from None
+        else:
+            data["actions"][key] = value
+    return data
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_pipeline.audit import AuditSettings, run_audit
+    from eagle_pipeline.storage import write_json_atomic, write_parquet_atomic
+
+    settings = AuditSettings.from_dict(parse_set_options(args.set or []))
+    gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
+    tok, profile = _load_target(args.tokenizer, args.profile)
+    src = Path(args.input)
+    if not src.is_file():
+        raise CliError(f"{src}: token-samples file not found")
+    try:
+        table = pq.read_table(src)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CliError(f"{src}: not a readable Parquet file ({exc})") from None
+    report = run_audit(table, tok, profile.resolve(tok), settings, gates=gates)
+    write_json_atomic({"input": str(src), **report.to_dict()}, args.report)
+    if args.kept_out:
+        write_parquet_atomic(table.filter(pa.array(np.asarray(report.filter_mask))), args.kept_out)
+    print(report.summary())
+    print(f"report: {args.report}")
+    return EXIT_OK if report.passed else EXIT_BLOCKED
+
+
+# ---- shared --------------------------------------------------------------------------------------------------------
+
+
+def _load_target(tokenizer: str, profile_name: str) -> tuple[Any, Any]:
+    from eagle_pipeline.tokens import TokenizerLoadError, get_profile, resolve_tokenizer
+
+    try:
+        profile = get_profile(profile_name)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0]) if exc.args else str(exc)) from None
+    try:
+        tok = resolve_tokenizer(tokenizer)
+    except TokenizerLoadError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        profile.resolve(tok)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0]) if exc.args else str(exc)) from None
+    return tok, profile
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def target_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tokenizer", required=True, metavar="DIR",
+                       help="target tokenizer: a directory (Kimi tiktoken.model, or a transformers tokenizer) or 'demo'")
+        p.add_argument("--profile", default="kimi-k2.5", help="model profile (default: kimi-k2.5; also: qwen3)")
+
+    rec = sub.add_parser("reconstruct", help="rebuild exact output ids from chat-completion responses (JSONL)",
+                         description="Each input line: {sample_id, response (the chat-completion body as returned), "
+                                     "dataset?, tools? (list or true), thinking? (default true), messages?}.")
+    target_options(rec)
+    rec.add_argument("--in", dest="input", required=True, metavar="JSONL")
+    rec.add_argument("--out", dest="output", required=True, metavar="PARQUET")
+    rec.add_argument("--dataset", default="imported", help="dataset of lines that name none (default: imported)")
+    rec.add_argument("--skip-unusable", action="store_true",
+                     help="skip (and count) error bodies or bodies without choices instead of failing")
+    rec.set_defaults(func=cmd_reconstruct)
+
+    aud = sub.add_parser("audit", help="run the audit gates over a token-samples Parquet file",
+                         description="Exit status 1 when a blocking gate fails, 2 on usage or input errors.")
+    target_options(aud)
+    aud.add_argument("--in", dest="input", required=True, metavar="PARQUET")
+    aud.add_argument("--report", required=True, metavar="JSON", help="where to write the JSON report")
+    aud.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="GATE=ACTION or GATE@ORIGIN=ACTION (block|filter|warn; origin reconstructed|returned), "
+                          "or a numeric setting such as billing_aggregate_bound=0.01; repeatable")
+    aud.add_argument("--gates", help="comma-separated subset of gates (default: all)")
+    aud.add_argument("--kept-out", metavar="PARQUET", help="also write the rows that pass the filter")
+    aud.set_defaults(func=cmd_audit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from eagle_pipeline.audit import AuditInputError, AuditSettingsError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on usage errors
+    try:
+        return int(args.func(args))
+    except (CliError, AuditSettingsError, AuditInputError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

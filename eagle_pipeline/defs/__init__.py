@@ -1,0 +1,1 @@
+"""The Dagster shell: assets, checks, resources, jobs and schedules that wire the functional core together."""

@@ -1,0 +1,173 @@
+"""Generation assets: prompts -> responses, one partition per dataset."""
+
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from eagle_pipeline.defs.partitions import dataset_partitions
+from eagle_pipeline.defs.resources import PipelineResource
+from eagle_pipeline.prompts import load_prompt_file, prompts_table
+from eagle_pipeline.storage import file_sha256, write_parquet_atomic
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    group_name="generation",
+    kinds={"parquet"},
+    owners=["team:data"],
+    description="The dataset's prompts with stable sample ids (hash of dataset, prompt and sampling config).",
+)
+def prompts(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    cfg = pipeline.config()
+    ds = cfg.datasets[context.partition_key]
+    table = prompts_table(ds.name, load_prompt_file(ds.prompts, limit=ds.limit), ds.sampling.to_dict())
+    path = write_parquet_atomic(table, pipeline.data_root().prompts(ds.name))
+    digest = file_sha256(path)
+    with_tools = sum(1 for t in table.column("tools_json").to_pylist() if t)
+    return dg.MaterializeResult(
+        metadata={
+            "dagster/row_count": table.num_rows,
+            "path": dg.MetadataValue.path(str(path)),
+            "prompt_file": dg.MetadataValue.path(str(ds.prompts)),
+            "domain": ds.domain,
+            "prompts_with_tools": with_tools,
+            "dataset_declares_tools": ds.tools,
+            "sha256": digest,
+        },
+        data_version=dg.DataVersion(digest[:16]),
+    )
+
+
+@contextlib.contextmanager
+def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[object, bool]]:
+    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step."""
+    from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer
+    from eagle_pipeline.tokens import reconstruct_output, render_prompt_ids
+
+    cfg = pipeline.config()
+    b = cfg.backends[backend_name]
+    spec = BackendSpec(**b.to_dict())
+    if b.kind != "simulated" or b.endpoint:
+        yield spec, b.kind == "simulated"
+        return
+    tok, profile = pipeline.tokenizer(), pipeline.profile()
+
+    # The simulated provider bills like a real one: completion tokens counted with the target tokenizer.
+    def count_completion(reasoning: str, content: str, tool_calls: list) -> int:
+        return len(reconstruct_output(tok, profile, reasoning=reasoning, content=content, tool_calls=tool_calls).ids)
+
+    def count_prompt(messages: list, tools: list | None) -> int:
+        return len(render_prompt_ids(tok, messages, tools))
+
+    options = dict(b.simulated)
+    options.setdefault("price_per_m_prompt", b.price_per_m_prompt or 0.0)
+    options.setdefault("price_per_m_completion", b.price_per_m_completion or 0.0)
+    with SimulatedOpenRouterServer(
+        count_completion_tokens=count_completion, count_prompt_tokens=count_prompt, model=b.model, **options
+    ) as server:
+        yield dataclasses.replace(spec, endpoint=server.url), True
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    deps=[prompts],
+    group_name="generation",
+    kinds={"parquet"},
+    owners=["team:data"],
+    pool="llm_api",
+    description=(
+        "The target model's responses, one row per prompt, committed in atomic Parquet shards. Reruns resume: "
+        "completed sample ids are never requested again. Failed requests go to the errors table."
+    ),
+)
+def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.generation import SamplingSpec, generate_dataset, read_errors, read_responses
+    from eagle_pipeline.tokens import render_prompt_ids
+
+    cfg = pipeline.config()
+    root = pipeline.data_root()
+    ds = cfg.datasets[context.partition_key]
+    prompt_table = pq.read_table(root.prompts(ds.name))
+    tok = pipeline.tokenizer()
+    thinking = ds.sampling.thinking
+
+    def render(messages, tools):
+        return render_prompt_ids(tok, messages, tools, thinking=thinking)
+
+    with _live_backend(pipeline, ds.backend) as (spec, simulated):
+        context.log.info(
+            f"{ds.name}: {prompt_table.num_rows} prompts via backend {spec.name!r} ({spec.kind}"
+            f"{', SIMULATED loopback server' if simulated else ''}) at {spec.endpoint}"
+        )
+        summary = generate_dataset(
+            dataset=ds.name,
+            prompts=prompt_table,
+            backend=spec,
+            sampling=SamplingSpec(**ds.sampling.to_dict()),
+            out_dir=root.responses_dir(ds.name),
+            errors_dir=root.errors_dir(ds.name),
+            render_prompt_ids=render,
+            budget_usd=ds.budget_usd if ds.budget_usd is not None else cfg.generation.budget_usd,
+            commit_every_rows=cfg.generation.commit_every_rows,
+            commit_every_s=cfg.generation.commit_every_s,
+            progress=lambda event: context.log.info(f"{ds.name}: {event.format()}"),
+            progress_every_s=cfg.generation.progress_every_s,
+        )
+    table = read_responses(root.responses_dir(ds.name))
+    errors = read_errors(root.errors_dir(ds.name))
+    metadata = generation_metadata(summary, table, errors, simulated=simulated)
+    if summary.stopped_reason:
+        # Committed rows stay on disk; the rerun resumes from them. A partial dataset is never materialized.
+        raise dg.Failure(
+            description=(
+                f"{ds.name}: generation stopped early ({summary.stopped_reason}) after {summary.completed} new rows; "
+                f"{table.num_rows}/{prompt_table.num_rows} committed. Fix the cause and rerun to resume."
+            ),
+            metadata=metadata,
+            allow_retries=False,
+        )
+    missing = prompt_table.num_rows - table.num_rows
+    context.log.info(f"{ds.name}: {table.num_rows} responses committed, {missing} missing, {summary.failed} failed")
+    return dg.MaterializeResult(metadata=metadata)
+
+
+def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
+    """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split."""
+    import pyarrow.compute as pc
+
+    providers = {}
+    if table.num_rows:
+        for row in pc.value_counts(pc.fill_null(table.column("provider"), "unknown")).to_pylist():
+            providers[row["values"]] = row["counts"]
+    finish = {}
+    if table.num_rows:
+        for row in pc.value_counts(pc.fill_null(table.column("finish_reason"), "none")).to_pylist():
+            finish[row["values"]] = row["counts"]
+    errors_by_class = {}
+    if errors.num_rows:
+        for row in pc.value_counts(errors.column("error_class")).to_pylist():
+            errors_by_class[row["values"]] = row["counts"]
+    spend = float(pc.sum(table.column("cost_usd")).as_py() or 0.0) if table.num_rows else 0.0
+    completion = int(pc.sum(table.column("usage_completion_tokens")).as_py() or 0) if table.num_rows else 0
+    return {
+        "dagster/row_count": table.num_rows,
+        "generation_mode": "simulated (loopback OpenRouter-format server)" if simulated else "live",
+        "simulated": simulated,
+        "backend": summary.backend,
+        "requested_this_run": summary.requested,
+        "already_done": summary.already_done,
+        "completed_this_run": summary.completed,
+        "failed_this_run": summary.failed,
+        "spend_usd_total": round(spend, 6),
+        "spend_usd_this_run": round(float(summary.spend_usd), 6),
+        "completion_tokens_total": completion,
+        "errors_total": errors.num_rows,
+        "errors_by_class": dg.MetadataValue.json(errors_by_class),
+        "provider_split": dg.MetadataValue.json(providers),
+        "finish_reasons": dg.MetadataValue.json(finish),
+        "elapsed_s": round(float(summary.elapsed_s), 2),
+    }

@@ -1,0 +1,173 @@
+"""Merge and shuffle the audited datasets; the draft vocabulary; trainer exports."""
+
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from eagle_pipeline.audit_records import audit_problems
+from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
+from eagle_pipeline.defs.resources import PipelineResource
+from eagle_pipeline.defs.tokens import token_samples
+from eagle_pipeline.storage import file_sha256
+
+AC = dg.AutomationCondition
+
+# The built-in all_deps_blocking_checks_passed() passes when ANY upstream partition passed; a fan-in merge must wait
+# for every dataset (see docs/operations.md).
+all_datasets_audited = ~AC.any_deps_match(
+    AC.any_checks_match(~AC.check_passed() & ~AC.will_be_requested(), blocking_only=True)
+).with_label("every dataset's blocking audit passed")
+
+
+@dg.asset(
+    deps=[token_samples],
+    group_name="merge",
+    kinds={"parquet"},
+    owners=["team:data"],
+    automation_condition=AC.eager() & all_datasets_audited,
+    description=(
+        "Audited rows of every dataset, deduplicated by prompt, shuffled with a fixed seed, with input_ids and "
+        "loss_mask. Refuses to run while any dataset's latest audit failed or did not run on its latest data."
+    ),
+)
+def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.audit import GATES, run_audit
+    from eagle_pipeline.hidden_states import num_shards
+    from eagle_pipeline.merge import MergeInput, MergeSettings, merge_datasets
+
+    cfg = pipeline.config()
+    root = pipeline.data_root()
+    problems = audit_problems(root, cfg.dataset_names, [g.name for g in GATES])
+    if problems:
+        raise dg.Failure(
+            description="Merge refused: not every dataset passed its audit on its latest token samples:\n"
+            + "\n".join(f"- {p}" for p in problems),
+            metadata={"problems": dg.MetadataValue.json([str(p) for p in problems])},
+            allow_retries=False,
+        )
+    settings = pipeline.audit_settings()
+    # Rows failing a filtering gate (or a per-row billing check) are excluded here and counted in the manifest.
+    filter_gates = settings.row_filter_gates()
+    inputs = []
+    for ds in cfg.dataset_names:
+        path = root.tokens(ds)
+        table = pq.read_table(path)
+        report = run_audit(table, pipeline.tokenizer(), pipeline.profile_ids(), settings, gates=filter_gates)
+        inputs.append(
+            MergeInput(
+                dataset=ds,
+                tokens_path=path,
+                keep_mask=report.filter_mask,
+                excluded_by_gate=report.excluded_counts,
+                upstream_version=file_sha256(path)[:16],
+            )
+        )
+    m = cfg.merge
+    manifest = merge_datasets(
+        inputs,
+        root.merged_dir,
+        MergeSettings(
+            seed=m.seed, weights=m.weights, caps=m.caps, dedup=m.dedup,
+            eval_fraction=m.eval_fraction, rows_per_shard=m.rows_per_shard,
+        ),
+        config_hash=cfg.config_hash(),
+    )
+    summary = manifest.to_dict()
+    n_rows = manifest.rows_total
+    # One hidden-state partition per extraction shard of the merged rows; stale keys from a larger merge go away.
+    shards = [shard_key(i) for i in range(num_shards(n_rows, cfg.hidden_states.shard_size))]
+    existing = set(context.instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME))
+    new = [k for k in shards if k not in existing]
+    if new:
+        context.instance.add_dynamic_partitions(SHARD_PARTITIONS_NAME, new)
+    for stale in sorted(existing - set(shards)):
+        context.instance.delete_dynamic_partition(SHARD_PARTITIONS_NAME, stale)
+    return dg.MaterializeResult(
+        metadata={
+            "dagster/row_count": n_rows,
+            "path": dg.MetadataValue.path(str(root.merged_dir)),
+            "tokens_total": manifest.tokens_total,
+            "supervised_tokens_total": manifest.supervised_tokens_total,
+            "rows_per_dataset": dg.MetadataValue.json(summary["rows_per_dataset"]),
+            "tokens_per_dataset": dg.MetadataValue.json(summary["tokens_per_dataset"]),
+            "excluded": dg.MetadataValue.json(summary["excluded"]),
+            "splits": dg.MetadataValue.json(summary["splits"]),
+            "seed": m.seed,
+            "config_hash": cfg.config_hash(),
+            "hidden_state_shards": len(shards),
+        }
+    )
+
+
+@dg.asset_check(asset=merged_dataset, blocking=True, description="Merged rows equal the rows admitted by the audit.")
+def merged_row_count_matches_admitted(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.merge import MergeManifest, check_row_count
+
+    root = pipeline.data_root()
+    m = MergeManifest.read(root.merged_dir)
+    # Admitted = rows read from each dataset minus every counted exclusion (audit filters, dedup, caps, weights);
+    # the shards' Parquet footers must add up to exactly that.
+    admitted = sum(m.input_rows.values()) - sum(sum(reasons.values()) for reasons in m.excluded.values())
+    return _merged_check_result(check_row_count(root.merged_dir, admitted))
+
+
+@dg.asset_check(asset=merged_dataset, blocking=True, description="No sample_id appears twice.")
+def merged_sample_ids_unique(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.merge import check_unique_sample_ids
+
+    return _merged_check_result(check_unique_sample_ids(pipeline.data_root().merged_dir))
+
+
+@dg.asset_check(asset=merged_dataset, blocking=True, description="Every loss mask is exactly as long as its input_ids.")
+def merged_loss_mask_aligned(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.merge import check_loss_mask_aligned
+
+    return _merged_check_result(check_loss_mask_aligned(pipeline.data_root().merged_dir))
+
+
+@dg.asset_check(asset=merged_dataset, blocking=True, description="Every supervised span ends with the end-of-turn id.")
+def merged_spans_end_with_eot(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.merge import check_supervised_spans_end_with_eot
+
+    eot = pipeline.profile_ids().eot_id
+    return _merged_check_result(check_supervised_spans_end_with_eot(pipeline.data_root().merged_dir, eot))
+
+
+def _merged_check_result(result) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        passed=bool(result.passed),
+        description=result.message,
+        metadata={
+            **{k: int(v) for k, v in result.counts.items()},
+            "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
+        },
+    )
+
+
+@dg.asset(
+    deps=[merged_dataset],
+    group_name="merge",
+    kinds={"numpy", "pytorch"},
+    owners=["team:data"],
+    description="Draft vocabulary: top-K target ids over supervised tokens, as d2t/t2d for SpecForge and speculators.",
+)
+def draft_vocab(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.merge import build_draft_vocab
+
+    cfg = pipeline.config()
+    root = pipeline.data_root()
+    tok = pipeline.tokenizer()
+    k = min(cfg.merge.draft_vocab_size, tok.vocab_size)
+    s = build_draft_vocab(root.merged_dir, tok.vocab_size, root.draft_vocab_dir, k=k)
+    return dg.MaterializeResult(
+        metadata={
+            "path": dg.MetadataValue.path(str(root.draft_vocab_dir)),
+            "draft_vocab_size": s.k,
+            "target_vocab_size": s.target_vocab_size,
+            "supervised_tokens": s.supervised_tokens,
+            "distinct_supervised_tokens": s.distinct_supervised_tokens,
+            "coverage_of_supervised_tokens": round(s.coverage, 6),
+            "padded_unseen_ids": s.padded_unseen_ids,
+            "files": dg.MetadataValue.json(s.files),
+        }
+    )

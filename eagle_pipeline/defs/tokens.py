@@ -1,0 +1,158 @@
+"""Token samples (exact target ids) and the structural audit: one blocking asset check per gate."""
+
+
+import warnings
+
+import dagster as dg
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_pipeline.audit_records import write_gate_record
+from eagle_pipeline.defs.generation import responses
+from eagle_pipeline.defs.partitions import dataset_partitions
+from eagle_pipeline.defs.resources import PipelineResource
+from eagle_pipeline.storage import file_sha256, write_json_atomic, write_parquet_atomic
+
+# Partitioned asset checks are a preview feature in Dagster 1.13; we run them one partition per run, where they work.
+warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    deps=[responses],
+    group_name="tokens",
+    kinds={"parquet"},
+    owners=["team:data"],
+    description=(
+        "Exact target token ids per response: prompt rendered through the target's chat template; output rebuilt "
+        "from API text (reasoning, </think>, content, tool-call section, <|im_end|>) or taken as returned by "
+        "SGLang/vLLM. Audited by one blocking check per gate."
+    ),
+)
+def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.audit import run_audit
+    from eagle_pipeline.generation import read_responses
+    from eagle_pipeline.tokens import reconstruct_table
+
+    cfg = pipeline.config()
+    root = pipeline.data_root()
+    ds = cfg.datasets[context.partition_key]
+    tok = pipeline.tokenizer()
+    resp = read_responses(root.responses_dir(ds.name))
+    if resp.num_rows == 0:
+        raise dg.Failure(f"{ds.name}: no committed responses under {root.responses_dir(ds.name)}", allow_retries=False)
+    table = reconstruct_table(resp, tok, pipeline.profile(), dataset_has_tools=ds.tools)
+    # The run id makes every materialization a distinct file, so an audit verdict binds to exactly one of them.
+    table = table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), b"eagle.run_id": context.run.run_id.encode(), b"eagle.tokenizer": tok.fingerprint().encode()}
+    )
+    path = write_parquet_atomic(table, root.tokens(ds.name))
+    digest = file_sha256(path)
+    report = run_audit(table, tok, pipeline.profile_ids(), pipeline.audit_settings())
+    write_json_atomic({"tokens_sha256": digest, **report.to_dict()}, root.audit_report(ds.name))
+
+    lengths = pc.list_value_length(table.column("output_ids"))
+    prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
+    origin = {r["values"]: r["counts"] for r in pc.value_counts(table.column("ids_origin")).to_pylist()}
+    context.log.info(f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind})")
+    return dg.MaterializeResult(
+        metadata={
+            "dagster/row_count": table.num_rows,
+            "path": dg.MetadataValue.path(str(path)),
+            "tokenizer": f"{tok.name} ({tok.kind})",
+            "tokenizer_is_demo": tok.kind == "demo",
+            "tokenizer_fingerprint": tok.fingerprint()[:16],
+            "output_tokens": int(pc.sum(lengths).as_py() or 0),
+            "prompt_tokens": int(pc.sum(prompt_lengths).as_py() or 0),
+            "mean_output_tokens": round(float(pc.mean(lengths).as_py() or 0.0), 1),
+            "max_output_tokens": int(pc.max(lengths).as_py() or 0),
+            "ids_origin": dg.MetadataValue.json(origin),
+            "rows_with_literal_special_strings": int(pc.sum(table.column("literal_special").cast("int64")).as_py() or 0),
+            "audit_summary": dg.MetadataValue.md(report_markdown(report)),
+            "sha256": digest,
+        },
+        data_version=dg.DataVersion(digest[:16]),
+    )
+
+
+def gate_verdict(result) -> str:
+    if result.blocking:
+        return "FAIL (blocks)"
+    if result.failing == 0:
+        return "pass"
+    warned = result.failing - result.excluded
+    return f"{result.excluded} rows filtered" + (f", {warned} warned" if warned else "")
+
+
+def report_markdown(report) -> str:
+    lines = ["| gate | action | checked | failing | rate | verdict |", "|---|---|---|---|---|---|"]
+    for r in report.results:
+        lines.append(f"| {r.name} | {r.action} | {r.checked} | {r.failing} | {r.rate:.4%} | {gate_verdict(r)} |")
+    return "\n".join(lines)
+
+
+def gate_check_result(result) -> dg.AssetCheckResult:
+    """Blocking failure -> ERROR (stops downstream); rows only filtered -> pass, counted; rows only warned -> WARN."""
+    metadata = {**gate_check_metadata(result), "rows_excluded_downstream": result.excluded}
+    if result.blocking:
+        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata,
+                                   description=gate_verdict(result))
+    warned = result.failing - result.excluded
+    if warned:
+        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata,
+                                   description=gate_verdict(result))
+    return dg.AssetCheckResult(passed=True, metadata=metadata, description=gate_verdict(result))
+
+
+def gate_check_metadata(result) -> dict:
+    examples = "\n".join(
+        f"- `{e['sample_id']}`: `{str(e.get('excerpt', ''))[:160].replace('`', chr(39))}`" for e in result.examples
+    )
+    meta = {
+        "action": result.action,
+        "actions_by_origin": dg.MetadataValue.json(result.origin_actions),
+        "rows_checked": result.checked,
+        "rows_failing": result.failing,
+        "failure_rate": float(result.rate),
+        "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)),
+        "by_backend_provider": dg.MetadataValue.json(result.by_source),
+        "by_ids_origin": dg.MetadataValue.json(result.by_origin),
+    }
+    if examples:
+        meta["failure_examples"] = dg.MetadataValue.md(examples)
+    if result.details:
+        meta["details"] = dg.MetadataValue.json(result.details)
+    return meta
+
+
+def build_gate_check(gate) -> dg.AssetChecksDefinition:
+    """One blocking asset check for one audit gate, so a passing gate never blocks through a failing neighbour."""
+
+    @dg.asset_check(
+        asset=token_samples,
+        name=gate.name,
+        description=f"{gate.title}. {gate.description}",
+        blocking=True,
+        partitions_def=dataset_partitions,
+    )
+    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
+        from eagle_pipeline.audit import run_gate
+
+        root = pipeline.data_root()
+        ds = context.partition_key
+        path = root.tokens(ds)
+        table = pq.read_table(path)
+        result = run_gate(gate.name, table, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
+        write_gate_record(
+            root, ds, gate.name, tokens_sha256=file_sha256(path), action=result.action,
+            blocking_failed=result.blocking, checked=result.checked, failing=result.failing,
+        )
+        return gate_check_result(result)
+
+    return _gate_check
+
+
+def build_gate_checks() -> list[dg.AssetChecksDefinition]:
+    from eagle_pipeline.audit import GATES
+
+    return [build_gate_check(g) for g in GATES]

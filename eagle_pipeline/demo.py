@@ -1,0 +1,121 @@
+"""`make demo`: materialise the whole asset graph on the embedded defaults, offline, then say what it produced.
+
+Every stage does its real work: generation over real HTTP against the simulated OpenRouter-format server,
+reconstruction with the target tokenizer (the real Kimi one when $EAGLE_KIMI_TOKENIZER_DIR is set, else the demo
+tokenizer), every audit gate as a blocking check, merge, draft vocabulary, hidden states from a tiny randomly
+initialised model of the target's family, and trainer exports. The runs land in a persistent Dagster instance under
+the data root, so `make ui` shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from eagle_pipeline.config import REPO_ROOT, load_config
+from eagle_pipeline.storage import DataRoot, read_json
+
+
+# The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
+QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+
+
+def prepare_dagster_home(root: DataRoot) -> Path:
+    """Create $DAGSTER_HOME under the data root with the project's dagster.yaml."""
+    home = root.dagster_home
+    home.mkdir(parents=True, exist_ok=True)
+    src = REPO_ROOT / "dagster.yaml"
+    if src.exists():
+        shutil.copyfile(src, home / "dagster.yaml")
+    return home
+
+
+def run_demo(*, quiet: bool = False) -> int:
+    cfg = load_config()
+    root = DataRoot(cfg.data_root)
+    os.environ["DAGSTER_HOME"] = str(prepare_dagster_home(root))
+
+    import dagster as dg
+
+    from eagle_pipeline.definitions import defs
+    from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
+
+    instance = dg.DagsterInstance.get()
+    t0 = time.monotonic()
+    failures: list[str] = []
+
+    def run(job_name: str, partition_key: str | None = None) -> bool:
+        label = f"{job_name}[{partition_key}]" if partition_key else job_name
+        print(f"==> {label}", flush=True)
+        result = defs.resolve_job_def(job_name).execute_in_process(
+            instance=instance, partition_key=partition_key, raise_on_error=False, run_config=QUIET
+        )
+        if not result.success:
+            failures.append(label)
+            for event in result.all_events:
+                if event.is_step_failure:
+                    print(f"    step failed: {event.step_key}: {event.event_specific_data.error.message.strip()[:500]}")
+        return result.success
+
+    for ds in cfg.dataset_names:
+        run("dataset_job", ds)
+    if run("merge_job"):
+        for key in sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)):
+            run("hidden_states_job", key)
+        run("exports_job")
+    print_summary(cfg, root, time.monotonic() - t0, failures)
+    return 1 if failures else 0
+
+
+def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> None:
+    import pyarrow.parquet as pq
+
+    from eagle_pipeline.tokens import resolve_tokenizer
+
+    tok = resolve_tokenizer(cfg.target.tokenizer)
+    print("\n" + "=" * 78)
+    print(f"eagle-pipeline demo finished in {elapsed:.0f} s   data root: {root.root}")
+    label = "DEMO tokenizer (set EAGLE_KIMI_TOKENIZER_DIR for the real Kimi one)" if tok.kind == "demo" else tok.source
+    print(f"tokenizer: {tok.name} [{tok.kind}] {label}")
+    print("generation: SIMULATED OpenRouter-format loopback server (no API key, no spend)\n")
+    print(f"{'dataset':<8}{'responses':>10}{'tokens rows':>12}{'audit':>8}  failing gates")
+    for ds in cfg.dataset_names:
+        n_resp = sum(pq.read_metadata(p).num_rows for p in root.responses_dir(ds).glob("part-*.parquet"))
+        n_tok = pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0
+        verdict, failing = "-", ""
+        if root.audit_report(ds).exists():
+            report = read_json(root.audit_report(ds))
+            bad = [f"{name}({g['failing']})" for name, g in report["gates"].items() if g["failing"]]
+            verdict = "pass" if report.get("passed") else "FAIL"
+            failing = ", ".join(bad)
+        print(f"{ds:<8}{n_resp:>10}{n_tok:>12}{verdict:>8}  {failing}")
+    manifest = root.merged_dir / "manifest.json"
+    if manifest.exists():
+        m = read_json(manifest)
+        print(f"\nmerged: {m['rows_total']} rows, {m['tokens_total']} tokens -> {root.merged_dir}")
+    shards = sorted(root.hidden_states_dir.glob("shard-*.safetensors"))
+    print(f"hidden states: {len(shards)} shard(s) -> {root.hidden_states_dir}")
+    print(f"draft vocabulary -> {root.draft_vocab_dir}")
+    print(f"trainer exports -> {root.exports_dir}")
+    if failures:
+        print(f"\nFAILED runs: {', '.join(failures)}")
+    print("\nOpen the Dagster UI on these runs:  make ui   (then http://127.0.0.1:3000)")
+    print("=" * 78)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle_pipeline.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--print-dagster-home", action="store_true", help="prepare and print $DAGSTER_HOME, then exit")
+    args = parser.parse_args(argv)
+    if args.print_dagster_home:
+        print(prepare_dagster_home(DataRoot(load_config().data_root)))
+        return 0
+    return run_demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

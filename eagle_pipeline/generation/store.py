@@ -1,0 +1,119 @@
+"""Committed shards of the responses and errors tables: atomic writes, resume scans, reads."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_pipeline import storage
+from eagle_pipeline.generation.schema import ERRORS_SCHEMA, RESPONSES_SCHEMA
+
+log = logging.getLogger("eagle_pipeline.generation")
+
+_PART = re.compile(r"^part-(\d{5,})\.parquet$")
+LOCK_NAME = ".generation.lock"
+
+
+def part_files(directory: str | os.PathLike) -> list[Path]:
+    """Committed shards of a directory, in commit order (never temporary files, never subdirectories)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _PART.match(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def next_part_index(directory: str | os.PathLike) -> int:
+    files = part_files(directory)
+    return int(_PART.match(files[-1].name).group(1)) + 1 if files else 0  # type: ignore[union-attr]
+
+
+def part_path(directory: str | os.PathLike, index: int) -> Path:
+    return Path(directory) / f"part-{index:05d}.parquet"
+
+
+def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
+    """Sample ids already committed, and the spend they recorded (for a dataset budget across resumes)."""
+    done: set[str] = set()
+    spend = 0.0
+    for p in part_files(out_dir):
+        try:
+            t = pq.read_table(p, columns=["sample_id", "cost_usd"])
+        except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
+            raise RuntimeError(f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows") from exc
+        done.update(t.column("sample_id").to_pylist())
+        s = pc.sum(t.column("cost_usd")).as_py()
+        spend += float(s or 0.0)
+    return done, spend
+
+
+def write_shard(table: pa.Table, directory: str | os.PathLike, index: int) -> Path:
+    return storage.write_parquet_atomic(table, part_path(directory, index))
+
+
+def _read_parts(directory: str | os.PathLike, schema: pa.Schema) -> pa.Table:
+    tables = [pq.read_table(p, schema=schema) for p in part_files(directory)]
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def read_responses(out_dir: str | os.PathLike) -> pa.Table:
+    """All committed response shards, concatenated in commit order.
+
+    A sample id appears once by construction; should two shards ever hold the same id (e.g. shards copied in by hand),
+    the first is kept and the count of dropped rows is logged and stored in the schema metadata `duplicates_dropped`.
+    """
+    table = _read_parts(out_dir, RESPONSES_SCHEMA)
+    dropped = 0
+    if table.num_rows and pc.count_distinct(table.column("sample_id")).as_py() < table.num_rows:
+        seen: set[str] = set()
+        keep = []
+        for i, sid in enumerate(table.column("sample_id").to_pylist()):
+            if sid not in seen:
+                seen.add(sid)
+                keep.append(i)
+        dropped = table.num_rows - len(keep)
+        table = table.take(pa.array(keep, type=pa.int64()))
+        log.warning("%s: dropped %d duplicate response rows (kept the first of each sample_id)", out_dir, dropped)
+    return table.replace_schema_metadata({"duplicates_dropped": str(dropped)})
+
+
+def read_errors(errors_dir: str | os.PathLike) -> pa.Table:
+    """All committed error shards (every failed request of every run, in commit order)."""
+    return _read_parts(errors_dir, ERRORS_SCHEMA)
+
+
+class DirLock:
+    """An exclusive advisory lock on an output directory: two runs appending to one dataset would break exactly-once.
+
+    flock is released by the kernel when the holder dies, so a kill -9 never leaves a stale lock.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / LOCK_NAME
+        self._fd: int | None = None
+
+    def __enter__(self) -> "DirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"{self.path.parent}: another generation run holds {LOCK_NAME}") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

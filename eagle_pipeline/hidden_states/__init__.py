@@ -1,0 +1,69 @@
+"""Hidden-state extraction for EAGLE-3 drafter training: planner, tiny model builder, batched extractor,
+safetensors shards with an index, and their checks. See docs/hidden_states.md."""
+
+from .extract import ShardSummary, extract_shard, padding_of, plan_batches
+from .format import (
+    FORMAT_VERSION,
+    TENSOR_NAMES,
+    SampleLocation,
+    build_sample_index,
+    load_sample,
+    shard_paths,
+    shard_status,
+)
+from .layers import (
+    aux_layer_to_hf_index,
+    aux_layer_to_vllm_id,
+    default_aux_layers,
+    get_backbone,
+    hf_hidden_states_convention,
+)
+from .merged import count_rows, num_shards, read_rows, shard_row_range
+from .model import (
+    KIMI_K25_TEXT_CONFIG,
+    build_model_from_config,
+    build_tiny_model,
+    count_params,
+    describe_model_config,
+    llama_8b_config,
+    load_text_config,
+    tiny_config,
+)
+from .plan import ExtractionPlan, plan_extraction, plan_for_model
+from .verify import CheckResult, verify_shard
+
+__all__ = [
+    "CheckResult",
+    "ExtractionPlan",
+    "FORMAT_VERSION",
+    "KIMI_K25_TEXT_CONFIG",
+    "SampleLocation",
+    "ShardSummary",
+    "TENSOR_NAMES",
+    "aux_layer_to_hf_index",
+    "aux_layer_to_vllm_id",
+    "build_model_from_config",
+    "build_sample_index",
+    "build_tiny_model",
+    "count_params",
+    "count_rows",
+    "default_aux_layers",
+    "describe_model_config",
+    "extract_shard",
+    "get_backbone",
+    "hf_hidden_states_convention",
+    "llama_8b_config",
+    "load_sample",
+    "load_text_config",
+    "num_shards",
+    "padding_of",
+    "plan_batches",
+    "plan_extraction",
+    "plan_for_model",
+    "read_rows",
+    "shard_paths",
+    "shard_row_range",
+    "shard_status",
+    "tiny_config",
+    "verify_shard",
+]

@@ -1,0 +1,238 @@
+"""On-disk format of extracted hidden states: one safetensors file plus one index Parquet per shard.
+
+`shard-NNNNN.safetensors` holds four tensors per sample, keyed `{sample_id}/{name}`:
+`aux_hidden_states` [T, n_aux*H], `final_hidden_state` [T, H] (bf16 on GPU runs, fp32 on CPU runs),
+`input_ids` [T] int32, `loss_mask` [T] int8. `shard-NNNNN.index.parquet` is written last and records the
+safetensors file's sha256 and size: a shard is done iff its index exists and the hash matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from ..storage import TMP_SUFFIX, file_sha256
+
+FORMAT_NAME = "eagle_pipeline.hidden_states"
+FORMAT_VERSION = 1
+INDEX_META_KEY = b"eagle_pipeline.hidden_states"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reader refuses larger headers (~1 KB per sample here)
+TENSOR_NAMES = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+INDEX_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("row_index", pa.int64()),
+        ("n_tokens", pa.int32()),
+        ("n_supervised", pa.int32()),
+        ("n_nonfinite", pa.int64()),
+        ("keys", pa.list_(pa.string())),
+    ]
+)
+
+
+def tensor_key(sample_id: str, name: str) -> str:
+    return f"{sample_id}/{name}"
+
+
+def shard_stem(shard_index: int) -> str:
+    return f"shard-{shard_index:05d}"
+
+
+def shard_paths(out_dir: str | Path, shard_index: int) -> tuple[Path, Path]:
+    """(safetensors path, index path) of a shard."""
+    d = Path(out_dir)
+    stem = shard_stem(shard_index)
+    return d / f"{stem}.safetensors", d / f"{stem}.index.parquet"
+
+
+def shard_tmp_leftovers(out_dir: str | Path, shard_index: int) -> list[Path]:
+    """Temporary files `storage.atomic_path` left for this shard (a writer was killed mid-write)."""
+    return sorted(Path(out_dir).glob(f".{shard_stem(shard_index)}.*{TMP_SUFFIX}"))
+
+
+class StreamingSafetensorsWriter:
+    """Writes a valid safetensors file whose layout is declared up front, tensor by tensor, in layout order.
+
+    Why not `safetensors.torch.save_file`: it needs the whole shard in host memory at once (Kimi-K2.5:
+    ~57 KB/token, so a 1,000-sample shard is >100 GB). Here memory is one batch, the file is written
+    sequentially, and its sha256 is computed on the way. The format: u64-LE header length, JSON header
+    (space-padded to 8 bytes), then the tensors' raw little-endian bytes back to back with no holes.
+    """
+
+    def __init__(self, fh: BinaryIO, layout: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        offset = 0
+        for key, dtype, shape in layout:
+            if key in header:
+                raise ValueError(f"duplicate tensor key {key!r}")
+            nbytes = _numel(shape) * _itemsize(dtype)
+            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._order.append((key, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)  # data section starts 8-byte aligned
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ValueError(f"safetensors header of {len(raw):,} B exceeds readers' 100 MB limit: lower shard_size")
+        self._fh = fh
+        self._hash = hashlib.sha256()
+        self._next = 0
+        self.data_bytes = offset
+        self.total_bytes = 8 + len(raw) + offset
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+
+    def _emit(self, data: Any) -> None:
+        self._fh.write(data)
+        self._hash.update(data)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order):
+            raise ValueError(f"unexpected tensor {key!r}: layout already complete")
+        exp_key, dtype, shape, nbytes = self._order[self._next]
+        if key != exp_key or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"tensor {self._next}: expected {exp_key} {dtype} {shape}, got {key} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if nbytes:
+            buf = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._emit(memoryview(buf))
+        self._next += 1
+
+    def finish(self) -> str:
+        """Check every declared tensor was written; return the file's sha256."""
+        if self._next != len(self._order):
+            raise ValueError(f"{len(self._order) - self._next} declared tensors were never written")
+        self._fh.flush()
+        return self._hash.hexdigest()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- index
+
+
+def write_index(path: Path, rows: dict[str, list], meta: dict[str, Any]) -> None:
+    """Write the shard index (the 'done' marker) atomically, with `meta` as JSON in the schema metadata."""
+    from ..storage import write_parquet_atomic
+
+    table = pa.Table.from_pydict(rows, schema=INDEX_SCHEMA)
+    table = table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta, sort_keys=True).encode()})
+    write_parquet_atomic(table, path)
+
+
+def read_index_meta(index_path: str | Path) -> dict[str, Any]:
+    md = pq.read_schema(index_path).metadata or {}
+    if INDEX_META_KEY not in md:
+        raise ValueError(f"{index_path}: not a hidden-states index (no {INDEX_META_KEY.decode()} metadata)")
+    return json.loads(md[INDEX_META_KEY])
+
+
+def read_index(index_path: str | Path) -> pa.Table:
+    return pq.read_table(index_path)
+
+
+def shard_status(out_dir: str | Path, shard_index: int, *, check_hash: bool = True) -> str:
+    """'done' | 'missing' | 'partial' for one shard.
+
+    partial = anything a killed or interrupted run can leave: tmp files, a safetensors file without its index, an
+    index without its file, or a file whose size/sha256 differs from what the index recorded. `check_hash=False`
+    compares sizes only (cheap; use for listings, not before trusting the data).
+    """
+    st_path, idx_path = shard_paths(out_dir, shard_index)
+    if shard_tmp_leftovers(out_dir, shard_index):
+        return "partial"
+    has_st, has_idx = st_path.exists(), idx_path.exists()
+    if not has_st and not has_idx:
+        return "missing"
+    if not (has_st and has_idx):
+        return "partial"
+    try:
+        meta = read_index_meta(idx_path)
+    except Exception:  # unreadable index = a broken shard, never a done one
+        return "partial"
+    if st_path.stat().st_size != meta.get("size_bytes"):
+        return "partial"
+    if check_hash and file_sha256(st_path) != meta.get("sha256"):
+        return "partial"
+    return "done"
+
+
+def remove_shard(out_dir: str | Path, shard_index: int) -> None:
+    """Delete a shard's files, index first so no moment exists where an index vouches for a missing file."""
+    st_path, idx_path = shard_paths(out_dir, shard_index)
+    idx_path.unlink(missing_ok=True)
+    st_path.unlink(missing_ok=True)
+    for p in shard_tmp_leftovers(out_dir, shard_index):
+        p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- readers for trainers
+
+
+@dataclass(frozen=True)
+class SampleLocation:
+    shard_index: int
+    path: Path
+    row_index: int
+
+
+def build_sample_index(out_dir: str | Path) -> dict[str, SampleLocation]:
+    """sample_id -> where its tensors are, over every shard index in `out_dir` (reads only the index files)."""
+    found: dict[str, SampleLocation] = {}
+    for idx_path in sorted(Path(out_dir).glob("shard-*.index.parquet")):
+        meta = read_index_meta(idx_path)
+        st_path = idx_path.with_name(meta["safetensors_file"])
+        t = pq.read_table(idx_path, columns=["sample_id", "row_index"])
+        for sid, row in zip(t.column("sample_id").to_pylist(), t.column("row_index").to_pylist()):
+            found[sid] = SampleLocation(int(meta["shard_index"]), st_path, int(row))
+    return found
+
+
+def load_sample(
+    out_dir: str | Path, sample_id: str, *, index: dict[str, SampleLocation] | None = None
+) -> dict[str, torch.Tensor]:
+    """The four tensors of one sample (keys without the sample_id prefix). Pass a `build_sample_index` result
+    as `index` when loading many samples, to avoid rescanning the index files each time."""
+    from safetensors import safe_open
+
+    loc = (index if index is not None else build_sample_index(out_dir)).get(sample_id)
+    if loc is None:
+        raise KeyError(f"sample {sample_id!r} not in any shard index under {out_dir}")
+    with safe_open(str(loc.path), framework="pt") as f:
+        return {name: f.get_tensor(tensor_key(sample_id, name)) for name in TENSOR_NAMES}

@@ -1,0 +1,120 @@
+"""Streaming reads of the merged table by global row range.
+
+Global row order = part files sorted by name, rows in file order. Only the Parquet footers are read to locate a
+range; then only the overlapping row groups of the overlapping files are decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MERGED_GLOB = "part-*.parquet"
+EXTRACT_COLUMNS = ("sample_id", "dataset", "input_ids", "loss_mask", "n_tokens")
+
+
+def merged_parts(merged_dir: str | Path) -> list[Path]:
+    parts = sorted(Path(merged_dir).glob(MERGED_GLOB), key=lambda p: p.name)
+    if not parts:
+        raise FileNotFoundError(f"no {MERGED_GLOB} in {merged_dir}")
+    return parts
+
+
+def count_rows(merged_dir: str | Path) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in merged_parts(merged_dir))
+
+
+def num_shards(n_rows: int, shard_size: int) -> int:
+    if shard_size <= 0:
+        raise ValueError(f"shard_size must be positive, got {shard_size}")
+    return -(-n_rows // shard_size)
+
+
+def shard_row_range(shard_index: int, shard_size: int, n_rows: int) -> tuple[int, int]:
+    """Global rows [start, stop) of extraction shard `shard_index`."""
+    n = num_shards(n_rows, shard_size)
+    if not 0 <= shard_index < n:
+        raise IndexError(f"shard {shard_index} out of range: {n_rows} rows / {shard_size} per shard = {n} shards")
+    start = shard_index * shard_size
+    return start, min(start + shard_size, n_rows)
+
+
+@dataclass
+class MergedRows:
+    """Rows [start, stop) of the merged table: ids/masks as numpy arrays (one per row)."""
+
+    row_start: int
+    sample_ids: list[str]
+    datasets: list[str]
+    input_ids: list[np.ndarray]
+    loss_mask: list[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.input_ids]
+
+
+def _split_list_column(col: pa.ChunkedArray, dtype: np.dtype) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    for chunk in col.chunks:
+        if chunk.null_count:
+            raise ValueError(f"null list in merged column of type {chunk.type}")
+        offsets = chunk.offsets.to_numpy()
+        values = np.array(chunk.values.to_numpy(zero_copy_only=False), dtype=dtype)  # writable copy for torch
+        out.extend(values[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
+    return out
+
+
+def read_rows(merged_dir: str | Path, start: int, stop: int) -> MergedRows:
+    """Read global rows [start, stop); rows are checked for consistent n_tokens / ids / mask lengths."""
+    tables: list[pa.Table] = []
+    offset = 0
+    for part in merged_parts(merged_dir):
+        pf = pq.ParquetFile(part)
+        n = pf.metadata.num_rows
+        if offset + n <= start or offset >= stop:
+            offset += n
+            continue
+        rg_offset = offset
+        groups: list[int] = []
+        first_row = None
+        for g in range(pf.metadata.num_row_groups):
+            g_rows = pf.metadata.row_group(g).num_rows
+            if rg_offset + g_rows > start and rg_offset < stop:
+                groups.append(g)
+                first_row = rg_offset if first_row is None else first_row
+            rg_offset += g_rows
+        table = pf.read_row_groups(groups, columns=list(EXTRACT_COLUMNS))
+        lo = max(start - first_row, 0)
+        hi = min(stop - first_row, table.num_rows)
+        tables.append(table.slice(lo, hi - lo))
+        offset += n
+    if not tables:
+        raise IndexError(f"rows [{start}, {stop}) not in {merged_dir}")
+    table = pa.concat_tables(tables)
+    if table.num_rows != stop - start:
+        raise IndexError(f"rows [{start}, {stop}) requested, {table.num_rows} found in {merged_dir}")
+    ids = _split_list_column(table.column("input_ids"), np.dtype(np.int32))
+    masks = _split_list_column(table.column("loss_mask"), np.dtype(np.int8))
+    n_tokens = table.column("n_tokens").to_numpy()
+    sample_ids = table.column("sample_id").to_pylist()
+    for i, (a, m, n) in enumerate(zip(ids, masks, n_tokens)):
+        if len(a) != n or len(m) != n:
+            raise ValueError(
+                f"merged row {start + i} ({sample_ids[i]}): n_tokens={n} but len(input_ids)={len(a)}, "
+                f"len(loss_mask)={len(m)}"
+            )
+    return MergedRows(
+        row_start=start,
+        sample_ids=sample_ids,
+        datasets=table.column("dataset").to_pylist(),
+        input_ids=ids,
+        loss_mask=masks,
+    )

@@ -1,0 +1,179 @@
+"""Disk and GPU-time estimates for hidden-state extraction, before any GPU is touched."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .layers import default_aux_layers
+
+IDS_BYTES = 4  # int32 input_ids
+MASK_BYTES = 1  # int8 loss_mask
+# safetensors JSON header entries (4 per sample) + index row; measured ~100-150 B each on real shards.
+PER_SAMPLE_OVERHEAD_BYTES = 640
+
+
+@dataclass
+class ExtractionPlan:
+    hidden_size: int
+    num_layers: int
+    aux_layers: tuple[int, ...]
+    save_final_state: bool
+    dtype_bytes: int
+    n_tokens: int
+    n_samples: int
+    total_params: float
+    active_params: float
+    bytes_per_token: int
+    hidden_bytes: int
+    overhead_bytes: int
+    bytes_on_disk: int
+    flops: float
+    gpu_hours: float
+    n_gpus: int
+    wall_hours: float
+    shard_size: int
+    n_shards: int
+    tokens_per_shard: float
+    bytes_per_shard: float
+    gpu_hours_per_shard: float
+    disk_budget_bytes: int | None
+    exceeds_budget: bool
+    min_gpus_for_weights: int
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_layers"] = list(self.aux_layers)
+        return d
+
+    def to_markdown(self) -> str:
+        budget = "none" if self.disk_budget_bytes is None else _bytes(self.disk_budget_bytes)
+        verdict = "**EXCEEDS the disk budget**" if self.exceeds_budget else "within budget"
+        lines = [
+            "| quantity | value |",
+            "|---|---|",
+            f"| tokens / samples | {self.n_tokens:,} / {self.n_samples:,} |",
+            f"| hidden size / layers | {self.hidden_size} / {self.num_layers} |",
+            f"| aux layers (decoder-layer outputs) | {list(self.aux_layers)}"
+            f"{' + final' if self.save_final_state else ''} |",
+            f"| bytes per token | {self.bytes_per_token:,} |",
+            f"| disk | {_bytes(self.bytes_on_disk)} (budget {budget}: {verdict}) |",
+            f"| compute | {self.flops:.3g} FLOPs = {self.gpu_hours:,.1f} GPU-hours "
+            f"({self.wall_hours:,.1f} h on {self.n_gpus} GPU{'s' if self.n_gpus != 1 else ''}) |",
+            f"| GPUs needed to hold the weights | >= {self.min_gpus_for_weights}"
+            f"{' (more than n_gpus!)' if self.min_gpus_for_weights > self.n_gpus else ''} |",
+            f"| shards | {self.n_shards:,} x {self.shard_size} rows: ~{_bytes(self.bytes_per_shard)}, "
+            f"~{self.gpu_hours_per_shard:.3g} GPU-hours each |",
+            "",
+            "Assumptions:",
+            "",
+        ]
+        lines += [f"- {k}: {v}" for k, v in self.assumptions.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_extraction(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    total_params: float,
+    active_params: float,
+    n_tokens: int,
+    n_samples: int,
+    aux_layers: Sequence[int] | None = None,
+    dtype_bytes: int = 2,
+    save_final_state: bool = True,
+    gpu_bf16_peak_tflops: float = 989.0,
+    mfu: float = 0.35,
+    n_gpus: int = 1,
+    shard_size: int = 256,
+    disk_budget_bytes: int | None = None,
+    weight_bytes_per_param: float = 2.0,
+    gpu_memory_bytes: float = 141e9,
+) -> ExtractionPlan:
+    """Estimate disk and GPU time of extracting `n_tokens` tokens.
+
+    disk  = n_tokens x [(len(aux) + final) x H x dtype_bytes + 4 (int32 id) + 1 (int8 mask)] + n_samples x 640 B
+    FLOPs = 2 x active_params x n_tokens (one prefill forward; attention-score FLOPs and the never-run lm_head
+            are ignored, they roughly cancel at 2-4k context);
+    GPU-hours = FLOPs / (peak_bf16 x mfu) / 3600; wall hours = GPU-hours / n_gpus.
+    min GPUs for weights = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)).
+    """
+    if n_tokens < 0 or n_samples < 0:
+        raise ValueError("n_tokens and n_samples must be non-negative")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    if n_gpus < 1 or shard_size < 1:
+        raise ValueError("n_gpus and shard_size must be >= 1")
+    aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
+    n_states = len(aux) + (1 if save_final_state else 0)
+    hidden_per_token = n_states * hidden_size * dtype_bytes
+    bytes_per_token = hidden_per_token + IDS_BYTES + MASK_BYTES
+    hidden_bytes = n_tokens * hidden_per_token
+    overhead = n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PER_SAMPLE_OVERHEAD_BYTES
+    total = hidden_bytes + overhead
+    flops = 2.0 * active_params * n_tokens
+    gpu_hours = flops / (gpu_bf16_peak_tflops * 1e12 * mfu) / 3600.0
+    n_shards = max(math.ceil(n_samples / shard_size), 1) if n_samples else 0
+    frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
+    return ExtractionPlan(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        aux_layers=aux,
+        save_final_state=save_final_state,
+        dtype_bytes=dtype_bytes,
+        n_tokens=n_tokens,
+        n_samples=n_samples,
+        total_params=float(total_params),
+        active_params=float(active_params),
+        bytes_per_token=bytes_per_token,
+        hidden_bytes=hidden_bytes,
+        overhead_bytes=overhead,
+        bytes_on_disk=total,
+        flops=flops,
+        gpu_hours=gpu_hours,
+        n_gpus=n_gpus,
+        wall_hours=gpu_hours / n_gpus,
+        shard_size=shard_size,
+        n_shards=n_shards,
+        tokens_per_shard=n_tokens * frac,
+        bytes_per_shard=total * frac,
+        gpu_hours_per_shard=gpu_hours * frac,
+        disk_budget_bytes=disk_budget_bytes,
+        exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
+        min_gpus_for_weights=max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1),
+        assumptions={
+            "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x 640 B",
+            "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
+            "gpu peak": f"{gpu_bf16_peak_tflops} TFLOP/s dense bf16 (H100/H200 SXM)",
+            "mfu": f"{mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
+            "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
+            " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
+            " ~0.55 B/param)",
+            "dtype bytes": dtype_bytes,
+            "no compression": "hidden states are stored raw; bf16 activations compress poorly",
+            "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
+        },
+    )
+
+
+def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, **kwargs: Any) -> ExtractionPlan:
+    """`plan_extraction` with the shape taken from a facts dict such as `KIMI_K25_TEXT_CONFIG`."""
+    return plan_extraction(
+        hidden_size=int(facts["hidden_size"]),
+        num_layers=int(facts["num_layers"]),
+        total_params=float(facts["total_params"]),
+        active_params=float(facts["active_params"]),
+        n_tokens=n_tokens,
+        n_samples=n_samples,
+        **kwargs,
+    )

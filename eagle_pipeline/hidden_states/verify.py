@@ -1,0 +1,100 @@
+"""Checks of an extracted shard against its own index and the merged table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .format import TENSOR_NAMES, read_index, read_index_meta, shard_paths, tensor_key
+from .merged import read_rows
+
+MAX_FAILING_IDS = 10
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    checked: int
+    failing: int
+    failing_sample_ids: list[str] = field(default_factory=list)
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Tally:
+    def __init__(self, name: str):
+        self.name, self.checked, self.failing, self.ids, self.notes = name, 0, 0, [], []
+
+    def record(self, sample_id: str, ok: bool, note: str = "") -> None:
+        self.checked += 1
+        if not ok:
+            self.failing += 1
+            if len(self.ids) < MAX_FAILING_IDS:
+                self.ids.append(sample_id)
+                if note:
+                    self.notes.append(f"{sample_id}: {note}")
+
+    def result(self) -> CheckResult:
+        return CheckResult(self.name, self.failing == 0, self.checked, self.failing, self.ids, "; ".join(self.notes))
+
+
+def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) -> dict[str, CheckResult]:
+    """Three checks, reading one sample at a time (memory = one sample):
+
+    - `shapes`: every sample has its four tensors, aux [T, n_aux*H], final [T, H], ids and mask [T],
+      T = the index's n_tokens;
+    - `finite`: no NaN/Inf in aux or final;
+    - `ids_match`: the shard holds exactly the merged rows of its range, and each sample's stored ids and loss
+      mask equal the merged table's.
+    """
+    from safetensors import safe_open
+
+    st_path, idx_path = shard_paths(out_dir, shard_index)
+    meta = read_index_meta(idx_path)
+    index = read_index(idx_path)
+    hidden, n_aux = int(meta["hidden_size"]), len(meta["aux_layers"])
+    merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
+    merged_by_id = {sid: i for i, sid in enumerate(merged.sample_ids)}
+
+    shapes, finite, ids_match = _Tally("shapes"), _Tally("finite"), _Tally("ids_match")
+    index_ids = index.column("sample_id").to_pylist()
+    for sid in set(merged.sample_ids) - set(index_ids):
+        ids_match.record(sid, False, "merged row missing from shard")
+
+    with safe_open(str(st_path), framework="pt") as f:
+        present = set(f.keys())
+        for sid, t in zip(index_ids, index.column("n_tokens").to_pylist()):
+            keys = {name: tensor_key(sid, name) for name in TENSOR_NAMES}
+            missing = [k for k in keys.values() if k not in present]
+            if missing:
+                shapes.record(sid, False, f"missing {missing}")
+                finite.record(sid, False, "tensors missing")
+                ids_match.record(sid, False, "tensors missing")
+                continue
+            tensors = {name: f.get_tensor(key) for name, key in keys.items()}
+            expected = {
+                "aux_hidden_states": (t, n_aux * hidden),
+                "final_hidden_state": (t, hidden),
+                "input_ids": (t,),
+                "loss_mask": (t,),
+            }
+            wrong = {n: tuple(tensors[n].shape) for n, s in expected.items() if tuple(tensors[n].shape) != s}
+            shapes.record(sid, not wrong, f"shape {wrong} expected T={t}" if wrong else "")
+            n_bad = sum(int((~torch.isfinite(tensors[n])).sum()) for n in ("aux_hidden_states", "final_hidden_state"))
+            finite.record(sid, n_bad == 0, f"{n_bad} non-finite values" if n_bad else "")
+            row = merged_by_id.get(sid)
+            if row is None:
+                ids_match.record(sid, False, "sample_id not in the merged rows of this shard's range")
+                continue
+            same = np.array_equal(tensors["input_ids"].numpy().astype(np.int64), merged.input_ids[row].astype(np.int64))
+            same_mask = np.array_equal(tensors["loss_mask"].numpy().astype(np.int64), merged.loss_mask[row].astype(np.int64))
+            note = "" if same and same_mask else ("input_ids differ" if not same else "loss_mask differs")
+            ids_match.record(sid, same and same_mask, note)
+    return {c.name: c.result() for c in (shapes, finite, ids_match)}

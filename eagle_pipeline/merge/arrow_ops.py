@@ -1,0 +1,103 @@
+"""Vectorised list-array arithmetic shared by merge, checks, vocab and exports.
+
+Everything here works on offsets and flat value buffers (numpy views of Arrow memory); no per-row Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One contiguous array (a ChunkedArray is combined; a plain array is returned as is)."""
+    if isinstance(arr, pa.ChunkedArray):
+        return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    return arr
+
+
+def list_parts(arr: pa.Array | pa.ChunkedArray, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths int64, flat values) of a list array, honouring slicing; values cast to `value_type`.
+
+    Null lists are rejected: a null token list means a broken upstream row, and silently treating it as
+    empty would hide that.
+    """
+    a = as_array(arr)
+    if a.null_count:
+        raise ValueError(f"list column has {a.null_count} null rows")
+    offsets = np.asarray(a.offsets, dtype=np.int64)
+    values = a.values.slice(offsets[0], offsets[-1] - offsets[0])
+    if values.null_count:
+        raise ValueError(f"list column has {values.null_count} null values")
+    if values.type != value_type:
+        values = pc.cast(values, value_type)
+    return np.diff(offsets), values.to_numpy(zero_copy_only=False)
+
+
+def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    """int32 Arrow offsets for the given row lengths (raises past the int32 list limit)."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > INT32_MAX:
+        raise ValueError(f"{offsets[-1]} values exceed one list<> array's int32 offsets; use smaller shards")
+    return offsets.astype(np.int32)
+
+
+def make_list(lengths: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(lengths)), pa.array(values, type=value_type))
+
+
+def concat_prompt_output(
+    prompt_ids: pa.Array | pa.ChunkedArray, output_ids: pa.Array | pa.ChunkedArray
+) -> tuple[pa.ListArray, pa.ListArray, np.ndarray, np.ndarray]:
+    """Row-wise prompt ++ output and its loss mask (0 on prompt, 1 on output).
+
+    Returns (input_ids list<int32>, loss_mask list<int8>, n_prompt int64[], n_tokens int64[]).
+    The mask is built first by repeating a 0,1,0,1... pattern with the interleaved prompt/output lengths;
+    that same mask then routes the prompt values and output values into their slots, so no per-row loop
+    and no position arithmetic arrays of token size are needed.
+    """
+    plen, pv = list_parts(prompt_ids, pa.int32())
+    olen, ov = list_parts(output_ids, pa.int32())
+    if len(plen) != len(olen):
+        raise ValueError("prompt_ids and output_ids differ in row count")
+    n = len(plen)
+    seg = np.empty(2 * n, dtype=np.int64)
+    seg[0::2] = plen
+    seg[1::2] = olen
+    mask = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), n), seg)
+    is_output = mask.view(np.bool_)
+    ids = np.empty(len(mask), dtype=np.int32)
+    ids[~is_output] = pv
+    ids[is_output] = ov
+    n_tokens = plen + olen
+    return make_list(n_tokens, ids, pa.int32()), make_list(n_tokens, mask, pa.int8()), plen, n_tokens
+
+
+def row_of_position(lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Row index of each flat value position, given row lengths."""
+    ends = np.cumsum(lengths)
+    return np.searchsorted(ends, positions, side="right")
+
+
+def hash_u64(values: pa.Array | pa.ChunkedArray | list[str], salt: str) -> np.ndarray:
+    """Seeded 64-bit hash of each string (blake2b keyed by `salt`): stable across runs, platforms and row order.
+
+    Per-id Python, but over sample ids (one per row, tens of thousands), never over tokens.
+    """
+    items = values.to_pylist() if isinstance(values, (pa.Array, pa.ChunkedArray)) else values
+    key = hashlib.sha256(salt.encode()).digest()[:32]
+    out = np.empty(len(items), dtype=np.uint64)
+    for i, s in enumerate(items):
+        out[i] = int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8, key=key).digest(), "little")
+    return out
+
+
+def unit_interval(h: np.ndarray) -> np.ndarray:
+    """Map uint64 hashes to [0, 1) using the top 53 bits (exact in float64)."""
+    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)

@@ -1,0 +1,189 @@
+"""Arrow layouts (slices, chunks, nulls, int64), input errors, and the Qwen3 profile on a byte-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, tool_call_id_ok
+from eagle_pipeline.tokens import KIMI_PAT_STR, TOKEN_SAMPLES_SCHEMA, get_profile, reconstruct_output
+from eagle_pipeline.tokens.tokenizer import tiktoken_tokenizer
+
+from .corpus import build_clean_table, mutate
+from .helpers import assert_caught, pick_rows
+
+
+@pytest.fixture(scope="module")
+def demo_table(demo_tok, demo_ids):
+    table = build_clean_table(demo_tok, demo_ids, 200, seed=11)
+    # Known defects on fixed rows, so layouts can be compared row by row.
+    bad = {3: "drop_eot", 50: "oov", 120: "double_close"}
+
+    def fn(o, r):
+        if bad[r] == "drop_eot":
+            return o[:-1]
+        if bad[r] == "oov":
+            return [demo_tok.vocab_size + 7] + o
+        k = o.index(demo_ids.think_close_id)
+        return o[: k + 1] + [demo_ids.think_close_id] + o[k + 1 :]
+
+    rows = [r for r in bad if table.column("thinking")[r].as_py() or bad[r] != "double_close"]
+    return mutate(table, rows, fn)
+
+
+def _fails(report):
+    return {r.name: np.flatnonzero(r.row_fail).tolist() for r in report.results if r.failing}
+
+
+def test_slices_and_chunks_match_contiguous(demo_table, demo_tok, demo_ids):
+    full = _fails(run_audit(demo_table, demo_tok, demo_ids))
+    assert full["ends_with_eot"] == [3] and full["ids_in_vocab"] == [50]
+    # A slice keeps the parent's buffers with an offset; chunks must be combined correctly.
+    sliced = run_audit(demo_table.slice(40, 100), demo_tok, demo_ids)
+    assert {k: v for k, v in _fails(sliced).items()} == {
+        k: [x - 40 for x in v if 40 <= x < 140] for k, v in full.items() if any(40 <= x < 140 for x in v)
+    }
+    chunked = pa.concat_tables([demo_table.slice(0, 77), demo_table.slice(77, 60), demo_table.slice(137)])
+    assert chunked.column("output_ids").num_chunks == 3
+    assert _fails(run_audit(chunked, demo_tok, demo_ids)) == full
+
+
+def test_int64_ids_and_null_output(demo_table, demo_tok, demo_ids):
+    full = _fails(run_audit(demo_table, demo_tok, demo_ids))
+    wide = demo_table.set_column(
+        demo_table.schema.get_field_index("output_ids"), "output_ids",
+        demo_table.column("output_ids").cast(pa.list_(pa.int64())),
+    )
+    assert _fails(run_audit(wide, demo_tok, demo_ids)) == full
+    outs = demo_table.column("output_ids").to_pylist()
+    outs[10] = None
+    nulled = demo_table.set_column(demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32())))
+    got = _fails(run_audit(nulled, demo_tok, demo_ids))
+    assert 10 in got["ends_with_eot"] and 10 in got["single_eot"]
+
+
+def test_empty_table(demo_tok, demo_ids):
+    report = run_audit(TOKEN_SAMPLES_SCHEMA.empty_table(), demo_tok, demo_ids)
+    assert report.passed and report.n_rows == 0 and len(report.filter_mask) == 0
+    assert all(r.checked == 0 and r.failing == 0 for r in report.results)
+    json.dumps(report.to_dict())
+
+
+def test_input_errors_name_the_column(demo_table, demo_tok, demo_ids):
+    with pytest.raises(AuditInputError, match="no column 'thinking'"):
+        run_audit(demo_table.drop_columns(["thinking"]), demo_tok, demo_ids, gates=["single_think_close"])
+    # A gate that does not need the column still runs.
+    run_audit(demo_table.drop_columns(["thinking"]), demo_tok, demo_ids, gates=["ends_with_eot"])
+    origins = demo_table.column("ids_origin").to_pylist()
+    origins[5] = "guessed"
+    bad = demo_table.set_column(demo_table.schema.get_field_index("ids_origin"), "ids_origin", pa.array(origins))
+    with pytest.raises(AuditInputError, match="'guessed'"):
+        run_audit(bad, demo_tok, demo_ids)
+    thinking = demo_table.column("thinking").to_pylist()
+    thinking[0] = None
+    bad = demo_table.set_column(demo_table.schema.get_field_index("thinking"), "thinking", pa.array(thinking, pa.bool_()))
+    with pytest.raises(AuditInputError, match="null"):
+        run_audit(bad, demo_tok, demo_ids)
+    bad = demo_table.set_column(demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(["x"] * demo_table.num_rows))
+    with pytest.raises(AuditInputError, match="list of integers"):
+        run_audit(bad, demo_tok, demo_ids)
+
+
+def test_tool_call_id_rule():
+    assert tool_call_id_ok("functions.get_weather:0") and tool_call_id_ok("functions.a.b:c:12")
+    assert tool_call_id_ok("call_8f2a9c") and tool_call_id_ok("toolu_01AbC")
+    for bad in ["", " ", "functions.get weather:0", "functions.get_weather", "functions.:0", "call 1", "a\tb"]:
+        assert not tool_call_id_ok(bad), bad
+
+
+# ---- Qwen3 profile: the model writes <think> itself, tool calls are <tool_call> JSON </tool_call> ---------------------
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|reserved_special_token_0|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    # Single-byte ranks: every text encodes canonically, which is all these structural tests need.
+    tok = tiktoken_tokenizer(
+        name="bytes-qwen", kind="test", source="test", ranks={bytes([i]): i for i in range(256)},
+        special_names=QWEN_SPECIALS, pat_str=KIMI_PAT_STR, chat_template=None,
+    )
+    ids = get_profile("qwen3").resolve(tok)
+    rows = []
+    for i in range(60):
+        thinking = i % 4 != 0
+        calls = None
+        if i % 3 == 0:
+            calls = [{"id": f"c{k}", "function": {"name": f"tool{k}", "arguments": json.dumps({"k": k})}} for k in range(1 + i % 2)]
+        content = "" if i % 5 == 0 else f"Answer {i}."
+        rec = reconstruct_output(tok, ids, reasoning=f"reason {i}" if thinking else None, content=content, tool_calls=calls, thinking=thinking)
+        rows.append((rec, thinking, bool(calls)))
+    n = len(rows)
+    table = pa.table(
+        {
+            "sample_id": [f"q{i}" for i in range(n)], "dataset": ["Q"] * n, "source": ["vllm"] * n, "backend": ["vllm"] * n,
+            "provider": [None] * n, "prompt_ids": [[]] * n, "output_ids": [r.ids for r, _, _ in rows],
+            "ids_origin": ["reconstructed"] * n, "finish_reason": ["tool_calls" if c else "stop" for _, _, c in rows],
+            "usage_completion_tokens": [len(r.ids) for r, _, _ in rows], "thinking": [t for _, t, _ in rows],
+            "dataset_has_tools": [True] * n, "n_tool_calls": [r.n_tool_calls for r, _, _ in rows],
+            "literal_special": [False] * n, "prompt_key": ["k"] * n,
+        },
+        schema=TOKEN_SAMPLES_SCHEMA,
+    )
+    return tok, ids, table
+
+
+def test_qwen3_clean(qwen):
+    tok, ids, table = qwen
+    report = run_audit(table, tok, ids)
+    assert {r.name: r.failing for r in report.results} == dict.fromkeys(GATE_NAMES, 0)
+    assert report.result("no_think_open").details["model_opens_think"] is True
+    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(table.column("n_tool_calls").to_pylist())
+
+
+def test_qwen3_missing_or_extra_think_open(qwen):
+    tok, ids, table = qwen
+    rows = pick_rows(table, 10, lambda r: r["thinking"])
+    assert_caught(mutate(table, rows, lambda o, r: o[1:]), rows, tok, ids, "no_think_open", allowed={"reasoning_nonempty"})
+    rows2 = pick_rows(table, 10, lambda r: not r["thinking"])
+    assert_caught(mutate(table, rows2, lambda o, r: [ids.think_open_id] + o), rows2, tok, ids, "no_think_open")
+
+
+def test_qwen3_empty_reasoning(qwen):
+    tok, ids, table = qwen
+    rows = pick_rows(table, 10, lambda r: r["thinking"])
+
+    def empty(o, r):
+        k = o.index(ids.think_close_id)
+        return o[:1] + tok.encode_ordinary("\n\n") + o[k:]
+
+    assert_caught(mutate(table, rows, empty), rows, tok, ids, "reasoning_nonempty", allowed={"billing_agreement"})
+
+
+@pytest.mark.parametrize("kind, problem", [("bad_body", "bad_arguments"), ("no_name", "bad_arguments"), ("text_between", "stray_tokens"), ("unclosed", "unbalanced")])
+def test_qwen3_malformed_tool_calls(qwen, kind, problem):
+    tok, ids, table = qwen
+
+    def fn(o, r):
+        a = o.index(ids.tool_call_begin_id)
+        b = o.index(ids.tool_call_end_id)
+        if kind == "bad_body":
+            return o[: a + 1] + tok.encode_ordinary('\n{"name": "x", "arguments": \n') + o[b:]
+        if kind == "no_name":
+            return o[: a + 1] + tok.encode_ordinary('\n{"arguments": {}}\n') + o[b:]
+        if kind == "text_between":
+            return o[: b + 1] + tok.encode_ordinary(" oops ") + o[b + 1 :]
+        return o[:b] + o[b + 1 :]
+
+    rows = pick_rows(table, 8, lambda r: r["n_tool_calls"] > 0)
+    report = assert_caught(mutate(table, rows, fn), rows, tok, ids, "tool_sections_well_formed", allowed={"billing_agreement"})
+    problems = report.result("tool_sections_well_formed").details["problems"]
+    if kind == "text_between":
+        # Text after the first call is "stray" when another call follows, "not_at_end" when the eot follows.
+        n_multi = sum(table.column("n_tool_calls")[r].as_py() > 1 for r in rows)
+        assert problems == {k: v for k, v in {"stray_tokens": n_multi, "not_at_end": 8 - n_multi}.items() if v}
+    else:
+        assert problems == {problem: 8}

@@ -1,0 +1,116 @@
+"""The whole graph on a small config through real Dagster runs, and audit failures blocking downstream work."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from eagle_pipeline.definitions import build_defs
+from eagle_pipeline.defs.generation import prompts, responses
+from eagle_pipeline.defs.hidden_states import hidden_state_plan
+from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
+from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, dataset_partitions
+from eagle_pipeline.defs.tokens import token_samples
+from eagle_pipeline.storage import DataRoot
+
+pytestmark = pytest.mark.slow
+
+
+def _run(defs, job, instance, partition_key=None):
+    return defs.resolve_job_def(job).execute_in_process(instance=instance, partition_key=partition_key, raise_on_error=False)
+
+
+def _check_evaluations(result):
+    return {(e.asset_check_key.name): e for e in result.get_asset_check_evaluations()}
+
+
+def test_whole_graph_materializes_and_writes_every_output(pipeline_config, instance, tmp_path):
+    pipeline_config(datasets=("B1", "B6"))
+    defs = build_defs()
+    root = DataRoot(tmp_path / "data")
+    for ds in ("B1", "B6"):
+        result = _run(defs, "dataset_job", instance, ds)
+        assert result.success, ds
+        evaluations = _check_evaluations(result)
+        assert len(evaluations) >= 12
+        failed = [name for name, e in evaluations.items() if not e.passed]
+        assert failed == [], f"{ds}: {failed}"
+        assert pq.read_table(root.tokens(ds)).num_rows == 6
+    assert _run(defs, "merge_job", instance).success
+    shards = instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)
+    assert len(shards) == 3  # 12 rows (6 + 6, no duplicates) / shard size 4
+    for key in shards:
+        result = _run(defs, "hidden_states_job", instance, key)
+        assert result.success, key
+        assert all(e.passed for e in result.get_asset_check_evaluations())
+    assert _run(defs, "exports_job", instance).success
+
+    manifest = json.loads((root.merged_dir / "manifest.json").read_text())
+    assert manifest["rows_total"] == 12
+    assert len(list(root.hidden_states_dir.glob("shard-*.safetensors"))) == 3
+    assert (root.draft_vocab_dir / "d2t.npy").exists() and (root.draft_vocab_dir / "t2d.npy").exists()
+    assert (root.exports_dir / "manifest.json").exists()
+    rows = pq.read_table(root.responses_dir("B1")).to_pylist()
+    assert {r["source"] for r in rows} == {"simulated"}
+    mats = instance.fetch_materializations(dg.AssetKey("responses"), limit=10).records
+    assert any(m.asset_materialization.metadata["simulated"].value is True for m in mats)
+
+
+def _probe_defs():
+    """One job holding a dataset's whole path to the merge, so blocking is observed inside a single run."""
+    probe = dg.define_asset_job(
+        "probe_job",
+        selection=dg.AssetSelection.assets(prompts, responses, token_samples, merged_dataset, draft_vocab, hidden_state_plan),
+    )
+    base = build_defs()
+    return dg.Definitions.merge(base, dg.Definitions(jobs=[probe]))
+
+
+def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_config, instance):
+    pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
+    defs = _probe_defs()
+    result = _run(defs, "probe_job", instance, "B1")
+    assert not result.success
+    evaluations = _check_evaluations(result)
+    assert evaluations["billing_agreement"].passed is False
+    assert evaluations["ends_with_eot"].passed is True  # its neighbour still passes
+    materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
+    assert "token_samples" in materialized
+    assert materialized.isdisjoint({"merged_dataset", "draft_vocab", "hidden_state_plan"})
+
+
+def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline_config, instance, tmp_path):
+    cfg_path = pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
+    defs = build_defs()
+    assert not _run(defs, "dataset_job", instance, "B1").success
+    result = _run(defs, "merge_job", instance)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    message = failure.event_specific_data.error.message
+    assert "B1/billing_agreement" in message and "blocking audit failed" in message
+
+    # Clean data: regenerate into a fresh data root with no faults; the audit passes and merge runs.
+    import shutil
+
+    shutil.rmtree(tmp_path / "data")
+    pipeline_config(datasets=("B1",))
+    assert _run(defs, "dataset_job", instance, "B1").success
+    assert _run(defs, "merge_job", instance).success
+
+    # Token samples rematerialised without their checks: the audit did not run on the latest data, merge refuses.
+    no_checks = dg.define_asset_job(
+        "tokens_without_checks",
+        selection=dg.AssetSelection.assets(token_samples).without_checks(),
+    )
+    defs2 = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=[no_checks]))
+    root = DataRoot(tmp_path / "data")
+    before = root.tokens("B1").stat().st_mtime_ns
+    assert _run(defs2, "tokens_without_checks", instance, "B1").success
+    assert root.tokens("B1").stat().st_mtime_ns != before
+    result = _run(defs, "merge_job", instance)
+    assert not result.success
+    message = next(e for e in result.all_events if e.is_step_failure).event_specific_data.error.message
+    assert "did not run on the latest token samples" in message

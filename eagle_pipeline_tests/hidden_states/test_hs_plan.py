@@ -1,0 +1,59 @@
+"""The extraction planner: formulas, Kimi-K2.5 figures, budget refusal, serialisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_pipeline.hidden_states import KIMI_K25_TEXT_CONFIG, plan_extraction, plan_for_model
+
+KIMI_TOKENS = 138_400_000
+KIMI_SAMPLES = 60_000
+
+
+def test_kimi_k25_disk_and_gpu_hours_follow_the_formulas():
+    p = plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=KIMI_TOKENS, n_samples=KIMI_SAMPLES)
+    h = KIMI_K25_TEXT_CONFIG["hidden_size"]
+    assert p.aux_layers == (1, 29, 57)
+    assert p.bytes_per_token == 4 * h * 2 + 4 + 1  # 3 aux + final, bf16, int32 id, int8 mask
+    assert p.hidden_bytes == KIMI_TOKENS * 4 * h * 2
+    assert p.bytes_on_disk == KIMI_TOKENS * p.bytes_per_token + KIMI_SAMPLES * 640
+    assert 7.8e12 < p.bytes_on_disk < 8.0e12  # the ~7.9 TB headline
+    assert p.flops == 2 * KIMI_K25_TEXT_CONFIG["active_params"] * KIMI_TOKENS
+    assert p.gpu_hours == pytest.approx(p.flops / (989e12 * 0.35) / 3600)
+    assert p.n_shards == -(-KIMI_SAMPLES // 256)
+    assert p.bytes_per_shard == pytest.approx(p.bytes_on_disk * 256 / KIMI_SAMPLES)
+    assert not p.exceeds_budget
+    assert p.min_gpus_for_weights == -(-int(1.04e12 * 2) // int(0.9 * 141e9))  # bf16 weights: 17 H200s
+    int4 = plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=KIMI_TOKENS, n_samples=KIMI_SAMPLES, weight_bytes_per_param=0.55)
+    assert int4.min_gpus_for_weights == 5 and int4.gpu_hours == p.gpu_hours
+
+
+def test_options_change_the_numbers_the_way_they_should():
+    base = dict(hidden_size=4096, num_layers=32, total_params=8e9, active_params=8e9, n_tokens=10**6, n_samples=500)
+    p = plan_extraction(**base)
+    no_final = plan_extraction(**base, save_final_state=False)
+    assert p.hidden_bytes - no_final.hidden_bytes == 10**6 * 4096 * 2
+    fp32 = plan_extraction(**base, dtype_bytes=4)
+    assert fp32.hidden_bytes == 2 * p.hidden_bytes
+    eight = plan_extraction(**base, n_gpus=8, mfu=0.7)
+    assert eight.gpu_hours == pytest.approx(p.gpu_hours / 2)
+    assert eight.wall_hours == pytest.approx(eight.gpu_hours / 8)
+    five = plan_extraction(**base, aux_layers=(2, 10, 20, 25, 28))
+    assert five.bytes_per_token == 6 * 4096 * 2 + 5
+    with pytest.raises(ValueError):
+        plan_extraction(**base, mfu=0)
+
+
+def test_budget_refusal_flag_and_markdown():
+    kw = dict(n_tokens=KIMI_TOKENS, n_samples=KIMI_SAMPLES)
+    over = plan_for_model(KIMI_K25_TEXT_CONFIG, disk_budget_bytes=5 * 10**12, **kw)
+    under = plan_for_model(KIMI_K25_TEXT_CONFIG, disk_budget_bytes=10 * 10**12, **kw)
+    assert over.exceeds_budget and not under.exceeds_budget
+    md = over.to_markdown()
+    assert "EXCEEDS" in md and "7.94 TB" in md and "GPU-hours" in md and "mfu" in md
+    assert "EXCEEDS" not in under.to_markdown()
+    d = json.loads(json.dumps(over.to_dict()))
+    assert d["aux_layers"] == [1, 29, 57] and d["exceeds_budget"] is True
+    assert "flops formula" in d["assumptions"]

@@ -1,0 +1,118 @@
+"""Prompt rendering through chat templates: FACTS.md §3 pins and the transformers-compatible jinja setup."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_pipeline.tokens import TemplateRenderError, render_prompt, render_prompt_ids
+from eagle_pipeline.tokens.tokenizer import TargetTokenizer
+
+SYSTEM_HI = [{"role": "system", "content": "You are Kimi."}, {"role": "user", "content": "Hi"}]
+PIN_1 = (
+    "<|im_system|>system<|im_middle|>You are Kimi.<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think>"
+)
+TOOL_TURN = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "need tool",
+        "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18C sunny"},
+]
+PIN_2 = (
+    "<|im_assistant|>assistant<|im_middle|><think>need tool</think><|tool_calls_section_begin|><|tool_call_begin|>"
+    'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+    "<|im_end|><|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18C sunny<|im_end|>"
+)
+
+
+@pytest.fixture(params=["kimi", "demo"])
+def tok(request) -> TargetTokenizer:
+    return request.getfixturevalue(request.param)
+
+
+def test_pin_system_user(tok):
+    assert render_prompt(tok, SYSTEM_HI) == PIN_1
+    assert render_prompt(tok, json.dumps(SYSTEM_HI)) == PIN_1  # JSON text is accepted too
+
+
+def test_pin_tool_turn(tok):
+    text = render_prompt(tok, TOOL_TURN)
+    assert PIN_2 in text
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+
+
+def test_header_ids(kimi):
+    ids = render_prompt_ids(kimi, SYSTEM_HI)
+    assert ids[-4:] == [163588, 69702, 163601, 163606]
+    assert ids == kimi.encode_with_specials(PIN_1)
+
+
+def test_thinking_off(tok):
+    text = render_prompt(tok, SYSTEM_HI, thinking=False)
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+    suffix = render_prompt(tok, TOOL_TURN, thinking=False)
+    assert "<think></think><|tool_calls_section_begin|>" in suffix and "need tool" not in suffix
+
+
+def test_tools_fallback_is_compact_json_without_html_escaping(tok):
+    tools = [{"type": "function", "function": {"name": "f", "description": "a < b & 'c' → é"}}]
+    text = render_prompt(tok, SYSTEM_HI, tools)
+    assert text.startswith(
+        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"f","description":"a < b & \'c\' → é"}}]<|im_end|>'
+    )
+    # The TypeScript string Moonshot's tokenizer would build is used when the caller supplies it.
+    assert render_prompt(tok, SYSTEM_HI, tools, tools_ts_str="namespace functions {}").startswith(
+        "<|im_system|>tool_declare<|im_middle|>namespace functions {}<|im_end|>"
+    )
+
+
+def test_reasoning_alias_and_none_keys(tok):
+    base = [{"role": "user", "content": "q"}]
+    via_reasoning = base + [{"role": "assistant", "content": "", "reasoning": "R",
+                             "tool_calls": [{"id": "x:0", "function": {"name": "f", "arguments": "{}"}}]},
+                            {"role": "tool", "tool_call_id": "x:0", "content": "ok"}]
+    text = render_prompt(tok, via_reasoning)
+    assert "<think>R</think>" in text
+    via_none = [dict(via_reasoning[1], reasoning=None, reasoning_content=None)]
+    text = render_prompt(tok, base + via_none + via_reasoning[2:])
+    assert "<think></think>" in text and "None" not in text
+
+
+def _template_tok(template: str) -> TargetTokenizer:
+    from eagle_pipeline.tokens import build_demo_tokenizer
+
+    d = build_demo_tokenizer()
+    return TargetTokenizer(name="t", kind="demo", source="test", vocab_size=d.vocab_size, special_tokens=d.special_tokens,
+                           chat_template=template, backend=d._backend, template_vars=d.template_vars)
+
+
+def test_jinja_setup_like_transformers():
+    tpl = (
+        "{% for m in messages %}\n"
+        "  {{ m | tojson(indent=2) }}|{{ m | tojson(separators=(',', ':'), sort_keys=true) }}\n"
+        "{% endfor %}{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}"
+        "{{ bos_token }}{{ thinking }}{{ enable_thinking }}"
+    )
+    msgs = [{"role": "user", "content": "<b>&</b>"}]
+    text = render_prompt(_template_tok(tpl), msgs, thinking=False)
+    # trim_blocks + lstrip_blocks drop the block lines' whitespace; tojson keeps '<' and '&'; break works.
+    assert text == (
+        "  " + json.dumps(msgs[0], indent=2, ensure_ascii=False) + "|"
+        + json.dumps(msgs[0], separators=(",", ":"), sort_keys=True) + "\n01[BOS]FalseFalse"
+    )
+
+
+def test_raise_exception_and_missing_template():
+    with pytest.raises(TemplateRenderError, match="only user"):
+        render_prompt(_template_tok("{{ raise_exception('only user') }}"), SYSTEM_HI)
+    with pytest.raises(TemplateRenderError, match="no chat template"):
+        render_prompt(_template_tok(None), SYSTEM_HI)  # type: ignore[arg-type]

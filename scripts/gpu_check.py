@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""GPU check of the hidden-state extractor: a realistic architecture with random weights, a synthetic merged
+dataset, `extract_shard` over it, tokens/s and share of bf16 peak, then `verify_shard` on every shard.
+
+    python scripts/gpu_check.py                      # Llama-3.1-8B shape, bf16, one CUDA GPU (< 5 min on H200)
+    python scripts/gpu_check.py --arch kimi-shallow  # Kimi-K2 layer shapes (MLA + 384->32 experts), 8 layers
+    python scripts/gpu_check.py --cpu --tiny         # smoke test anywhere
+
+Nothing is downloaded: weights are seeded random numbers allocated directly on the device.
+Exit codes: 0 all checks passed; 1 a shard failed verification; 2 environment problem or out of memory;
+3 the --max-seconds guard stopped the run before any shard completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle_pipeline.hidden_states import (  # noqa: E402
+    build_model_from_config,
+    build_tiny_model,
+    count_rows,
+    default_aux_layers,
+    describe_model_config,
+    extract_shard,
+    llama_8b_config,
+    num_shards,
+    plan_extraction,
+    shard_paths,
+    shard_status,
+    verify_shard,
+)
+from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged  # noqa: E402
+
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+class Deadline(Exception):
+    pass
+
+
+def kimi_shallow_config(num_layers: int = 8, n_routed_experts: int = 32):
+    """Kimi-K2.5's per-layer shapes (hidden 7168, MLA ranks, 2048-wide experts, top-8, shared expert), with fewer
+    layers and experts so it fits one GPU."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=163840,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=num_layers,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=n_routed_experts,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def print_environment(device: str) -> None:
+    import transformers
+
+    print(f"python {platform.python_version()} on {platform.platform()}")
+    print(f"torch {torch.__version__} (cuda build {torch.version.cuda}), transformers {transformers.__version__}")
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        print(f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}, "
+              f"{torch.cuda.device_count()} visible")
+    else:
+        print(f"CPU run, {torch.get_num_threads()} threads")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="run on CPU in fp32 (smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="tiny DeepSeek-V3-family model instead of a realistic one")
+    ap.add_argument("--arch", choices=("llama8b", "kimi-shallow"), default="llama8b")
+    ap.add_argument("--samples", type=int, default=None, help="default 384 (GPU) / 32 (--tiny)")
+    ap.add_argument("--mean-tokens", type=float, default=None, help="default 1500 (GPU) / 48 (--tiny)")
+    ap.add_argument("--max-len", type=int, default=None, help="default 4096 (GPU) / 128 (--tiny)")
+    ap.add_argument("--shard-size", type=int, default=None, help="rows per shard; default samples/3")
+    ap.add_argument("--max-tokens-per-batch", type=int, default=None, help="default 32768 (GPU) / 1024 (CPU)")
+    ap.add_argument("--max-seconds", type=float, default=240.0, help="stop extracting new batches after this")
+    ap.add_argument("--disk-fraction", type=float, default=0.5, help="use at most this share of free disk")
+    ap.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
+    ap.add_argument("--keep", action="store_true", help="keep the shards (default: delete each after verifying)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("ERROR: CUDA is not available (pass --cpu --tiny for a CPU smoke test)")
+        return 2
+    print_environment(device)
+    tiny = args.tiny
+    samples = args.samples or (32 if tiny else 384)
+    mean_tokens = args.mean_tokens or (48 if tiny else 1500)
+    max_len = args.max_len or (128 if tiny else 4096)
+    max_tpb = args.max_tokens_per_batch or (1024 if device == "cpu" else 32768)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+
+    t = time.perf_counter()
+    try:
+        if tiny:
+            model = build_tiny_model(1024, seed=args.seed, device=device, dtype=dtype)
+        else:
+            cfg = llama_8b_config() if args.arch == "llama8b" else kimi_shallow_config()
+            model = build_model_from_config(cfg, seed=args.seed, device=device, dtype=dtype)
+    except torch.cuda.OutOfMemoryError as exc:
+        print(f"ERROR: out of GPU memory while building the model: {exc}")
+        return 2
+    desc = describe_model_config(model.config)
+    n_layers = desc["num_layers"]
+    aux = default_aux_layers(n_layers)
+    print(f"model: {json.dumps(desc)} built in {time.perf_counter() - t:.1f}s; aux layers {aux}; dtype {dtype}")
+    if device == "cuda":
+        print(f"GPU memory after build: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="eagle-gpu-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(workdir).free
+    bytes_per_token = (len(aux) + 1) * desc["hidden_size"] * dtype.itemsize + 5
+    # Shards are deleted after verification, so peak disk is about one shard plus the one being written.
+    budget_tokens = int(args.disk_fraction * free / bytes_per_token)
+    merged, n_tokens = write_synthetic_merged(
+        workdir / "merged", samples, vocab_size=desc["vocab_size"], mean_tokens=mean_tokens, max_tokens=max_len,
+        seed=args.seed,
+    )
+    shard_size = args.shard_size or max(-(-samples // 3), 1)
+    n_rows = count_rows(merged)
+    shards = num_shards(n_rows, shard_size)
+    plan = plan_extraction(
+        hidden_size=desc["hidden_size"], num_layers=n_layers, total_params=desc["params"],
+        active_params=desc["matmul_active_params"], n_tokens=n_tokens, n_samples=samples,
+        dtype_bytes=dtype.itemsize, shard_size=shard_size,
+    )
+    print(f"data: {samples} samples, {n_tokens:,} tokens (mean {n_tokens / samples:.0f}, max {max_len}), "
+          f"{shards} shards of {shard_size}; output ~{plan.bytes_on_disk / 1e9:.2f} GB "
+          f"({plan.bytes_per_shard / 1e9:.2f} GB per shard); free disk {free / 1e9:.1f} GB in {workdir}")
+    if 2 * plan.bytes_per_shard > args.disk_fraction * free and not args.keep:
+        print(f"ERROR: two shards ({2 * plan.bytes_per_shard / 1e9:.1f} GB) exceed {args.disk_fraction:.0%} of free disk;"
+              " lower --samples or --shard-size")
+        return 2
+    if args.keep and n_tokens > budget_tokens:
+        print("ERROR: --keep would need more disk than allowed; lower --samples")
+        return 2
+
+    deadline = started + args.max_seconds
+
+    def guard(done: int, total: int) -> None:
+        if time.perf_counter() > deadline:
+            raise Deadline(f"--max-seconds {args.max_seconds} reached at {done}/{total} rows of the current shard")
+
+    out_dir = workdir / "hidden_states"
+    summaries, failures = [], 0
+    flops_params = desc["matmul_active_params"]
+    for shard in range(shards):
+        try:
+            s = extract_shard(
+                model, merged, shard_index=shard, shard_size=shard_size, out_dir=out_dir, aux_layers=aux,
+                max_tokens_per_batch=max_tpb, device=device, dtype=dtype, progress=guard,
+            )
+        except Deadline as exc:
+            print(f"stopped: {exc}")
+            break
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"ERROR: out of GPU memory in shard {shard} with --max-tokens-per-batch {max_tpb}; "
+                  f"retry with a smaller budget, e.g. {max_tpb // 2}. ({str(exc).splitlines()[0]})")
+            return 2
+        summaries.append(s)
+        tflops = 2 * flops_params * s.tokens / max(s.compute_seconds, 1e-9) / 1e12
+        print(f"shard {shard}: {s.rows} rows, {s.tokens:,} tokens in {s.seconds:.1f}s = {s.tokens_per_s:,.0f} tok/s "
+              f"end to end; compute {s.compute_seconds:.1f}s ({s.tokens / max(s.compute_seconds, 1e-9):,.0f} tok/s, "
+              f"{tflops:.0f} TFLOP/s), waited on disk {s.write_wait_seconds:.1f}s; {s.batches} batches, "
+              f"padding {s.padding_fraction:.1%}, {s.size_bytes / 1e9:.2f} GB, nonfinite samples {s.n_nonfinite_samples}")
+        tv = time.perf_counter()
+        checks = verify_shard(out_dir, shard, merged)
+        status = shard_status(out_dir, shard)
+        ok = all(c.passed for c in checks.values()) and status == "done"
+        failures += 0 if ok else 1
+        print(f"  verify ({time.perf_counter() - tv:.1f}s): status={status} "
+              + ", ".join(f"{k}={'ok' if c.passed else 'FAIL'} {c.failing}/{c.checked} {c.failing_sample_ids[:3]}"
+                          for k, c in checks.items()))
+        if not args.keep:
+            for p in shard_paths(out_dir, shard):
+                p.unlink(missing_ok=True)
+
+    if not summaries:
+        print("no shard completed before the deadline")
+        return 3
+    tokens = sum(s.tokens for s in summaries)
+    secs = sum(s.seconds for s in summaries)
+    compute = sum(s.compute_seconds for s in summaries)
+    # The first shard pays one-off costs (CUDA context, kernel selection); report steady state when there is one.
+    steady = summaries[1:] or summaries
+    st_tokens, st_compute = sum(s.tokens for s in steady), sum(s.compute_seconds for s in steady)
+    peak = H200_BF16_PEAK_TFLOPS * 1e12
+    print("\nRESULT")
+    print(f"  shards {len(summaries)}/{shards}, tokens {tokens:,}, end-to-end {tokens / secs:,.0f} tok/s, "
+          f"compute-only {tokens / compute:,.0f} tok/s")
+    for label, params in (("matmul params (no embedding lookup, no lm_head)", flops_params), ("all params", desc["params"])):
+        mfu = 2 * params * st_tokens / st_compute / peak
+        print(f"  FLOPs = 2 x {params / 1e9:.2f}B {label} x tokens: steady-state compute = {mfu:.1%} of "
+              f"{H200_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak (end to end {2 * params * tokens / secs / peak:.1%})")
+    if device == "cuda":
+        print(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(f"  verification: {'all shards passed' if not failures else f'{failures} shard(s) FAILED'}; "
+          f"total wall {time.perf_counter() - started:.0f}s")
+    if args.workdir is None and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
