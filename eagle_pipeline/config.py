@@ -326,6 +326,8 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         billing_row_rel_tolerance=v.get(a, "billing_row_rel_tolerance", (int, float), "audit", default=None),
         max_examples=v.get(a, "max_examples", int, "audit", default=5),
     )
+    for problem in _audit_problems(audit):
+        v.problem("audit", problem)
 
     m = v.section(raw, "merge")
     v.unknown(m, "merge", set(MergeConfig.__dataclass_fields__))
@@ -380,6 +382,32 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         merge=merge,
         hidden_states=hidden,
     )
+
+
+def audit_settings_dict(audit: AuditConfig) -> dict[str, Any]:
+    """The audit section as `AuditSettings.from_dict` takes it (unset tolerances keep the audit's defaults)."""
+    d: dict[str, Any] = {
+        "actions": dict(audit.actions),
+        "billing_aggregate_bound": audit.billing_aggregate_bound,
+        "max_examples": audit.max_examples,
+    }
+    if audit.billing_row_abs_tolerance is not None:
+        d["billing_row_abs_tolerance"] = audit.billing_row_abs_tolerance
+    if audit.billing_row_rel_tolerance is not None:
+        d["billing_row_rel_tolerance"] = audit.billing_row_rel_tolerance
+    return d
+
+
+def _audit_problems(audit: AuditConfig) -> list[str]:
+    """Gate names, origins and actions are checked by the audit itself, so the two never disagree."""
+    from eagle_pipeline.audit import AuditSettings, AuditSettingsError
+
+    try:
+        AuditSettings.from_dict(audit_settings_dict(audit))
+    except AuditSettingsError as exc:
+        lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")]
+        return lines or [str(exc)]
+    return []
 
 
 def _resolve(base: Path, value: str) -> Path:

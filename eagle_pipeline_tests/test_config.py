@@ -42,7 +42,7 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
             {"name": "B1", "prompts": "missing.jsonl", "domain": "coding", "backend": "nope", "limit": 0},
             {"name": "B1", "prompts": "missing.jsonl", "domain": "coding", "backend": "or", "max_tokens": "many"},
         ],
-        "audit": {"actions": {"ends_with_eot": "ignore"}},
+        "audit": {"actions": {"ends_with_eot": "ignore", "no_such_gate": "block"}},
         "merge": {"eval_fraction": 1.5, "caps": {"B9": 3}},
     }
     p = tmp_path / "pipeline.yaml"
@@ -62,6 +62,7 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
         "datasets[1].name: duplicate dataset name 'B1'",
         "datasets[1].max_tokens: expected int",
         "audit.actions.ends_with_eot: must be one of",
+        "no_such_gate",
         "merge.eval_fraction",
         "merge.caps.B9: unknown dataset",
     ]

@@ -136,21 +136,11 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
 
 
 def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
-    """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split."""
+    """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split, lengths."""
     import pyarrow.compute as pc
 
-    providers = {}
-    if table.num_rows:
-        for row in pc.value_counts(pc.fill_null(table.column("provider"), "unknown")).to_pylist():
-            providers[row["values"]] = row["counts"]
-    finish = {}
-    if table.num_rows:
-        for row in pc.value_counts(pc.fill_null(table.column("finish_reason"), "none")).to_pylist():
-            finish[row["values"]] = row["counts"]
-    errors_by_class = {}
-    if errors.num_rows:
-        for row in pc.value_counts(errors.column("error_class")).to_pylist():
-            errors_by_class[row["values"]] = row["counts"]
+    from eagle_pipeline.dashboards import histogram_markdown, text_lengths, value_counts
+
     spend = float(pc.sum(table.column("cost_usd")).as_py() or 0.0) if table.num_rows else 0.0
     completion = int(pc.sum(table.column("usage_completion_tokens")).as_py() or 0) if table.num_rows else 0
     return {
@@ -166,8 +156,16 @@ def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
         "spend_usd_this_run": round(float(summary.spend_usd), 6),
         "completion_tokens_total": completion,
         "errors_total": errors.num_rows,
-        "errors_by_class": dg.MetadataValue.json(errors_by_class),
-        "provider_split": dg.MetadataValue.json(providers),
-        "finish_reasons": dg.MetadataValue.json(finish),
+        "errors_by_class": dg.MetadataValue.json(value_counts(errors.column("error_class")) if errors.num_rows else {}),
+        "provider_split": dg.MetadataValue.json(value_counts(table.column("provider"), "unknown") if table.num_rows else {}),
+        "source_split": dg.MetadataValue.json(value_counts(table.column("source")) if table.num_rows else {}),
+        "finish_reasons": dg.MetadataValue.json(value_counts(table.column("finish_reason")) if table.num_rows else {}),
         "elapsed_s": round(float(summary.elapsed_s), 2),
+        "reasoning_content_lengths": dg.MetadataValue.md(
+            histogram_markdown(
+                {"reasoning": text_lengths(table.column("reasoning")), "content": text_lengths(table.column("content"))},
+                title="Reasoning and content length per response",
+                xlabel="characters",
+            )
+        ),
     }

@@ -2,7 +2,10 @@
 
 
 import dagster as dg
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
 
 from eagle_pipeline.audit_records import audit_problems
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
@@ -33,7 +36,7 @@ all_datasets_audited = ~AC.any_deps_match(
 def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.audit import GATES, run_audit
     from eagle_pipeline.hidden_states import num_shards
-    from eagle_pipeline.merge import MergeInput, MergeSettings, merge_datasets
+    from eagle_pipeline.merge import MergeInput, MergeSettings, merge_datasets, read_merged
 
     cfg = pipeline.config()
     root = pipeline.data_root()
@@ -82,9 +85,16 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         context.instance.add_dynamic_partitions(SHARD_PARTITIONS_NAME, new)
     for stale in sorted(existing - set(shards)):
         context.instance.delete_dynamic_partition(SHARD_PARTITIONS_NAME, stale)
+    overview = dataset_overview(root, cfg.dataset_names, manifest.rows_per_dataset)
+    merged = read_merged(root.merged_dir, columns=["dataset", "n_tokens"])
+    by_dataset = {ds: merged.filter(pc.equal(merged["dataset"], ds))["n_tokens"].to_numpy() for ds in cfg.dataset_names}
     return dg.MaterializeResult(
         metadata={
             "dagster/row_count": n_rows,
+            "per_dataset_overview": overview_table(overview),
+            "tokens_per_sample": dg.MetadataValue.md(
+                histogram_markdown(by_dataset, title="Merged: tokens per sample by dataset", xlabel="tokens")
+            ),
             "path": dg.MetadataValue.path(str(root.merged_dir)),
             "tokens_total": manifest.tokens_total,
             "supervised_tokens_total": manifest.supervised_tokens_total,
@@ -96,6 +106,15 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
             "config_hash": cfg.config_hash(),
             "hidden_state_shards": len(shards),
         }
+    )
+
+
+def overview_table(rows: list[dict]) -> dg.MetadataValue:
+    """The per-dataset overview as a Dagster table (one row per dataset)."""
+    types = {int: "int", float: "float", str: "string"}
+    columns = [dg.TableColumn(k, types.get(type(v), "string")) for k, v in rows[0].items()] if rows else []
+    return dg.MetadataValue.table(
+        records=[dg.TableRecord(r) for r in rows], schema=dg.TableSchema(columns=columns)
     )
 
 

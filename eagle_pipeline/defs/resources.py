@@ -50,15 +50,6 @@ class PipelineResource(dg.ConfigurableResource):
 
     def audit_settings(self):
         from eagle_pipeline.audit import AuditSettings
+        from eagle_pipeline.config import audit_settings_dict
 
-        a = self.config().audit
-        overrides = {
-            "actions": a.actions,
-            "billing_aggregate_bound": a.billing_aggregate_bound,
-            "max_examples": a.max_examples,
-        }
-        if a.billing_row_abs_tolerance is not None:
-            overrides["billing_row_abs_tolerance"] = a.billing_row_abs_tolerance
-        if a.billing_row_rel_tolerance is not None:
-            overrides["billing_row_rel_tolerance"] = a.billing_row_rel_tolerance
-        return AuditSettings.from_dict(overrides)
+        return AuditSettings.from_dict(audit_settings_dict(self.config().audit))

@@ -8,6 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline.audit_records import write_gate_record
+from eagle_pipeline.dashboards import histogram_markdown, list_lengths, value_counts
 from eagle_pipeline.defs.generation import responses
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
@@ -53,7 +54,7 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
 
     lengths = pc.list_value_length(table.column("output_ids"))
     prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
-    origin = {r["values"]: r["counts"] for r in pc.value_counts(table.column("ids_origin")).to_pylist()}
+    origin = value_counts(table.column("ids_origin"))
     context.log.info(f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind})")
     return dg.MaterializeResult(
         metadata={
@@ -69,6 +70,14 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "ids_origin": dg.MetadataValue.json(origin),
             "rows_with_literal_special_strings": int(pc.sum(table.column("literal_special").cast("int64")).as_py() or 0),
             "audit_summary": dg.MetadataValue.md(report_markdown(report)),
+            "rows_kept_after_filters": int(report.filter_mask.sum()),
+            "token_lengths": dg.MetadataValue.md(
+                histogram_markdown(
+                    {"prompt": list_lengths(table.column("prompt_ids")), "output": list_lengths(table.column("output_ids"))},
+                    title=f"{ds.name}: tokens per sample ({tok.name})",
+                    xlabel="tokens",
+                )
+            ),
             "sha256": digest,
         },
         data_version=dg.DataVersion(digest[:16]),

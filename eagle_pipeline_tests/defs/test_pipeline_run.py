@@ -58,6 +58,16 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
     mats = instance.fetch_materializations(dg.AssetKey("responses"), limit=10).records
     assert any(m.asset_materialization.metadata["simulated"].value is True for m in mats)
 
+    # Dashboards: histograms as inline images, and the per-dataset overview table on the merge.
+    tokens_meta = instance.fetch_materializations(dg.AssetKey("token_samples"), limit=1).records[0].asset_materialization.metadata
+    assert tokens_meta["token_lengths"].value.startswith("![") and "data:image/png;base64," in tokens_meta["token_lengths"].value
+    merged_meta = instance.fetch_materializations(dg.AssetKey("merged_dataset"), limit=1).records[0].asset_materialization.metadata
+    overview = {r.data["dataset"]: r.data for r in merged_meta["per_dataset_overview"].value.records}
+    assert set(overview) == {"B1", "B6"}
+    assert all(r["responses"] == 6 and r["token_samples"] == 6 and r["audit"] == "pass" for r in overview.values())
+    assert sum(r["merged_rows"] for r in overview.values()) == manifest["rows_total"]
+    assert overview["B1"]["spend_usd"] > 0
+
 
 def _probe_defs():
     """One job holding a dataset's whole path to the merge, so blocking is observed inside a single run."""
