@@ -17,12 +17,13 @@ from typing import Any
 
 import yaml
 
+from eagle_pipeline.generation.spec import BACKEND_KINDS, BackendSpec, SamplingSpec
+
 CONFIG_ENV = "EAGLE_PIPELINE_CONFIG"
 DATA_ROOT_ENV = "EAGLE_DATA_ROOT"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml"
 
-BACKEND_KINDS = ("openrouter", "vllm", "sglang", "simulated", "import")
 GATE_ACTIONS = ("block", "filter", "warn")
 PROVIDER_KEYS = ("order", "only", "ignore", "allow_fallbacks", "quantizations", "require_parameters", "data_collection", "sort")
 
@@ -38,43 +39,6 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.6
-    top_p: float = 0.95
-    seed: int | None = 0
-    max_tokens: int = 2048
-    thinking: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    name: str
-    kind: str
-    model: str
-    endpoint: str | None = None
-    concurrency: int = 256
-    rpm: int | None = None
-    provider: dict[str, Any] = field(default_factory=dict)
-    api_key_env: str | None = None
-    timeout_s: float = 600.0
-    max_retries: int = 8
-    circuit_breaker_failures: int = 50
-    price_per_m_prompt: float | None = None
-    price_per_m_completion: float | None = None
-    import_paths: tuple[str, ...] = ()
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    simulated: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["import_paths"] = list(self.import_paths)
-        return d
-
-
-@dataclass(frozen=True)
 class DatasetConfig:
     name: str
     prompts: Path
@@ -82,7 +46,7 @@ class DatasetConfig:
     tools: bool
     backend: str
     limit: int | None
-    sampling: SamplingConfig
+    sampling: SamplingSpec
     budget_usd: float | None = None
 
 
@@ -139,7 +103,7 @@ class PipelineConfig:
     source: Path
     data_root: Path
     target: TargetConfig
-    backends: dict[str, BackendConfig]
+    backends: dict[str, BackendSpec]
     datasets: dict[str, DatasetConfig]
     generation: GenerationSettings
     audit: AuditConfig
@@ -205,14 +169,14 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
     )
     v.unknown(t, "target", {"tokenizer", "profile", "model_config"})
 
-    backends: dict[str, BackendConfig] = {}
+    backends: dict[str, BackendSpec] = {}
     braw = v.section(raw, "backends", required=True)
     for name, b in braw.items():
         path = f"backends.{name}"
         if not isinstance(b, dict):
             v.problem(path, "expected a mapping")
             continue
-        allowed = set(BackendConfig.__dataclass_fields__) - {"name"}
+        allowed = set(BackendSpec.__dataclass_fields__) - {"name"}
         v.unknown(b, path, allowed)
         kind = v.get(b, "kind", str, path, required=True, default="simulated")
         if kind not in BACKEND_KINDS:
@@ -235,17 +199,19 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         concurrency = v.get(b, "concurrency", int, path, default=2000 if kind == "openrouter" else 256)
         if concurrency is not None and concurrency < 1:
             v.problem(f"{path}.concurrency", "must be >= 1")
-        backends[name] = BackendConfig(
+        fields = dict(
             name=name,
             kind=kind,
             model=v.get(b, "model", str, path, required=kind != "import", default=""),
             endpoint=endpoint,
             concurrency=concurrency,
-            rpm=v.get(b, "rpm", int, path, default=None),
+            rpm=v.get(b, "rpm", (int, float), path, default=None),
             provider=provider,
             api_key_env=api_key_env,
             timeout_s=float(v.get(b, "timeout_s", (int, float), path, default=600.0)),
             max_retries=v.get(b, "max_retries", int, path, default=8),
+            backoff_base_s=float(v.get(b, "backoff_base_s", (int, float), path, default=2.0)),
+            backoff_max_s=float(v.get(b, "backoff_max_s", (int, float), path, default=120.0)),
             circuit_breaker_failures=v.get(b, "circuit_breaker_failures", int, path, default=50),
             price_per_m_prompt=v.get(b, "price_per_m_prompt", (int, float), path, default=None),
             price_per_m_completion=v.get(b, "price_per_m_completion", (int, float), path, default=None),
@@ -253,6 +219,12 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
             extra_body=v.get(b, "extra_body", dict, path, default={}) or {},
             simulated=v.get(b, "simulated", dict, path, default={}) or {},
         )
+        if kind in BACKEND_KINDS:
+            try:
+                backends[name] = BackendSpec(**fields)
+            except ValueError as exc:  # already reported above in most cases; keep any the spec adds
+                if not any(p.startswith(path) for p in v.problems):
+                    v.problem(path, str(exc))
 
     datasets: dict[str, DatasetConfig] = {}
     draw = v.get(raw, "datasets", list, "", required=True, default=[]) or []
@@ -279,11 +251,11 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         if limit is not None and limit < 1:
             v.problem(f"{path}.limit", "must be >= 1 (or omitted for all prompts)")
         s = v.get(d, "sampling", dict, path, default={}) or {}
-        v.unknown(s, f"{path}.sampling", set(SamplingConfig.__dataclass_fields__) - {"max_tokens"})
+        v.unknown(s, f"{path}.sampling", set(SamplingSpec.__dataclass_fields__) - {"max_tokens"})
         max_tokens = v.get(d, "max_tokens", int, path, default=2048)
         if max_tokens is not None and max_tokens < 1:
             v.problem(f"{path}.max_tokens", "must be >= 1")
-        sampling = SamplingConfig(
+        sampling = SamplingSpec(
             temperature=float(v.get(s, "temperature", (int, float), f"{path}.sampling", default=0.6)),
             top_p=float(v.get(s, "top_p", (int, float), f"{path}.sampling", default=0.95)),
             seed=v.get(s, "seed", int, f"{path}.sampling", default=0),

@@ -42,32 +42,35 @@ def prompts(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
     )
 
 
-@contextlib.contextmanager
-def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[object, bool]]:
-    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step."""
-    from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer
+def provider_token_counters(tok, profile):
+    """Token counters that bill like a real provider: completion and prompt tokens of the target tokenizer."""
     from eagle_pipeline.tokens import reconstruct_output, render_prompt_ids
 
-    cfg = pipeline.config()
-    b = cfg.backends[backend_name]
-    spec = BackendSpec(**b.to_dict())
-    if b.kind != "simulated" or b.endpoint:
-        yield spec, b.kind == "simulated"
-        return
-    tok, profile = pipeline.tokenizer(), pipeline.profile()
-
-    # The simulated provider bills like a real one: completion tokens counted with the target tokenizer.
     def count_completion(reasoning: str, content: str, tool_calls: list) -> int:
         return len(reconstruct_output(tok, profile, reasoning=reasoning, content=content, tool_calls=tool_calls).ids)
 
     def count_prompt(messages: list, tools: list | None) -> int:
         return len(render_prompt_ids(tok, messages, tools))
 
-    options = dict(b.simulated)
-    options.setdefault("price_per_m_prompt", b.price_per_m_prompt or 0.0)
-    options.setdefault("price_per_m_completion", b.price_per_m_completion or 0.0)
+    return count_completion, count_prompt
+
+
+@contextlib.contextmanager
+def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[object, bool]]:
+    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step."""
+    from eagle_pipeline.generation import SimulatedOpenRouterServer
+
+    cfg = pipeline.config()
+    spec = cfg.backends[backend_name]
+    if spec.kind != "simulated" or spec.endpoint:
+        yield spec, spec.kind == "simulated"
+        return
+    count_completion, count_prompt = provider_token_counters(pipeline.tokenizer(), pipeline.profile())
+    options = dict(spec.simulated)
+    options.setdefault("price_per_m_prompt", spec.price_per_m_prompt or 0.0)
+    options.setdefault("price_per_m_completion", spec.price_per_m_completion or 0.0)
     with SimulatedOpenRouterServer(
-        count_completion_tokens=count_completion, count_prompt_tokens=count_prompt, model=b.model, **options
+        count_completion_tokens=count_completion, count_prompt_tokens=count_prompt, model=spec.model, **options
     ) as server:
         yield dataclasses.replace(spec, endpoint=server.url), True
 
@@ -85,7 +88,7 @@ def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tup
     ),
 )
 def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.generation import SamplingSpec, generate_dataset, read_errors, read_responses
+    from eagle_pipeline.generation import generate_dataset, read_errors, read_responses
     from eagle_pipeline.tokens import render_prompt_ids
 
     cfg = pipeline.config()
@@ -107,11 +110,12 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             dataset=ds.name,
             prompts=prompt_table,
             backend=spec,
-            sampling=SamplingSpec(**ds.sampling.to_dict()),
+            sampling=ds.sampling,
             out_dir=root.responses_dir(ds.name),
             errors_dir=root.errors_dir(ds.name),
             render_prompt_ids=render,
-            budget_usd=ds.budget_usd if ds.budget_usd is not None else cfg.generation.budget_usd,
+            budget_usd=ds.budget_usd,
+            run_budget=pipeline_budget(cfg, root),
             commit_every_rows=cfg.generation.commit_every_rows,
             commit_every_s=cfg.generation.commit_every_s,
             progress=lambda event: context.log.info(f"{ds.name}: {event.format()}"),
@@ -133,6 +137,22 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
     missing = prompt_table.num_rows - table.num_rows
     context.log.info(f"{ds.name}: {table.num_rows} responses committed, {missing} missing, {summary.failed} failed")
     return dg.MaterializeResult(metadata=metadata)
+
+
+def pipeline_budget(cfg, root):
+    """The pipeline-wide spend cap (generation.budget_usd), counting every dataset's committed spend so far.
+
+    Committed rows are durable, so the cap holds across runs, resumes and datasets running in parallel runs
+    (up to the spend of requests in flight at the same moment in other runs).
+    """
+    from eagle_pipeline.generation import SpendTracker
+    from eagle_pipeline.generation.store import committed_sample_ids
+
+    if cfg.generation.budget_usd is None:
+        return None
+    tracker = SpendTracker(budget_usd=cfg.generation.budget_usd)
+    tracker.add(sum(committed_sample_ids(root.responses_dir(ds))[1] for ds in cfg.dataset_names))
+    return tracker
 
 
 def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:

@@ -519,7 +519,7 @@ class SimulatedOpenRouterServer(_LoopbackServer):
         fault = self.plan.status_fault(key, attempt, n_seen)
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
-        ok = lambda: self._answer_bytes(body, messages, key, attempt, n_seen)  # noqa: E731
+        ok = lambda: self._answer_bytes(body, attempt, n_seen)  # noqa: E731
         if fault is not None:
             resp = await self._status_fault_response(request, fault, ok, echo)
             if resp is not None:
@@ -594,7 +594,7 @@ class SimulatedOpenRouterServer(_LoopbackServer):
         }
         return out
 
-    def _answer_bytes(self, body: dict[str, Any], messages: list, key: str, attempt: int, n_seen: int) -> bytes:
+    def _answer_bytes(self, body: dict[str, Any], attempt: int, n_seen: int) -> bytes:
         return json.dumps(self.answer(body, attempt=attempt, n_seen=n_seen), ensure_ascii=False).encode()
 
 

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.definitions import build_defs
+from eagle_pipeline.generation import read_responses
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
@@ -53,7 +54,7 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
     assert len(list(root.hidden_states_dir.glob("shard-*.safetensors"))) == 3
     assert (root.draft_vocab_dir / "d2t.npy").exists() and (root.draft_vocab_dir / "t2d.npy").exists()
     assert (root.exports_dir / "manifest.json").exists()
-    rows = pq.read_table(root.responses_dir("B1")).to_pylist()
+    rows = read_responses(root.responses_dir("B1")).to_pylist()
     assert {r["source"] for r in rows} == {"simulated"}
     mats = instance.fetch_materializations(dg.AssetKey("responses"), limit=10).records
     assert any(m.asset_materialization.metadata["simulated"].value is True for m in mats)

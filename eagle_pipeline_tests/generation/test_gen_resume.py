@@ -49,7 +49,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
     key_of = {sid: request_key(mj, SAMPLING.seed) for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())}
     out, _ = out_dirs(tmp_path)
     committed_after_kill = []
-    with SimulatedOpenRouterServer(latency_s=0.01, faults={"http_500": 0.1, "cut_body": 0.05}) as srv:
+    with SimulatedOpenRouterServer(latency_s=0.03, faults={"http_500": 0.1, "cut_body": 0.05}) as srv:
         for attempt in range(4):
             before_ids, _ = _committed(out)
             before_keys = {key_of[s] for s in before_ids}

@@ -1,0 +1,204 @@
+"""The Dagster webserver end to end: dataset runs launched and read back through its GraphQL API.
+
+B1 runs on the clean simulated backend, B6 on one that over-bills every response (see conftest.py). What the UI
+shows comes from these same queries, so this is what an operator would see in the asset and check pages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from eagle_pipeline.audit import GATES
+from eagle_pipeline.audit_records import gate_record_path
+from eagle_pipeline.storage import DataRoot
+from eagle_pipeline_tests.ui.conftest import FAILING, FAULTY_BACKEND, PASSING, ROWS, RUN_QUERY
+
+pytestmark = pytest.mark.slow
+
+MATERIALIZATIONS = """
+query Materializations($path: [String!]!, $partitions: [String!]) {
+  assetOrError(assetKey: {path: $path}) {
+    __typename
+    ... on Asset {
+      assetMaterializations(partitions: $partitions, limit: 50) {
+        partition
+        runId
+        metadataEntries {
+          label
+          ... on IntMetadataEntry { intValue }
+          ... on TextMetadataEntry { text }
+          ... on BoolMetadataEntry { boolValue }
+        }
+      }
+    }
+  }
+}
+"""
+
+CHECK_EXECUTIONS = """
+query CheckExecutions($path: [String!]!, $check: String!, $partition: String) {
+  assetCheckExecutions(assetKey: {path: $path}, checkName: $check, partition: $partition, limit: 20) {
+    runId
+    status
+    partition
+    evaluation {
+      success
+      severity
+      description
+      partition
+      metadataEntries {
+        label
+        ... on IntMetadataEntry { intValue }
+        ... on FloatMetadataEntry { floatValue }
+        ... on TextMetadataEntry { text }
+      }
+    }
+  }
+}
+"""
+
+ASSET_CHECKS = """
+query AssetChecks {
+  assetNodeOrError(assetKey: {path: ["token_samples"]}) {
+    __typename
+    ... on AssetNode {
+      partitionKeys
+      assetChecksOrError { __typename ... on AssetChecks { checks { name blocking } } }
+    }
+  }
+}
+"""
+
+
+def _metadata(entries: list[dict]) -> dict:
+    out = {}
+    for e in entries:
+        for key in ("intValue", "floatValue", "text", "boolValue"):
+            if key in e:
+                out[e["label"]] = e[key]
+    return out
+
+
+def _materializations(dagster_ui, asset: str) -> dict[str, dict]:
+    """partition -> metadata of the materialization made by this session's run of that partition."""
+    data = dagster_ui.gql(MATERIALIZATIONS, {"path": [asset], "partitions": [PASSING, FAILING]})["assetOrError"]
+    assert data["__typename"] == "Asset", data
+    ours = {p: r["runId"] for p, r in dagster_ui.runs.items()}
+    return {
+        m["partition"]: _metadata(m["metadataEntries"])
+        for m in data["assetMaterializations"]
+        if ours.get(m["partition"]) == m["runId"]
+    }
+
+
+def _executions(dagster_ui, check: str, partition: str) -> list[dict]:
+    return dagster_ui.gql(CHECK_EXECUTIONS, {"path": ["token_samples"], "check": check, "partition": partition})[
+        "assetCheckExecutions"
+    ]
+
+
+def _execution_in_run(dagster_ui, check: str, partition: str) -> dict:
+    run_id = dagster_ui.runs[partition]["runId"]
+    matching = [e for e in _executions(dagster_ui, check, partition) if e["runId"] == run_id]
+    assert len(matching) == 1, f"{check}[{partition}]: {matching}"
+    return matching[0]
+
+
+def test_the_code_location_exposes_every_audit_gate_as_a_blocking_partitioned_check(dagster_ui):
+    node = dagster_ui.gql(ASSET_CHECKS)["assetNodeOrError"]
+    assert node["__typename"] == "AssetNode", node
+    assert set(node["partitionKeys"]) == {PASSING, FAILING}  # the datasets of the configuration in force
+    checks = node["assetChecksOrError"]
+    assert checks["__typename"] == "AssetChecks", checks
+    assert {c["name"]: c["blocking"] for c in checks["checks"]} == {g.name: True for g in GATES}
+
+
+def test_the_clean_dataset_run_succeeds_and_the_over_billed_one_fails_on_its_billing_audit(dagster_ui):
+    passing, failing = dagster_ui.runs[PASSING], dagster_ui.runs[FAILING]
+    assert passing["status"] == "SUCCESS", dagster_ui.log_tail()
+    assert {s["status"] for s in passing["stepStats"]} == {"SUCCESS"}
+    assert failing["status"] == "FAILURE", dagster_ui.log_tail()
+    steps = {s["stepKey"]: s["status"] for s in failing["stepStats"]}
+    # The asset itself materialises; only its blocking billing check fails, and no other gate fails with it.
+    assert steps["prompts"] == steps["responses"] == steps["token_samples"] == "SUCCESS"
+    assert steps["token_samples_billing_agreement"] == "FAILURE"
+    others = {k: v for k, v in steps.items() if k != "token_samples_billing_agreement"}
+    assert set(others.values()) == {"SUCCESS"}, others
+    for run, partition in ((passing, PASSING), (failing, FAILING)):
+        tags = {t["key"]: t["value"] for t in run["tags"]}
+        assert tags["dagster/partition"] == partition
+
+
+def test_the_failed_audit_run_is_not_retried(dagster_ui):
+    """dagster.yaml retries runs, but not ones that failed in a step: re-running cannot fix over-billed data."""
+    run_id = dagster_ui.runs[FAILING]["runId"]
+    deadline = time.monotonic() + 30  # the run worker tags the run right after it fails
+    while True:
+        tags = {t["key"]: t["value"] for t in dagster_ui.gql(RUN_QUERY, {"runId": run_id})["runOrError"]["tags"]}
+        if "dagster/will_retry" in tags or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert tags.get("dagster/will_retry") == "false", tags
+    assert tags.get("dagster/failure_reason") == "STEP_FAILURE", tags
+
+
+@pytest.mark.parametrize("asset", ["prompts", "responses", "token_samples"])
+def test_both_partitions_are_materialized(dagster_ui, asset):
+    mats = _materializations(dagster_ui, asset)
+    assert set(mats) == {PASSING, FAILING}, mats
+    for partition, meta in mats.items():
+        assert meta["dagster/row_count"] == ROWS, (partition, meta)
+
+
+def test_responses_record_which_backend_generated_each_dataset(dagster_ui):
+    mats = _materializations(dagster_ui, "responses")
+    assert mats[PASSING]["backend"] == "simulated"
+    assert mats[FAILING]["backend"] == FAULTY_BACKEND
+    assert mats[PASSING]["simulated"] is True and mats[FAILING]["simulated"] is True
+
+
+def test_billing_agreement_passes_for_the_clean_dataset_and_fails_for_the_over_billed_one(dagster_ui):
+    ok = _execution_in_run(dagster_ui, "billing_agreement", PASSING)
+    assert ok["status"] == "SUCCEEDED" and ok["partition"] == PASSING
+    assert ok["evaluation"]["success"] is True
+    meta = _metadata(ok["evaluation"]["metadataEntries"])
+    assert meta["rows_checked"] == ROWS and meta["rows_failing"] == 0
+
+    bad = _execution_in_run(dagster_ui, "billing_agreement", FAILING)
+    assert bad["status"] == "FAILED" and bad["partition"] == FAILING
+    evaluation = bad["evaluation"]
+    assert evaluation["success"] is False
+    assert evaluation["severity"] == "ERROR"  # blocking severity, not a warning
+    assert evaluation["description"] == "FAIL (blocks)"
+    meta = _metadata(evaluation["metadataEntries"])
+    assert meta["rows_checked"] == ROWS and meta["rows_failing"] == ROWS  # +15% billed on every response
+    assert meta["failure_rate"] == pytest.approx(1.0)
+
+    # Per-partition history: the partition filter returns only that dataset's evaluations.
+    assert {e["partition"] for e in _executions(dagster_ui, "billing_agreement", FAILING)} == {FAILING}
+
+
+@pytest.mark.parametrize("partition", [PASSING, FAILING])
+def test_a_passing_gate_passes_for_both_datasets(dagster_ui, partition):
+    execution = _execution_in_run(dagster_ui, "ends_with_eot", partition)
+    assert execution["status"] == "SUCCEEDED"
+    assert execution["evaluation"]["success"] is True
+    assert _metadata(execution["evaluation"]["metadataEntries"])["rows_checked"] == ROWS
+
+
+def test_every_other_gate_passed_on_the_over_billed_dataset(dagster_ui):
+    statuses = {g.name: _execution_in_run(dagster_ui, g.name, FAILING)["status"] for g in GATES}
+    assert statuses.pop("billing_agreement") == "FAILED"
+    assert set(statuses.values()) == {"SUCCEEDED"}, statuses
+
+
+def test_the_verdicts_on_disk_match_what_the_ui_shows(dagster_ui):
+    """The cross-run merge gate reads these records; they must agree with the check results in the instance."""
+    root = DataRoot(dagster_ui.data_root)
+    bad = json.loads(gate_record_path(root, FAILING, "billing_agreement").read_text())
+    good = json.loads(gate_record_path(root, PASSING, "billing_agreement").read_text())
+    assert bad["blocking_failed"] is True and bad["failing"] == ROWS
+    assert good["blocking_failed"] is False and good["failing"] == 0
