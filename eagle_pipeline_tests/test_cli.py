@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -87,6 +89,10 @@ def test_reconstruct_then_audit(kimi, tmp_path):
     assert rows["s2"]["n_tool_calls"] == 1 and rows["s2"]["dataset_has_tools"] and not rows["s1"]["dataset_has_tools"]
     assert rows["s3"]["literal_special"] and rows["s4"]["finish_reason"] == "length"
     assert len({r["prompt_key"] for r in rows.values()}) == 4  # no prompt given: keys must not collide
+    # The digest of the text the ids must decode to, computed from the response text.
+    assert rows["s1"]["output_text_sha256"] == hashlib.sha256("Let me think.</think>Hello!<|im_end|>".encode()).hexdigest()
+    for r in rows.values():
+        assert r["output_text_sha256"] == hashlib.sha256(tok.decode_bytes(r["output_ids"])).hexdigest()
 
     report_path = tmp_path / "report.json"
     kept = tmp_path / "kept.parquet"
@@ -99,6 +105,7 @@ def test_reconstruct_then_audit(kimi, tmp_path):
     assert gates["not_truncated"]["action"] == "filter" and report["excluded_counts"] == {"not_truncated": 1}
     assert all(g["failing"] == 0 for name, g in gates.items() if name != "not_truncated")
     assert {"checked", "failing", "failing_sample_ids", "action", "passed"} <= set(gates["round_trip"])
+    assert gates["text_agreement"]["checked"] == 4 and gates["text_agreement"]["action"] == "block"
     assert pq.read_table(kept).column("sample_id").to_pylist() == ["s1", "s2", "s3"]
     assert "not_truncated" in res.stdout and "PASSED" in res.stdout
 
@@ -126,6 +133,53 @@ def test_audit_blocks_on_billing_and_set_overrides(kimi, tmp_path):
     assert json.loads(report_path.read_text())["settings"]["billing_aggregate_bound"] == 0.5
 
 
+def _reconstruct(kdir, tok, ids, tmp_path) -> Path:
+    src = _write(tmp_path / "responses.jsonl", _lines(tok, ids))
+    out = tmp_path / "tokens.parquet"
+    res = run_cli("reconstruct", "--tokenizer", str(kdir), "--in", str(src), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def test_audit_blocks_an_id_off_by_one(kimi, tmp_path):
+    """One ordinary id moved by one ("me" -> "un") is still canonical BPE, so round_trip passes it; the text digest
+    recorded at reconstruction does not match, and text_agreement blocks."""
+    kdir, tok, ids = kimi
+    out = _reconstruct(kdir, tok, ids, tmp_path)
+    table = pq.read_table(out)
+    outputs = table.column("output_ids").to_pylist()
+    outputs[0][1] += 1
+    tampered = tmp_path / "tampered.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("output_ids"), "output_ids",
+                                    pa.array(outputs, pa.list_(pa.int32()))), tampered)
+    report_path = tmp_path / "report.json"
+    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(tampered), "--report", str(report_path))
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(report_path.read_text())
+    assert report["blocking_failed"] == ["text_agreement"]
+    gate = report["gates"]["text_agreement"]
+    assert gate["failing_sample_ids"] == ["s1"] and gate["details"]["problems"] == {"digest_mismatch": 1}
+    assert report["gates"]["round_trip"]["failing"] == 0
+    assert "text_agreement" in res.stdout and "BLOCKED by text_agreement" in res.stdout
+    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(tampered), "--report", str(report_path),
+                  "--set", "text_agreement=warn")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_audit_of_a_file_without_digests(kimi, tmp_path):
+    """Token samples written before output_text_sha256 existed still audit; text_agreement then checks nothing."""
+    kdir, tok, ids = kimi
+    out = _reconstruct(kdir, tok, ids, tmp_path)
+    old = tmp_path / "old.parquet"
+    pq.write_table(pq.read_table(out).drop_columns(["output_text_sha256"]), old)
+    report_path = tmp_path / "report.json"
+    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(old), "--report", str(report_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    gate = json.loads(report_path.read_text())["gates"]["text_agreement"]
+    assert gate["checked"] == 0 and gate["details"]["digest_column"] == "absent"
+    assert "no output_text_sha256 column" in res.stderr
+
+
 def test_returned_ids_are_kept(tmp_path):
     """A vLLM body with token ids keeps them (ids_origin 'returned'); the demo tokenizer needs no files."""
     b = body("r", "c", usage=3)
@@ -138,6 +192,7 @@ def test_returned_ids_are_kept(tmp_path):
     row = pq.read_table(out).to_pylist()[0]
     assert row["ids_origin"] == "returned" and row["output_ids"] == [100, 2327, 101, 2306]
     assert row["prompt_ids"] == [1, 2, 3] and row["dataset"] == "B7"
+    assert row["output_text_sha256"] is None  # the server's text is not the exact decoding of its ids
     assert not row["prompt_key"].startswith("sample:")
 
 

@@ -1,11 +1,13 @@
 """Gate implementations. Each takes the shared AuditContext and returns which rows it checked and which failed.
 
-All gates but two are pure numpy over the event list (see context.py). `tool_sections_well_formed` loops over the
-rows that hold tool ids (to decode ids and JSON arguments); `round_trip` loops over rows to decode and re-encode.
+All gates but three are pure numpy over the event list (see context.py). `tool_sections_well_formed` loops over the
+rows that hold tool ids (to decode ids and JSON arguments); `round_trip` loops over rows to decode and re-encode;
+`text_agreement` loops over rows that carry a text digest to decode and hash them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import pyarrow as pa
 
 from eagle_pipeline.audit.context import (
     ARG_BEGIN,
@@ -29,6 +32,8 @@ from eagle_pipeline.audit.context import (
     TOOL_CODES,
     AuditContext,
 )
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -441,6 +446,59 @@ def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
     return Outcome(checked, fail, pos, details, reasons)
 
 
+# ---- text agreement ----------------------------------------------------------------------------------------------
+
+
+def gate_text_agreement(ctx: AuditContext, settings: Any) -> Outcome:
+    """Rows with an `output_text_sha256` must decode (decode_bytes, specials as their strings) to bytes with that
+    sha256. The digest was computed from the source text when the row was built, so this compares the ids with the
+    text they claim to encode. Rows without a digest (returned ids, older files) are not checked."""
+    n = ctx.n
+    fail = np.zeros(n, dtype=bool)
+    pos = np.zeros(n, dtype=np.int64)  # a digest does not say where the bytes differ: excerpt the row's start
+    reasons: dict[int, str] = {}
+    kinds: Counter[str] = Counter()
+    found = ctx.text_digests
+    if found is None:
+        details: dict[str, Any] = {"problems": {}, "digest_column": "absent", "rows_without_digest": n}
+        return Outcome(np.zeros(n, dtype=bool), fail, pos, details)
+    checked, col = found
+    rows = np.flatnonzero(checked)
+    # Only the checked rows' digests become Python strings.
+    digests = col.filter(pa.array(checked)).to_pylist() if rows.size else []
+    decode_bytes = ctx.tokenizer.decode_bytes
+    offs, vals = ctx.offsets, ctx.values
+
+    def mark(row: int, kind: str, reason: str) -> None:
+        fail[row] = True
+        kinds[kind] += 1
+        if len(reasons) < settings.max_examples:
+            reasons[row] = reason
+
+    for row, want in zip(rows.tolist(), digests):
+        want = want.strip().lower()
+        if not _HEX64.match(want):
+            mark(row, "malformed_digest", "output_text_sha256 is not 64 hex digits")
+            continue
+        try:
+            data = decode_bytes(vals[offs[row] : offs[row + 1]])
+        except (KeyError, OverflowError, ValueError, TypeError):
+            # An id the tokenizer cannot decode (ids_in_vocab names it): these ids cannot be the text.
+            mark(row, "undecodable", "output_ids do not decode (an id outside the vocabulary)")
+            continue
+        if hashlib.sha256(data).hexdigest() != want:
+            mark(row, "digest_mismatch", f"output_ids decode to {len(data)} bytes whose sha256 differs from "
+                                         "output_text_sha256")
+    origin = ctx.origin
+    details = {
+        "problems": dict(kinds.most_common()),
+        "digest_column": "present",
+        "rows_without_digest": int(n - rows.size),
+        "rows_without_digest_reconstructed": int(np.count_nonzero(~checked & (origin == 0))),
+    }
+    return Outcome(checked, fail, pos, details, reasons)
+
+
 def _token_at_byte(tok: Any, span: list[int], byte: int) -> int:
     total = 0
     for k, t in enumerate(span):
@@ -461,6 +519,7 @@ GATE_FUNCTIONS: dict[str, Callable[[AuditContext, Any], Outcome]] = {
     "tool_tokens_declared": gate_tool_tokens_declared,
     "tool_sections_well_formed": gate_tool_sections_well_formed,
     "round_trip": gate_round_trip,
+    "text_agreement": gate_text_agreement,
     "billing_agreement": gate_billing_agreement,
     "not_truncated": gate_not_truncated,
 }

@@ -115,6 +115,17 @@ GATES: tuple[GateSpec, ...] = (
         returned="warn",
     ),
     _spec(
+        "text_agreement",
+        "Output ids decode to exactly the source text",
+        "Rows carrying output_text_sha256 (reconstructed rows: the sha256 of the API text laid out as reasoning "
+        "</think> content [tool section] <|im_end|>, computed from the text, not the ids, when the row was built) "
+        "must decode (specials as their strings) to bytes with that digest. Catches every id that changes the "
+        "decoded text, including an ordinary or special id off by one that is itself canonical BPE (which "
+        "round_trip misses), shifted vocabularies, and ids mixed up between rows. Rows without a digest (returned "
+        "ids) are not checked.",
+        "block",
+    ),
+    _spec(
         "billing_agreement",
         "Token counts agree with the provider's bill",
         "Per row |len(output_ids) - usage_completion_tokens| must be within max(abs, rel*usage); in aggregate the "

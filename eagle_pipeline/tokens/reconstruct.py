@@ -5,10 +5,15 @@ ending in the generation prompt: `reasoning </think> content [tool-call section]
 ModelProfile for others). Structural tokens become their special ids; every piece of text is encoded with
 `encode_ordinary`, so a special-token string the model *typed* (e.g. a literal "<|im_end|>" in an answer about chat
 templates) stays ordinary tokens and the row is flagged `literal_special`.
+
+Each reconstructed row also records `output_text_sha256`: the sha256 of the exact bytes its output ids must decode
+to, computed from the source text pieces and the structural tokens' strings (never from the ids). The audit's
+`text_agreement` gate decodes the ids and compares, so any id that changes the decoded text is caught.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
 from dataclasses import dataclass
@@ -39,6 +44,9 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
         ("n_tool_calls", pa.int32()),
         ("literal_special", pa.bool_()),
         ("prompt_key", pa.string()),
+        # sha256 hex of the bytes output_ids must decode to (tokenizer.decode_bytes), computed from the source text,
+        # not from the ids; null where the pipeline does not know that text exactly (returned ids).
+        ("output_text_sha256", pa.string()),
     ]
 )
 
@@ -48,11 +56,13 @@ IDS_RETURNED = "returned"
 
 @dataclass
 class Reconstruction:
-    """Reconstructed output ids, whether the text held a literal special-token string, and the tool-call count."""
+    """Reconstructed output ids, whether the text held a literal special-token string, the tool-call count, and
+    `text_sha256`: sha256 hex of the bytes `ids` must decode to, computed from the text (see `plan_text_sha256`)."""
 
     ids: list[int]
     literal_special: bool
     n_tool_calls: int
+    text_sha256: str | None = None
 
 
 # A plan is a list of parts: str = text to encode ordinarily, int = a structural special id. Adjacent texts are
@@ -83,6 +93,39 @@ class _Plan:
 
 
 _resolved: "weakref.WeakKeyDictionary[TargetTokenizer, dict[ModelProfile, ProfileIds]]" = weakref.WeakKeyDictionary()
+
+
+def _special_strings(pids: ProfileIds) -> dict[int, bytes]:
+    """Structural id -> the UTF-8 of its token string, taken from the profile (not from the tokenizer's decoder)."""
+    prof = pids.profile
+    pairs = (
+        (pids.think_open_id, prof.think_open),
+        (pids.think_close_id, prof.think_close),
+        (pids.eot_id, prof.eot),
+        (pids.tool_section_begin_id, prof.tool_section_begin),
+        (pids.tool_section_end_id, prof.tool_section_end),
+        (pids.tool_call_begin_id, prof.tool_call_begin),
+        (pids.tool_call_end_id, prof.tool_call_end),
+        (pids.tool_arg_begin_id, prof.tool_arg_begin),
+    )
+    return {int(i): s.encode("utf-8") for i, s in pairs if i is not None and s is not None}
+
+
+def _text_bytes(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Lone surrogates: encode_ordinary replaces them with U+FFFD (as tiktoken does), so the ids decode to that.
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
+def plan_text_sha256(parts: Sequence[Part], special_strings: Mapping[int, bytes]) -> str:
+    """sha256 hex of the bytes a plan's ids must decode to: the UTF-8 of each text piece and each structural token's
+    string, in order. Computed from the text, independently of how (or whether correctly) it was encoded."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(_text_bytes(p) if isinstance(p, str) else special_strings[p])
+    return h.hexdigest()
 
 
 def _as_profile_ids(tokenizer: TargetTokenizer, profile: ProfileIds | ModelProfile | str) -> ProfileIds:
@@ -201,7 +244,8 @@ def reconstruct_output(
     # literal_special looks at exactly the text that is encoded ordinarily (reasoning, content, tool ids/arguments);
     # the few separators profiles add ("\n", '{"name": "') cannot complete a special-token string.
     literal = any(map(tokenizer.contains_special_string, texts))
-    return Reconstruction(_assemble(plan.parts, encoded), literal, plan.n_tool_calls)
+    digest = plan_text_sha256(plan.parts, _special_strings(pids))
+    return Reconstruction(_assemble(plan.parts, encoded), literal, plan.n_tool_calls, digest)
 
 
 def ids_contain_literal_special(tokenizer: TargetTokenizer, ids: Sequence[int] | np.ndarray) -> bool:
@@ -244,7 +288,9 @@ def reconstruct_table(
     """The token-samples table (TOKEN_SAMPLES_SCHEMA) for a responses table.
 
     Rows with `output_token_ids` keep the server's ids (ids_origin='returned'); the others are reconstructed from
-    their text ('reconstructed'). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
+    their text ('reconstructed') and get `output_text_sha256`, the digest of the bytes their ids must decode to,
+    computed from that text. Returned rows get null there: the server's text fields are not the exact decoding of
+    its ids (see docs/tokens.md). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
     rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). All texts are
     encoded in one batch. Raises ValueError naming the sample_id and field of a malformed row.
     """
@@ -268,6 +314,8 @@ def reconstruct_table(
     prompt_keys: list[str] = []
     plans: list[_Plan | None] = []
     texts: list[str] = []
+    digests: list[str | None] = []
+    special_strings = _special_strings(pids)
 
     for i in range(n):
         sid = col["sample_id"][i]
@@ -295,6 +343,7 @@ def reconstruct_table(
 
         if returned_output[i] is not None:
             plans.append(None)
+            digests.append(None)
             continue
         calls = _parse_json(col["tool_calls_json"][i], sid, "tool_calls_json")
         if calls is not None and not isinstance(calls, list):
@@ -304,6 +353,7 @@ def reconstruct_table(
         )
         plans.append(plan)
         texts.extend(plan.texts())
+        digests.append(plan_text_sha256(plan.parts, special_strings))
 
     # One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
     # numpy arrays up to the Arrow column, so no Python int is made per token.
@@ -357,6 +407,7 @@ def reconstruct_table(
         "n_tool_calls": n_calls,
         "literal_special": literal,
         "prompt_key": prompt_keys,
+        "output_text_sha256": digests,
     }
     return pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
 

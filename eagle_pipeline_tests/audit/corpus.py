@@ -62,7 +62,8 @@ def _tool_calls(rng: random.Random, k: int) -> list[dict[str, Any]]:
 
 def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
     """`n` valid rows: two datasets (B1 without tools, B2 with tools), thinking on/off, tool calls, CJK/emoji,
-    literal special strings, returned and reconstructed ids, mixed providers; usage mostly exact, some null."""
+    literal special strings, returned and reconstructed ids, mixed providers; usage mostly exact, some null.
+    Reconstructed rows carry `output_text_sha256` from the reconstruction; returned rows carry null."""
     rng = random.Random(seed)
     rows: dict[str, list[Any]] = {name: [] for name in TOKEN_SAMPLES_SCHEMA.names}
     for i in range(n):
@@ -86,7 +87,10 @@ def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
         rows["provider"].append(rng.choice(["Moonshot", "Together", None]) if backend == "openrouter" else None)
         rows["prompt_ids"].append([])
         rows["output_ids"].append(rec.ids)
-        rows["ids_origin"].append("returned" if backend == "vllm" and rng.random() < 0.5 else "reconstructed")
+        origin = "returned" if backend == "vllm" and rng.random() < 0.5 else "reconstructed"
+        rows["ids_origin"].append(origin)
+        # As reconstruct_table does: reconstructed rows carry the digest of their source text, returned rows none.
+        rows["output_text_sha256"].append(rec.text_sha256 if origin == "reconstructed" else None)
         rows["finish_reason"].append("tool_calls" if calls else "stop")
         rows["usage_completion_tokens"].append(usage)
         rows["thinking"].append(thinking)

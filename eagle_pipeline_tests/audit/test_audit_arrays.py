@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, tool_call_id_ok
+from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, run_gate, tool_call_id_ok
 from eagle_pipeline.tokens import KIMI_PAT_STR, TOKEN_SAMPLES_SCHEMA, get_profile, reconstruct_output
 from eagle_pipeline.tokens.tokenizer import tiktoken_tokenizer
 
@@ -92,6 +93,71 @@ def test_input_errors_name_the_column(demo_table, demo_tok, demo_ids):
         run_audit(bad, demo_tok, demo_ids)
 
 
+# ---- the text digest column -------------------------------------------------------------------------------------------
+
+
+def _with_digests(table, digests, type_=pa.string()):
+    i = table.schema.get_field_index("output_text_sha256")
+    return table.set_column(i, pa.field("output_text_sha256", type_), pa.array(digests, type_))
+
+
+def test_text_agreement_without_digests_checks_nothing(demo_table, demo_tok, demo_ids):
+    """Files written before the column existed, or tables whose digests are all null, are not text-checked."""
+    res = run_gate("text_agreement", demo_table.drop_columns(["output_text_sha256"]), demo_tok, demo_ids)
+    assert res.checked == 0 and res.failing == 0 and res.details["digest_column"] == "absent"
+    for nulls in (_with_digests(demo_table, [None] * demo_table.num_rows),
+                  _with_digests(demo_table, [None] * demo_table.num_rows, pa.null())):
+        res = run_gate("text_agreement", nulls, demo_tok, demo_ids)
+        assert res.checked == 0 and res.details["rows_without_digest"] == demo_table.num_rows
+        assert res.details["rows_without_digest_reconstructed"] == demo_table.column("ids_origin").to_pylist().count("reconstructed")
+
+
+def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
+    outputs = demo_table.column("output_ids").to_pylist()
+    digests = [hashlib.sha256(demo_tok.decode_bytes(o)).hexdigest() if o[0] < demo_tok.vocab_size else None for o in outputs]
+    digests[1] = digests[1].upper()  # hex case does not matter
+    digests[2] = "not-a-digest"
+    digests[4] = digests[5]  # another row's text
+    outs = list(outputs)
+    outs[6] = [demo_tok.vocab_size + 3] + outs[6]  # cannot be decoded at all
+    outs[7] = [-1] + outs[7]
+    table = _with_digests(demo_table, digests).set_column(
+        demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32())))
+    res = run_gate("text_agreement", table, demo_tok, demo_ids)
+    assert np.flatnonzero(res.row_fail).tolist() == [2, 4, 6, 7]
+    assert res.details["problems"] == {"malformed_digest": 1, "digest_mismatch": 1, "undecodable": 2}
+    assert res.checked == demo_table.num_rows - 1  # row 50 (oov id) has no digest here
+    # Sliced and chunked layouts give the same verdicts.
+    sliced = run_gate("text_agreement", table.slice(3, 10), demo_tok, demo_ids)
+    assert np.flatnonzero(sliced.row_fail).tolist() == [1, 3, 4]
+    chunked = pa.concat_tables([table.slice(0, 5), table.slice(5)])
+    assert np.flatnonzero(run_gate("text_agreement", chunked, demo_tok, demo_ids).row_fail).tolist() == [2, 4, 6, 7]
+    with pytest.raises(AuditInputError, match="output_text_sha256"):
+        run_gate("text_agreement", _with_digests(demo_table, [b"x"] * demo_table.num_rows, pa.binary()), demo_tok, demo_ids)
+
+
+def test_literal_special_string_encoded_as_special_id(demo_tok, demo_ids):
+    """A literal `</think>` in the content must be ordinary tokens. Encoded as the special id instead, the bytes are
+    the same, so the digest agrees (a limit of comparing bytes); the structural gates catch it instead."""
+    rec = reconstruct_output(demo_tok, demo_ids, reasoning="r", content="say </think> now", tool_calls=None)
+    wrong = demo_tok.encode_with_specials("r</think>say </think> now<|im_end|>")
+    assert wrong != rec.ids and demo_tok.decode_bytes(wrong) == demo_tok.decode_bytes(rec.ids)
+    table = pa.table(
+        {
+            "sample_id": ["ok", "wrong"], "dataset": ["D"] * 2, "source": ["x"] * 2, "backend": ["x"] * 2,
+            "provider": [None] * 2, "prompt_ids": [[]] * 2, "output_ids": [rec.ids, wrong],
+            "ids_origin": ["reconstructed"] * 2, "finish_reason": ["stop"] * 2,
+            "usage_completion_tokens": [None] * 2, "thinking": [True] * 2, "dataset_has_tools": [False] * 2,
+            "n_tool_calls": [0] * 2, "literal_special": [True] * 2, "prompt_key": ["a", "b"],
+            "output_text_sha256": [rec.text_sha256] * 2,
+        },
+        schema=TOKEN_SAMPLES_SCHEMA,
+    )
+    report = run_audit(table, demo_tok, demo_ids)
+    assert report.result("text_agreement").failing == 0
+    assert np.flatnonzero(report.result("single_think_close").row_fail).tolist() == [1] and not report.passed
+
+
 def test_tool_call_id_rule():
     assert tool_call_id_ok("functions.get_weather:0") and tool_call_id_ok("functions.a.b:c:12")
     assert tool_call_id_ok("call_8f2a9c") and tool_call_id_ok("toolu_01AbC")
@@ -130,6 +196,7 @@ def qwen():
             "usage_completion_tokens": [len(r.ids) for r, _, _ in rows], "thinking": [t for _, t, _ in rows],
             "dataset_has_tools": [True] * n, "n_tool_calls": [r.n_tool_calls for r, _, _ in rows],
             "literal_special": [False] * n, "prompt_key": ["k"] * n,
+            "output_text_sha256": [r.text_sha256 for r, _, _ in rows],
         },
         schema=TOKEN_SAMPLES_SCHEMA,
     )
@@ -147,9 +214,11 @@ def test_qwen3_clean(qwen):
 def test_qwen3_missing_or_extra_think_open(qwen):
     tok, ids, table = qwen
     rows = pick_rows(table, 10, lambda r: r["thinking"])
-    assert_caught(mutate(table, rows, lambda o, r: o[1:]), rows, tok, ids, "no_think_open", allowed={"reasoning_nonempty"})
+    assert_caught(mutate(table, rows, lambda o, r: o[1:]), rows, tok, ids, "no_think_open",
+                  allowed={"reasoning_nonempty", "text_agreement"})
     rows2 = pick_rows(table, 10, lambda r: not r["thinking"])
-    assert_caught(mutate(table, rows2, lambda o, r: [ids.think_open_id] + o), rows2, tok, ids, "no_think_open")
+    assert_caught(mutate(table, rows2, lambda o, r: [ids.think_open_id] + o), rows2, tok, ids, "no_think_open",
+                  allowed={"text_agreement"})
 
 
 def test_qwen3_empty_reasoning(qwen):
@@ -160,7 +229,7 @@ def test_qwen3_empty_reasoning(qwen):
         k = o.index(ids.think_close_id)
         return o[:1] + tok.encode_ordinary("\n\n") + o[k:]
 
-    assert_caught(mutate(table, rows, empty), rows, tok, ids, "reasoning_nonempty", allowed={"billing_agreement"})
+    assert_caught(mutate(table, rows, empty), rows, tok, ids, "reasoning_nonempty", allowed={"billing_agreement", "text_agreement"})
 
 
 @pytest.mark.parametrize("kind, problem", [("bad_body", "bad_arguments"), ("no_name", "bad_arguments"), ("text_between", "stray_tokens"), ("unclosed", "unbalanced")])
@@ -179,7 +248,8 @@ def test_qwen3_malformed_tool_calls(qwen, kind, problem):
         return o[:b] + o[b + 1 :]
 
     rows = pick_rows(table, 8, lambda r: r["n_tool_calls"] > 0)
-    report = assert_caught(mutate(table, rows, fn), rows, tok, ids, "tool_sections_well_formed", allowed={"billing_agreement"})
+    report = assert_caught(mutate(table, rows, fn), rows, tok, ids, "tool_sections_well_formed",
+                           allowed={"billing_agreement", "text_agreement"})
     problems = report.result("tool_sections_well_formed").details["problems"]
     if kind == "text_between":
         # Text after the first call is "stray" when another call follows, "not_at_end" when the eot follows.

@@ -22,7 +22,7 @@ from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, reconstruct_output
 EXPECTED_GATES = {
     "ends_with_eot", "single_eot", "single_think_close", "think_close_before_eot", "no_think_open", "round_trip",
     "reasoning_nonempty", "billing_agreement", "tool_tokens_declared", "tool_sections_well_formed", "ids_in_vocab",
-    "not_truncated",
+    "not_truncated", "text_agreement",
 }
 
 
@@ -34,6 +34,9 @@ def test_catalogue():
     by_name = {g.name: g for g in GATES}
     assert by_name["round_trip"].default_action == "block" and by_name["round_trip"].origin_defaults["returned"] == "warn"
     assert by_name["not_truncated"].default_action == "filter"
+    assert by_name["text_agreement"].default_action == "block" and not by_name["text_agreement"].origin_defaults
+    assert AuditSettings().action_for("text_agreement", "reconstructed") == "block"
+    assert "text_agreement" not in AuditSettings().row_filter_gates()  # block only: a passed audit implies no failing row
 
 
 def test_settings_defaults_and_resolution_order():
@@ -118,6 +121,7 @@ def _table(tok, ids):
             "n_tool_calls": [0] * n,
             "literal_special": [False] * n,
             "prompt_key": [r[0] for r in rows],
+            "output_text_sha256": [None] * n,  # hand-built rows: no source text, so no text digest
         },
         schema=TOKEN_SAMPLES_SCHEMA,
     )

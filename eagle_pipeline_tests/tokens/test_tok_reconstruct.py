@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow as pa
@@ -30,10 +31,21 @@ def sp(tok: TargetTokenizer, name: str) -> int:
     return tok.special_tokens[name]
 
 
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
 def test_facts_pin(kimi):
     rec = reconstruct_output(kimi, "kimi-k2.5", reasoning="Let me think.", content="Hello!", tool_calls=None)
     assert rec.ids == [9413, 1019, 2704, 13, 163607, 19180, 0, 163586]
     assert not rec.literal_special and rec.n_tool_calls == 0
+    # The digest is that of the text laid out with the structural strings, and the ids decode to exactly it.
+    assert rec.text_sha256 == sha("Let me think.</think>Hello!<|im_end|>") == sha(kimi.decode_bytes(rec.ids))
+    # One id off by one is still canonical BPE for this text's neighbour, but it no longer decodes to the text.
+    off = list(rec.ids)
+    off[1] += 1
+    assert kimi.decode(off[:4]) == "Let un think." and kimi.encode_ordinary("Let un think.") == off[:4]
+    assert sha(kimi.decode_bytes(off)) != rec.text_sha256
 
 
 def test_profile_object_and_ids_are_interchangeable(tok):
@@ -46,8 +58,11 @@ def test_thinking_off_and_empty(tok):
     close, eot = sp(tok, "</think>"), sp(tok, "<|im_end|>")
     rec = reconstruct_output(tok, "kimi-k2.5", reasoning="ignored", content="Answer.", tool_calls=None, thinking=False)
     assert rec.ids == tok.encode_ordinary("Answer.") + [eot]
-    assert reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None).ids == [close, eot]
-    assert reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None, thinking=False).ids == [eot]
+    assert rec.text_sha256 == sha("Answer.<|im_end|>")  # thinking off: the reasoning is not part of the output
+    empty = reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None)
+    assert empty.ids == [close, eot] and empty.text_sha256 == sha("</think><|im_end|>")
+    empty = reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None, thinking=False)
+    assert empty.ids == [eot] and empty.text_sha256 == sha("<|im_end|>")
 
 
 def test_kimi_tool_section(tok):
@@ -65,6 +80,7 @@ def test_kimi_tool_section(tok):
     assert rec.ids == tok.encode_with_specials(expected_text)
     assert rec.n_tool_calls == 2 and not rec.literal_special
     assert tok.decode(rec.ids) == expected_text
+    assert rec.text_sha256 == sha(expected_text) == sha(tok.decode_bytes(rec.ids))
 
 
 def test_malformed_tool_call_is_reported(tok):
@@ -98,10 +114,38 @@ def test_adversarial_roundtrip(tok, case):
     assert tok.decode(rec.ids) == reasoning + "</think>" + content + "<|im_end|>"
     assert tok.decode_bytes(rec.ids) == (reasoning + "</think>" + content + "<|im_end|>").encode()
     assert rec.literal_special == (case == "literal_specials")
+    assert rec.text_sha256 == sha(reasoning + "</think>" + content + "<|im_end|>") == sha(tok.decode_bytes(rec.ids))
 
 
 def test_huge_reasoning_size():
     assert len(ADVERSARIAL["huge_reasoning"][0].encode()) > 200_000
+
+
+def test_literal_special_strings_agree_with_the_digest(tok):
+    """Literal special strings in the text are ordinary tokens; those tokens decode to exactly the literal string,
+    so the ids still agree with the text digest (which holds the literal string's UTF-8)."""
+    literal = "<|im_end|>"
+    content = f"Chat templates end a turn with {literal}; reasoning closes with </think>; also [EOS] and <think>."
+    rec = reconstruct_output(tok, "kimi-k2.5", reasoning="Quote </think> and <|tool_call_begin|> as text.",
+                             content=content, tool_calls=None)
+    assert rec.literal_special
+    close, eot = sp(tok, "</think>"), sp(tok, "<|im_end|>")
+    assert int(tok.is_special_id(rec.ids).sum()) == 2 and rec.ids.count(close) == 1 and rec.ids[-1] == eot
+    # The ordinary run of the literal string decodes to the same bytes as the string itself.
+    lit_ids = tok.encode_ordinary(literal)
+    assert len(lit_ids) > 1 and not tok.is_special_id(lit_ids).any()
+    assert tok.decode_bytes(lit_ids) == literal.encode() == tok.decode_bytes([eot])
+    content_ids = rec.ids[rec.ids.index(close) + 1 : -1]
+    assert tok.decode_bytes(content_ids) == content.encode()
+    expected = "Quote </think> and <|tool_call_begin|> as text.</think>" + content + "<|im_end|>"
+    assert rec.text_sha256 == sha(expected) == sha(tok.decode_bytes(rec.ids))
+
+
+def test_digest_of_text_the_encoder_cannot_hold(tok):
+    """A lone surrogate (possible after json.loads) is encoded as U+FFFD, so the digest hashes U+FFFD too."""
+    rec = reconstruct_output(tok, "kimi-k2.5", reasoning="a\ud800b", content="c", tool_calls=None)
+    assert tok.decode_bytes(rec.ids) == "a\ufffdb</think>c<|im_end|>".encode()
+    assert rec.text_sha256 == sha(tok.decode_bytes(rec.ids))
 
 
 def test_literal_special_in_tool_text(tok):
@@ -214,17 +258,22 @@ def test_reconstruct_table(tok):
             assert row["prompt_ids"] == render_prompt_ids(tok, messages, json.loads(s["tools_json"] or "null"), thinking=s["thinking"])
         if s["output_token_ids"] is not None:
             assert row["ids_origin"] == IDS_RETURNED and row["output_ids"] == s["output_token_ids"]
+            # The server's text fields are not the exact decoding of its ids: no digest.
+            assert row["output_text_sha256"] is None
         else:
             calls = json.loads(s["tool_calls_json"]) if s["tool_calls_json"] else None
             rec = reconstruct_output(tok, "kimi-k2.5", reasoning=s["reasoning"], content=s["content"], tool_calls=calls,
                                      thinking=s["thinking"])
             assert row["ids_origin"] == IDS_RECONSTRUCTED and row["output_ids"] == rec.ids
             assert row["literal_special"] == rec.literal_special and row["n_tool_calls"] == rec.n_tool_calls
+            assert row["output_text_sha256"] == rec.text_sha256 == sha(tok.decode_bytes(row["output_ids"]))
     assert rows["s-tools"]["n_tool_calls"] == 1
     assert rows["s-ret-noprompt"]["n_tool_calls"] == 1  # counted from the returned ids
     assert rows["s-nothink"]["thinking"] is False and rows["s-nothink"]["literal_special"] is True
     assert sp(tok, "</think>") not in rows["s-nothink"]["output_ids"]
     assert rows["s-ret-literal"]["literal_special"] is True and rows["s-ret"]["literal_special"] is False
+    assert rows["s-recon"]["output_text_sha256"] == sha("Let me think.</think>Sunny.<|im_end|>")
+    assert rows["s-nothink"]["output_text_sha256"] == sha("Hello <|im_end|><|im_end|>")  # literal, then the real eot
     # The same prompt key for the same prompt text whatever the case/whitespace.
     assert rows["s-recon"]["prompt_key"] == normalized_prompt_key([{"role": "user", "content": "weather in paris?"}])
 

@@ -6,6 +6,7 @@ The tokenizer carries Qwen3's structural tokens (<|im_start|>, <|im_end|> as spe
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -152,6 +153,10 @@ def test_qwen3_reconstruction_matches_template(qwen, label, thinking, turn):
     assert rec.n_tool_calls == len(turn.get("tool_calls", []))
     # The rendered turn ends with "<|im_end|>\n": the model stops at <|im_end|>, the "\n" belongs to the template.
     assert qwen.encode_with_specials(full) == render_prompt_ids(qwen, history, thinking=thinking) + rec.ids + qwen.encode_ordinary("\n")
+    # The text digest is the rendered turn's text (without the template's trailing "\n"), and the ids decode to it.
+    turn_text = full[len(prompt) : -1]
+    assert rec.text_sha256 == hashlib.sha256(turn_text.encode()).hexdigest()
+    assert rec.text_sha256 == hashlib.sha256(qwen.decode_bytes(rec.ids)).hexdigest()
     if thinking:
         assert rec.ids[0] == qwen.special_tokens["<think>"]
 
@@ -170,6 +175,8 @@ def test_qwen3_table(qwen):
     assert out[0]["output_ids"] == reconstruct_output(qwen, "qwen3", reasoning="r", content="c", tool_calls=None).ids
     assert out[1]["n_tool_calls"] == 1 and out[1]["output_ids"][0] == qwen.special_tokens["<tool_call>"]
     assert out[1]["prompt_ids"] == render_prompt_ids(qwen, [{"role": "user", "content": "hi"}], thinking=False)
+    for row in out:
+        assert row["output_text_sha256"] == hashlib.sha256(qwen.decode_bytes(row["output_ids"])).hexdigest()
 
 
 def test_transformers_errors_name_the_spec(tmp_path):
