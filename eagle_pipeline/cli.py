@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagle_pipeline.storage import iter_jsonl_objects
+
 EXIT_OK, EXIT_BLOCKED, EXIT_USAGE = 0, 1, 2
 PROG = "eagle-pipeline"
 
@@ -40,77 +42,69 @@ def _read_response_lines(path: Path, default_dataset: str, skip_unusable: bool) 
     lines: list[int] = []
     first_line: dict[str, int] = {}
     skipped = 0
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
+    for lineno, where, rec, problem in iter_jsonl_objects(path):
+        if problem:
+            raise CliError(f"{where}: {problem}")
+        sid = rec.get("sample_id")
+        if not isinstance(sid, str) or not sid:
+            raise CliError(f"{where}: 'sample_id' must be a non-empty string")
+        if sid in first_line:
+            raise CliError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
+        first_line[sid] = lineno
+        body = rec.get("response")
+        if isinstance(body, str):  # the body exactly as returned, as text
             try:
-                rec = json.loads(line)
+                body = json.loads(body)
             except json.JSONDecodeError as exc:
-                raise CliError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(rec, dict):
-                raise CliError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            sid = rec.get("sample_id")
-            if not isinstance(sid, str) or not sid:
-                raise CliError(f"{where}: 'sample_id' must be a non-empty string")
-            if sid in first_line:
-                raise CliError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
-            first_line[sid] = lineno
-            body = rec.get("response")
-            if isinstance(body, str):  # the body exactly as returned, as text
-                try:
-                    body = json.loads(body)
-                except json.JSONDecodeError as exc:
-                    raise CliError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
-            if not isinstance(body, dict):
-                raise CliError(f"{where}: 'response' must be the chat-completion body (an object)")
-            dataset = rec.get("dataset", default_dataset)
-            if not isinstance(dataset, str) or not dataset:
-                raise CliError(f"{where}: 'dataset' must be a non-empty string")
-            tools = rec.get("tools")
-            if not (tools is None or isinstance(tools, (bool, list))):
-                raise CliError(f"{where}: 'tools' must be a list of tool definitions, true or false")
-            thinking = rec.get("thinking", True)
-            if not isinstance(thinking, bool):
-                raise CliError(f"{where}: 'thinking' must be true or false")
-            messages = rec.get("messages")
-            if messages is not None and not isinstance(messages, list):
-                raise CliError(f"{where}: 'messages' must be a list of chat messages")
-            choices = body.get("choices")
-            want_ids = bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
-            try:
-                parsed = parse_chat_completion(body, 200, want_ids=want_ids)
-            except RequestFailure as exc:
-                if skip_unusable:
-                    skipped += 1
-                    continue
-                raise CliError(f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines") from None
-            prompt_ids = parsed.prompt_token_ids
-            if prompt_ids is None and messages is None:
-                prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
-            rows.append(
-                {
-                    "sample_id": sid,
-                    "dataset": dataset,
-                    "messages_json": json.dumps(messages if messages is not None else [], ensure_ascii=False),
-                    "tools_json": json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
-                    "has_tools": bool(tools),
-                    "has_prompt": messages is not None or parsed.prompt_token_ids is not None,
-                    "source": "import",
-                    "backend": "import",
-                    "provider": parsed.provider,
-                    "reasoning": parsed.reasoning,
-                    "content": parsed.content,
-                    "tool_calls_json": parsed.tool_calls_json,
-                    "prompt_token_ids": prompt_ids,
-                    "output_token_ids": parsed.output_token_ids,
-                    "finish_reason": parsed.finish_reason,
-                    "usage_completion_tokens": parsed.usage_completion_tokens,
-                    "thinking": thinking,
-                }
-            )
-            lines.append(lineno)
+                raise CliError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
+        if not isinstance(body, dict):
+            raise CliError(f"{where}: 'response' must be the chat-completion body (an object)")
+        dataset = rec.get("dataset", default_dataset)
+        if not isinstance(dataset, str) or not dataset:
+            raise CliError(f"{where}: 'dataset' must be a non-empty string")
+        tools = rec.get("tools")
+        if not (tools is None or isinstance(tools, (bool, list))):
+            raise CliError(f"{where}: 'tools' must be a list of tool definitions, true or false")
+        thinking = rec.get("thinking", True)
+        if not isinstance(thinking, bool):
+            raise CliError(f"{where}: 'thinking' must be true or false")
+        messages = rec.get("messages")
+        if messages is not None and not isinstance(messages, list):
+            raise CliError(f"{where}: 'messages' must be a list of chat messages")
+        choices = body.get("choices")
+        want_ids = bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+        try:
+            parsed = parse_chat_completion(body, 200, want_ids=want_ids)
+        except RequestFailure as exc:
+            if skip_unusable:
+                skipped += 1
+                continue
+            raise CliError(f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines") from None
+        prompt_ids = parsed.prompt_token_ids
+        if prompt_ids is None and messages is None:
+            prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
+        rows.append(
+            {
+                "sample_id": sid,
+                "dataset": dataset,
+                "messages_json": json.dumps(messages if messages is not None else [], ensure_ascii=False),
+                "tools_json": json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
+                "has_tools": bool(tools),
+                "has_prompt": messages is not None or parsed.prompt_token_ids is not None,
+                "source": "import",
+                "backend": "import",
+                "provider": parsed.provider,
+                "reasoning": parsed.reasoning,
+                "content": parsed.content,
+                "tool_calls_json": parsed.tool_calls_json,
+                "prompt_token_ids": prompt_ids,
+                "output_token_ids": parsed.output_token_ids,
+                "finish_reason": parsed.finish_reason,
+                "usage_completion_tokens": parsed.usage_completion_tokens,
+                "thinking": thinking,
+            }
+        )
+        lines.append(lineno)
     return rows, lines, skipped
 
 

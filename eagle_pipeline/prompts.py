@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 
+from eagle_pipeline.storage import iter_jsonl_objects
+
 VALID_ROLES = {"system", "user", "assistant", "tool"}
 
 PROMPTS_SCHEMA = pa.schema(
@@ -59,37 +61,29 @@ def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Prom
         raise PromptFileError(f"{p}: prompt file not found")
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptFileError(f"{where}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            messages = obj.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise PromptFileError(f"{where}: 'messages' must be a non-empty list")
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or m.get("role") not in VALID_ROLES:
-                    raise PromptFileError(f"{where}: messages[{i}] needs a role in {sorted(VALID_ROLES)}")
-                if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
-                    raise PromptFileError(f"{where}: messages[{i}].content must be a string")
-            if messages[-1]["role"] not in ("user", "tool"):
-                raise PromptFileError(f"{where}: the last message must be from the user or a tool")
-            tools = obj.get("tools")
-            if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
-                raise PromptFileError(f"{where}: 'tools' must be a list of OpenAI-style function definitions")
-            source_id = str(obj.get("id", f"{p.stem}:{lineno}"))
-            if source_id in seen:
-                raise PromptFileError(f"{where}: duplicate id {source_id!r} (first on line {seen[source_id]})")
-            seen[source_id] = lineno
-            prompts.append(Prompt(source_id=source_id, messages=messages, tools=tools))
-            if limit is not None and len(prompts) >= limit:
-                break
+    for lineno, where, obj, problem in iter_jsonl_objects(p):
+        if problem:
+            raise PromptFileError(f"{where}: {problem}")
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PromptFileError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in VALID_ROLES:
+                raise PromptFileError(f"{where}: messages[{i}] needs a role in {sorted(VALID_ROLES)}")
+            if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
+                raise PromptFileError(f"{where}: messages[{i}].content must be a string")
+        if messages[-1]["role"] not in ("user", "tool"):
+            raise PromptFileError(f"{where}: the last message must be from the user or a tool")
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
+            raise PromptFileError(f"{where}: 'tools' must be a list of OpenAI-style function definitions")
+        source_id = str(obj.get("id", f"{p.stem}:{lineno}"))
+        if source_id in seen:
+            raise PromptFileError(f"{where}: duplicate id {source_id!r} (first on line {seen[source_id]})")
+        seen[source_id] = lineno
+        prompts.append(Prompt(source_id=source_id, messages=messages, tools=tools))
+        if limit is not None and len(prompts) >= limit:
+            break
     if not prompts:
         raise PromptFileError(f"{p}: no prompts")
     return prompts

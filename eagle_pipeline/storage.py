@@ -143,3 +143,26 @@ class DataRoot:
     @property
     def dagster_home(self) -> Path:
         return self.root / "dagster_home"
+
+
+def iter_jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, str, dict | None, str | None]]:
+    """(line number, "file:line", object or None, problem or None) for each non-blank line of a JSONL file.
+
+    A malformed line yields its problem instead of raising, so each caller decides whether it is fatal; the
+    location string names the file and line for the error message either way.
+    """
+    p = Path(path)
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, where, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                continue
+            if not isinstance(obj, dict):
+                yield lineno, where, None, f"expected a JSON object, got {type(obj).__name__}"
+                continue
+            yield lineno, where, obj, None

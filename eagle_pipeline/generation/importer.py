@@ -26,6 +26,7 @@ from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.prompts import canonical_json
+from eagle_pipeline.storage import iter_jsonl_objects
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -77,20 +78,8 @@ def _records(path: Path) -> Iterator[tuple[str, dict[str, Any] | None, str | Non
         for i, rec in enumerate(table.to_pylist()):
             yield f"{path}:row {i}", rec, None
         return
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, None, f"invalid JSON ({exc.msg})"
-                continue
-            if not isinstance(obj, dict):
-                yield where, None, f"expected a JSON object, got {type(obj).__name__}"
-                continue
-            yield where, obj, None
+    for _, where, obj, problem in iter_jsonl_objects(path):
+        yield where, obj, problem
 
 
 def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, base: dict[str, Any]) -> dict[str, Any]:
