@@ -6,7 +6,14 @@ import dagster as dg
 
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_checks, hidden_state_plan, hidden_states, trainer_exports
-from eagle_pipeline.defs.jobs import dataset_job, exports_job, hidden_states_job, merge_job, resume_incomplete_datasets
+from eagle_pipeline.defs.jobs import (
+    dataset_job,
+    exports_job,
+    hidden_states_job,
+    merge_job,
+    resume_incomplete_datasets,
+    scale_out_jobs,
+)
 from eagle_pipeline.defs.merge import (
     draft_vocab,
     merged_dataset,
@@ -30,7 +37,7 @@ def build_defs() -> dg.Definitions:
             merged_spans_end_with_eot,
             *hidden_state_checks,
         ],
-        jobs=[dataset_job, merge_job, hidden_states_job, exports_job],
+        jobs=[dataset_job, merge_job, hidden_states_job, exports_job, *scale_out_jobs],
         schedules=[resume_incomplete_datasets],
         resources={"pipeline": PipelineResource()},
     )

@@ -1,8 +1,11 @@
 """Hidden-state extraction: the plan (CPU, first), the shards (GPU pool), their checks, and trainer exports."""
 
 
-import functools
+import os
+import socket
+import threading
 import warnings
+from typing import Any
 
 import dagster as dg
 
@@ -66,11 +69,44 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
     )
 
 
-@functools.lru_cache(maxsize=2)
+_MAX_MODELS = 2
+_MODELS: dict[tuple, Any] = {}  # (model, family, seed, vocab_size, device) -> model, least recently used first
+_MODELS_LOCK = threading.Lock()
+_INHERITED: list[dict] = []  # a forked child's copies of its parent's models: never used, never freed
+
+
+def _forget_parent_models() -> None:
+    # CUDA state does not survive fork: a child must load its own model. Its copies of the parent's stay referenced
+    # so that no tensor destructor runs against the parent's device memory; a lock held by another parent thread
+    # at fork time would never be released in the child, so the child gets a new one.
+    global _MODELS, _MODELS_LOCK
+    _INHERITED.append(_MODELS)
+    _MODELS, _MODELS_LOCK = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_models)
+
+
+def _cached_devices() -> list[str]:
+    """Devices this process holds an extraction model on, most recently used first."""
+    return [key[-1] for key in reversed(list(_MODELS))]
+
+
 def _model_cached(model: str, family: str, seed: int, vocab_size: int, device: str):
+    """The extraction model, loaded once per (configuration, device) per process, so consecutive shards in one
+    process (in-process executor, `execute_in_process`) skip the load. Spawned step processes (the multiprocess
+    executor's default) start empty; forked ones drop what they inherited; the lock stops threads loading twice."""
     from eagle_pipeline.hidden_states.runtime import load_extraction_model
 
-    return load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device=device)
+    key = (model, family, seed, vocab_size, device)
+    with _MODELS_LOCK:
+        if key in _MODELS:
+            _MODELS[key] = _MODELS.pop(key)
+            return _MODELS[key]
+        while len(_MODELS) >= _MAX_MODELS:
+            del _MODELS[next(iter(_MODELS))]
+        _MODELS[key] = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device=device)
+        return _MODELS[key]
 
 
 @dg.asset(
@@ -88,34 +124,37 @@ def _model_cached(model: str, family: str, seed: int, vocab_size: int, device: s
     ),
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states import extract_shard
-    from eagle_pipeline.hidden_states.runtime import resolve_device
+    from eagle_pipeline.hidden_states import ShardSummary, extract_shard, shard_paths, shard_status
+    from eagle_pipeline.hidden_states.format import read_index_meta
+    from eagle_pipeline.hidden_states.runtime import shard_device
 
     cfg = pipeline.config()
     root = pipeline.data_root()
     h = cfg.hidden_states
-    plan = read_json(root.hidden_states_dir / "plan.json")["this_run"]
-    if plan.get("exceeds_budget"):
-        raise dg.Failure(
-            f"Extraction refused: the plan needs {plan['bytes_on_disk'] / 1e9:.2f} GB on disk, over the "
-            f"configured budget of {h.disk_budget_gb} GB (hidden_states.disk_budget_gb).",
-            allow_retries=False,
-        )
-    device = resolve_device(h.device)
-    model = _model_cached(h.model, h.family, h.seed, pipeline.tokenizer().vocab_size, device)
+    _refuse_over_budget(root.hidden_states_dir / "plan.json", h.disk_budget_gb)
     shard = int(context.partition_key)
-    summary = extract_shard(
-        model,
-        root.merged_dir,
-        shard_index=shard,
-        shard_size=h.shard_size,
-        out_dir=root.hidden_states_dir,
-        aux_layers=h.aux_layers,
-        max_tokens_per_batch=h.max_tokens_per_batch,
-        device=device,
-        progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
-    )
+    # Hashing a done shard here (extract_shard would hash it anyway) spares loading the model, minutes for a large
+    # target, just to skip it; and it tells what a rerun found.
+    before = shard_status(root.hidden_states_dir, shard)
+    if before == "done":
+        summary = ShardSummary(**{**read_index_meta(shard_paths(root.hidden_states_dir, shard)[1])["summary"], "skipped": True})
+        device = "none (already done)"
+    else:
+        with shard_device(h.device, shard, prefer=_cached_devices(), log=context.log.info) as device:
+            model = _model_cached(h.model, h.family, h.seed, pipeline.tokenizer().vocab_size, device)
+            summary = extract_shard(
+                model,
+                root.merged_dir,
+                shard_index=shard,
+                shard_size=h.shard_size,
+                out_dir=root.hidden_states_dir,
+                aux_layers=h.aux_layers,
+                max_tokens_per_batch=h.max_tokens_per_batch,
+                device=device,
+                progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
+            )
     s = summary.to_dict()
+    skipped = bool(s.get("skipped", False))
     return dg.MaterializeResult(
         metadata={
             "dagster/row_count": int(s["rows"]),
@@ -125,8 +164,32 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "tokens_per_s": float(s["tokens_per_s"]),
             "device": device,
             "model": h.model,
-            "skipped_already_done": bool(s.get("skipped", False)),
+            "skipped_already_done": skipped,
+            "shard_status_before": before,
+            "host": socket.gethostname(),  # the pod's name on Kubernetes
+            "pid": os.getpid(),
         }
+    )
+
+
+def _refuse_over_budget(plan_path, disk_budget_gb: float | None) -> None:
+    """Raise a non-retryable Failure when this run's planned bytes exceed the disk budget in force now.
+
+    The budget is read from the current configuration, not from plan.json, so lowering it takes effect without
+    replanning.
+    """
+    if not plan_path.exists():
+        raise dg.Failure(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.", allow_retries=False)
+    plan = read_json(plan_path)["this_run"]
+    planned = int(plan["bytes_on_disk"])
+    if disk_budget_gb is None or planned <= disk_budget_gb * 1e9:
+        return
+    raise dg.Failure(
+        f"Extraction refused: this run's plan needs {planned:,} bytes ({planned / 1e9:.3g} GB) on disk, over the "
+        f"budget of {int(disk_budget_gb * 1e9):,} bytes ({disk_budget_gb:g} GB, hidden_states.disk_budget_gb). "
+        "Raise the budget, shrink the merged dataset, or extract fewer layers.",
+        metadata={"planned_bytes": planned, "budget_bytes": int(disk_budget_gb * 1e9), "plan": dg.MetadataValue.json(plan)},
+        allow_retries=False,
     )
 
 

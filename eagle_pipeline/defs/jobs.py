@@ -14,6 +14,8 @@ from eagle_pipeline.defs.tokens import token_samples
 dataset_job = dg.define_asset_job(
     "dataset_job",
     selection=dg.AssetSelection.assets(prompts, responses, token_samples),
+    # Thirteen audit checks as thirteen processes cost more than the checks themselves; one process per run.
+    executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
 )
 merge_job = dg.define_asset_job(
@@ -26,6 +28,27 @@ hidden_states_job = dg.define_asset_job(
     selection=dg.AssetSelection.assets(hidden_states),
     description="Extract hidden states for one shard of the merged dataset.",
 )
+try:  # dagster-k8s is optional (the dev extra; the cluster's code image): without it the location loads without this job
+    from dagster_k8s import k8s_job_executor
+except ImportError:  # pragma: no cover - exercised only where dagster-k8s is not installed
+    k8s_job_executor = None
+
+# The same selection as hidden_states_job, each step in its own Kubernetes Job: the extraction step's pod asks for a
+# GPU through the asset's op tags (GPU_OP_TAGS), the three check steps get CPU pods. Needs the K8sRunLauncher (or
+# explicit kubeconfig/job_image execution config) only when a run starts, never to load. docs/scaling.md.
+hidden_states_k8s_job = (
+    dg.define_asset_job(
+        "hidden_states_k8s_job",
+        selection=dg.AssetSelection.assets(hidden_states),
+        executor_def=k8s_job_executor,
+        description="Extract one hidden-state shard on a Kubernetes GPU node (one pod per step; k8s_job_executor).",
+    )
+    if k8s_job_executor is not None
+    else None
+)
+# Jobs that exist only where their executor's library is installed; definitions.py adds them.
+scale_out_jobs = [j for j in (hidden_states_k8s_job,) if j is not None]
+
 exports_job = dg.define_asset_job(
     "exports_job",
     selection=dg.AssetSelection.assets(trainer_exports),

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,83 @@ def resolve_device(device: str = "auto") -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"hidden_states.device is {device!r} but torch sees no CUDA device (torch {torch.__version__})")
+    if device.startswith("cuda:") and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
+        raise RuntimeError(f"hidden_states.device is {device!r} but torch sees {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+GPU_LEASE_DIR_ENV = "EAGLE_GPU_LEASE_DIR"
+GPU_LEASE_WAIT_ENV = "EAGLE_GPU_LEASE_WAIT_S"
+DEFAULT_GPU_LEASE_WAIT_S = 1800.0
+
+
+def _gpu_lease_name(index: int, n_gpus: int | None) -> str:
+    # The GPU's UUID, not its index: processes with different CUDA_VISIBLE_DEVICES number the same GPU differently.
+    if n_gpus is None:
+        with contextlib.suppress(Exception):
+            return f"gpu-{torch.cuda.get_device_properties(index).uuid}.lock"
+    return f"gpu-index-{index}.lock"
+
+
+@contextlib.contextmanager
+def shard_device(
+    device: str,
+    shard: int,
+    *,
+    n_gpus: int | None = None,
+    prefer: Sequence[str] = (),
+    lease_dir: str | os.PathLike | None = None,
+    wait_s: float | None = None,
+    poll_s: float = 1.0,
+    log: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """The device one shard extracts on, held for the duration of the `with` block.
+
+    'auto' and 'cuda' pick among the visible GPUs and lease the chosen one (an flock on a host-local file) so that
+    runs admitted together by the 'gpu' pool never share a GPU; the first free one of `prefer` (devices this
+    process already holds a model on), then cuda:{shard % n}, cuda:{shard+1 % n}, ... 'auto' without a GPU is
+    'cpu'. An explicit device ('cpu', 'cuda:3') is used as given, without a lease. `n_gpus` overrides the count
+    (tests); the lease directory defaults to $EAGLE_GPU_LEASE_DIR, else <tmp>/eagle_pipeline_gpu_leases.
+    """
+    if device not in ("auto", "cuda"):
+        yield resolve_device(device)
+        return
+    count = torch.cuda.device_count() if n_gpus is None else n_gpus
+    if count == 0:
+        yield resolve_device(device)  # 'cpu' for auto; raises for cuda
+        return
+    import fcntl
+
+    directory = Path(lease_dir or os.environ.get(GPU_LEASE_DIR_ENV) or Path(tempfile.gettempdir()) / "eagle_pipeline_gpu_leases")
+    directory.mkdir(parents=True, exist_ok=True)
+    preferred = [int(d.split(":", 1)[1]) for d in prefer if d.startswith("cuda:") and int(d.split(":", 1)[1]) < count]
+    order = list(dict.fromkeys([*preferred, *((shard + k) % count for k in range(count))]))
+    wait = float(os.environ.get(GPU_LEASE_WAIT_ENV, DEFAULT_GPU_LEASE_WAIT_S)) if wait_s is None else wait_s
+    deadline, next_log = time.monotonic() + wait, 0.0
+    while True:
+        for index in order:
+            handle = open(directory / _gpu_lease_name(index, n_gpus), "a")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            try:
+                yield f"cuda:{index}"
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                handle.close()
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            raise RuntimeError(
+                f"no free GPU for shard {shard} after {wait:.0f} s: all {count} visible GPUs are leased by other "
+                f"extractions (lease files in {directory}). Set the 'gpu' pool limit to the number of GPUs per host."
+            )
+        if log is not None and now >= next_log:
+            log(f"shard {shard}: all {count} GPUs busy, waiting for one (up to {deadline - now:.0f} s more)")
+            next_log = now + 60
+        time.sleep(poll_s)
 
 
 def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int, device: str) -> torch.nn.Module:
