@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 
+from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.resources import PipelineResource
@@ -30,6 +31,7 @@ GPU_OP_TAGS = {
 @dg.asset(
     deps=[merged_dataset],
     group_name="hidden_states",
+    automation_condition=after_checks_pass,
     kinds={"json"},
     owners=["team:ml"],
     description=(
@@ -113,6 +115,7 @@ def _model_cached(model: str, family: str, seed: int, vocab_size: int, device: s
     partitions_def=shard_partitions,
     deps=[merged_dataset, hidden_state_plan],
     group_name="hidden_states",
+    automation_condition=after_checks_pass,
     kinds={"safetensors", "pytorch"},
     owners=["team:ml"],
     pool="gpu",
@@ -225,6 +228,7 @@ hidden_state_checks = [
 @dg.asset(
     deps=[merged_dataset, draft_vocab, hidden_states],
     group_name="exports",
+    automation_condition=after_checks_pass,
     kinds={"parquet", "json"},
     owners=["team:ml"],
     description="Trainer-ready exports: SpecForge pre-tokenized JSONL, HF-datasets Parquet, and a manifest of states.",

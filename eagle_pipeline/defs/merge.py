@@ -8,26 +8,18 @@ import pyarrow.parquet as pq
 from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
 
 from eagle_pipeline.audit_records import audit_problems
+from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.storage import file_sha256
-
-AC = dg.AutomationCondition
-
-# The built-in all_deps_blocking_checks_passed() passes when ANY upstream partition passed; a fan-in merge must wait
-# for every dataset (see docs/operations.md).
-all_datasets_audited = ~AC.any_deps_match(
-    AC.any_checks_match(~AC.check_passed() & ~AC.will_be_requested(), blocking_only=True)
-).with_label("every dataset's blocking audit passed")
-
 
 @dg.asset(
     deps=[token_samples],
     group_name="merge",
     kinds={"parquet"},
     owners=["team:data"],
-    automation_condition=AC.eager() & all_datasets_audited,
+    automation_condition=after_checks_pass,
     description=(
         "Audited rows of every dataset, deduplicated by prompt, shuffled with a fixed seed, with input_ids and "
         "loss_mask. Refuses to run while any dataset's latest audit failed or did not run on its latest data."
@@ -166,6 +158,7 @@ def _merged_check_result(result) -> dg.AssetCheckResult:
 @dg.asset(
     deps=[merged_dataset],
     group_name="merge",
+    automation_condition=after_checks_pass,
     kinds={"numpy", "pytorch"},
     owners=["team:data"],
     description="Draft vocabulary: top-K target ids over supervised tokens, as d2t/t2d for SpecForge and speculators.",

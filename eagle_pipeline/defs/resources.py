@@ -19,7 +19,8 @@ def _load_config_cached(path: str, mtime: float) -> PipelineConfig:
 def _tokenizer_cached(spec: str):
     from eagle_pipeline.tokens import resolve_tokenizer
 
-    return resolve_tokenizer(spec)
+    # A hub id is fetched only when the configuration names one; local directories and the demo never touch a hub.
+    return resolve_tokenizer(spec, allow_download=True)
 
 
 class PipelineResource(dg.ConfigurableResource):

@@ -71,3 +71,12 @@ def test_merge_automation_waits_for_every_dataset_audit(pipeline_config, instanc
     assert job.execute_in_process(instance=instance, partition_key="B6").success
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     assert tick.get_num_requested(merged) == 1
+    # Stages below the merge wait for it, then follow once its own blocking checks passed.
+    for key in ("draft_vocab", "hidden_state_plan"):
+        assert tick.get_num_requested(dg.AssetKey(key)) == 0
+    assert defs.resolve_job_def("merge_job").execute_in_process(instance=instance).success  # merge, vocab, plan
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    shards = instance.get_dynamic_partitions("hidden_state_shards")
+    assert len(shards) >= 2
+    assert tick.get_num_requested(dg.AssetKey("hidden_states")) == len(shards)  # every shard follows
+    assert tick.get_num_requested(dg.AssetKey("trainer_exports")) == 0  # waits for the shards
