@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 # Public shape numbers of Kimi-K2.5's text model (a DeepSeek-V3-style `kimi_k2` text_config inside the VLM config):
-# see /work/shared/tokenizers/kimi-k2/config.json. Params are Moonshot's published totals (1.04T total, 32B
+# see config.json in the shared Kimi tokenizer directory. Params are Moonshot's published totals (1.04T total, 32B
 # activated); `describe_model_config(load_text_config(path))` recomputes them from the config itself.
 KIMI_K25_TEXT_CONFIG: dict[str, Any] = {
     "name": "Kimi-K2.5 (text)",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,6 @@ from eagle_pipeline.hidden_states import (
 )
 
 from .conftest import VOCAB
-
-KIMI_CONFIG = Path("/work/shared/tokenizers/kimi-k2/config.json")
 
 
 def _forward(model, ids):
@@ -69,9 +66,8 @@ def test_llama_8b_shape_counts_to_the_published_8b():
     assert counts["matmul_active"] == counts["total"] - 2 * 128256 * 4096  # no embedding lookup / lm_head
 
 
-@pytest.mark.skipif(not KIMI_CONFIG.exists(), reason="Kimi config.json not available")
-def test_kimi_config_counts_match_published_totals():
-    cfg = load_text_config(KIMI_CONFIG)
+def test_kimi_config_counts_match_published_totals(kimi_dir):
+    cfg = load_text_config(kimi_dir / "config.json")
     desc = describe_model_config(cfg)
     assert desc["hidden_size"] == KIMI_K25_TEXT_CONFIG["hidden_size"]
     assert desc["num_layers"] == KIMI_K25_TEXT_CONFIG["num_layers"]
