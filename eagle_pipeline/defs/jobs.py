@@ -7,7 +7,6 @@ import pyarrow.parquet as pq
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan, hidden_states, trainer_exports
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
-from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 

@@ -5,14 +5,14 @@ import dagster as dg
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
-
 from eagle_pipeline.audit_records import audit_problems
+from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.storage import file_sha256
+
 
 @dg.asset(
     deps=[token_samples],

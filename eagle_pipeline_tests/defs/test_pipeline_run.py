@@ -13,7 +13,7 @@ from eagle_pipeline.generation import read_responses
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
-from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, dataset_partitions
+from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.storage import DataRoot
 
@@ -94,7 +94,7 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
 
 
 def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline_config, instance, tmp_path):
-    cfg_path = pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
+    pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
     defs = build_defs()
     assert not _run(defs, "dataset_job", instance, "B1").success
     result = _run(defs, "merge_job", instance)

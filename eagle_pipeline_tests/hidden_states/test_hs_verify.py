@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
