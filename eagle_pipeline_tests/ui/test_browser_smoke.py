@@ -2,13 +2,16 @@
 
 Uses Debian's chromium (`apt-get install -y chromium`) through its command line: one call per page writes a
 screenshot and dumps the rendered DOM after `--virtual-time-budget` (the UI is a JavaScript app that loads its data
-over GraphQL). Screenshots go to $EAGLE_SCREENSHOT_DIR when set (docs/img/ holds the ones in docs/ui.md), else to the
-test's temporary directory.
+over GraphQL). The token-length histogram opens in a dialog on a click, so that test drives chromium through the
+DevTools protocol instead (cdp.py, with aiohttp). Screenshots go to $EAGLE_SCREENSHOT_DIR when set (docs/img/ holds
+the ones in docs/ui.md), else to the test's temporary directory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 
 from eagle_pipeline.audit import GATES
-from eagle_pipeline_tests.ui.conftest import FAILING
+from eagle_pipeline_tests.ui.conftest import FAILING, PASSING
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +89,14 @@ PAGES = (
          ("billing_agreement", "blocking", "FAIL (blocks)", "failure_examples", "Plots"), height=1600),
     Page("failed_run", "/runs/{failed_run}",
          (f"partition: {FAILING}", "DagsterAssetCheckFailedError", "billing_agreement", ">Failure<")),
+    # Partition status: both datasets materialised (a failed audit does not unmaterialise), B1's latest shown.
+    Page("token_samples_partitions", f"/assets/token_samples?view=partitions&partition={PASSING}",
+         ("Materialized (2)", "Missing (0)", "Failed (0)", f">{PASSING}<", f">{FAILING}<", ">Materialized<",
+          "Latest materialization", "dataset_job")),
+    # The schedule and the declarative-automation sensor the daemon evaluates (both stopped by default).
+    Page("automation", "/automation",
+         ("resume_incomplete_datasets", "default_automation_condition_sensor", "Automation condition sensor",
+          "every 6 hours")),
 )
 
 
@@ -131,3 +142,94 @@ def test_ui_page_renders_the_pipeline(chromium, ui_without_welcome, screenshot_d
     _assert_not_blank(png)
     missing = [text for text in page.expected if text not in dom]
     assert not missing, f"{url}: rendered DOM lacks {missing} (DOM saved in {tmp_path})"
+
+
+# The histogram: token_samples' `token_lengths` metadata is Markdown holding an inline base64 PNG; the UI shows it
+# behind "[Show Markdown]" in the metadata table of the materialization (Events tab, one partition's latest).
+HISTOGRAM_URL = f"/assets/token_samples?view=events&partition={PASSING}"
+HISTOGRAM_TIMEOUT_S = 180  # the whole browser session
+PAGE_TIMEOUT_S = 60  # each wait inside it
+_TOKEN_LENGTHS_ROW = """Array.from(document.querySelectorAll('tr')).find(
+    r => r.cells.length > 1 && r.cells[0].innerText.trim() === 'token_lengths')"""
+_SHOW_MARKDOWN = f"""(() => {{
+    const row = {_TOKEN_LENGTHS_ROW};
+    if (!row) return null;
+    return Array.from(row.querySelectorAll('a, button')).find(e => e.textContent.includes('Show Markdown'));
+}})()"""
+_DIALOG_IMAGE = """(() => {
+    for (const dialog of document.querySelectorAll('[role=dialog]')) {
+        for (const img of dialog.querySelectorAll('img')) {
+            const box = img.getBoundingClientRect();
+            if (img.src.startsWith('data:image/png;base64,') && img.complete && img.naturalWidth > 0
+                && box.width > 100 && box.height > 50) {
+                return {title: dialog.innerText.split('\\n')[0], width: img.naturalWidth, height: img.naturalHeight,
+                        shown: [Math.round(box.width), Math.round(box.height)], src: img.src};
+            }
+        }
+    }
+    return null;
+})()"""
+
+
+async def _open_histogram(chromium: str, url: str, png: Path, profile: Path) -> tuple[dict, str]:
+    from eagle_pipeline_tests.ui.cdp import chromium_tab
+
+    async with chromium_tab(chromium, profile, WIDTH, HEIGHT) as tab:
+        await tab.navigate(url)
+        await tab.wait_for(f"!!{_SHOW_MARKDOWN}", timeout=PAGE_TIMEOUT_S,
+                           what="the [Show Markdown] link in the token_lengths metadata row")
+        partition = await tab.evaluate("document.body.innerText")
+        assert f"Partition {PASSING} materialized" in partition, f"{url} does not show {PASSING}'s materialization"
+        await tab.evaluate(f"{_SHOW_MARKDOWN}.click()")
+        image = await tab.wait_for(_DIALOG_IMAGE, timeout=PAGE_TIMEOUT_S,
+                                   what="a data:image/png <img> shown in the token_lengths dialog")
+        await asyncio.sleep(0.5)  # the dialog's opening transition
+        await tab.screenshot(png)
+        return image, await tab.dom()
+
+
+LATEST_MARKDOWN = """
+query Latest($partition: String!) {
+  assetOrError(assetKey: {path: ["token_samples"]}) {
+    ... on Asset {
+      assetMaterializations(partitions: [$partition], limit: 1) {
+        metadataEntries { label ... on MarkdownMetadataEntry { mdStr } }
+      }
+    }
+  }
+}
+"""
+
+
+def _token_lengths_png_url(ui) -> str:
+    """The data: URL of the PNG in the latest B1 materialization's token_lengths Markdown, through GraphQL."""
+    materializations = ui.gql(LATEST_MARKDOWN, {"partition": PASSING})["assetOrError"]["assetMaterializations"]
+    assert len(materializations) == 1, materializations
+    md = next(e["mdStr"] for e in materializations[0]["metadataEntries"] if e["label"] == "token_lengths")
+    found = re.search(r"\((data:image/png;base64,[A-Za-z0-9+/=]+)\)", md)
+    assert found, f"token_lengths holds no inline PNG: {md[:300]}"
+    return found.group(1)
+
+
+def test_ui_token_lengths_histogram(chromium, ui_without_welcome, screenshot_dir, tmp_path):
+    """Clicks [Show Markdown] next to token_lengths and checks that the dialog shows the histogram image."""
+    pytest.importorskip("aiohttp", reason="the DevTools-protocol driver needs aiohttp")
+    url = ui_without_welcome.base_url + HISTOGRAM_URL
+    png = screenshot_dir / "ui_token_lengths_histogram.png"
+    png.unlink(missing_ok=True)
+
+    async def run() -> tuple[dict, str]:
+        return await asyncio.wait_for(_open_histogram(chromium, url, png, tmp_path / "chromium-profile"),
+                                      HISTOGRAM_TIMEOUT_S)
+
+    image, dom = asyncio.run(run())
+    (tmp_path / "ui_token_lengths_histogram.html").write_text(dom)
+
+    src = image.pop("src")
+    assert image["title"] == "token_lengths", image
+    assert image["width"] >= 200 and image["height"] >= 100, image
+    # The image shown is the very PNG the materialization carries (same data: URL), not some other picture.
+    assert src == _token_lengths_png_url(ui_without_welcome), f"dialog shows another image ({len(src)} chars)"
+    assert 'src="data:image/png;base64,' in dom
+    assert _png_size(png.read_bytes()) == (WIDTH, HEIGHT)
+    _assert_not_blank(png)
