@@ -233,6 +233,20 @@ class _ChatBackend(HttpBackend):
     def static_body(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def sampling_body(self) -> dict[str, Any]:
+        """The fields every OpenAI-style server takes: model and sampling parameters."""
+        s = self.sampling
+        body: dict[str, Any] = {
+            "model": self.spec.model,
+            "stream": False,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        return body
+
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
         tools = item.tools_json
         if tools and tools not in ("null", "[]"):
@@ -250,19 +264,10 @@ class OpenRouterBackend(_ChatBackend):
     """OpenRouter (and the simulated server): reasoning on/off, provider routing, usage accounting."""
 
     def static_body(self) -> dict[str, Any]:
-        s = self.sampling
-        body: dict[str, Any] = {
-            "model": self.spec.model,
-            "stream": False,
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "reasoning": {"enabled": bool(s.thinking)},
-            # Deprecated upstream (usage is always returned) but harmless; older deployments honour it.
-            "usage": {"include": True},
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
+        body = self.sampling_body()
+        body["reasoning"] = {"enabled": bool(self.sampling.thinking)}
+        # Deprecated upstream (usage is always returned) but harmless; older deployments honour it.
+        body["usage"] = {"include": True}
         if self.spec.provider:
             body["provider"] = dict(self.spec.provider)
         return body
@@ -274,18 +279,9 @@ class VLLMBackend(_ChatBackend):
     want_ids = True
 
     def static_body(self) -> dict[str, Any]:
-        s = self.sampling
-        body: dict[str, Any] = {
-            "model": self.spec.model,
-            "stream": False,
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "return_token_ids": True,
-            "chat_template_kwargs": {"thinking": bool(s.thinking)},
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
+        body = self.sampling_body()
+        body["return_token_ids"] = True
+        body["chat_template_kwargs"] = {"thinking": bool(self.sampling.thinking)}
         return body
 
 

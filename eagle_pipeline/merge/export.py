@@ -17,23 +17,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle_pipeline.merge.arrow_ops import list_parts, make_list
-from eagle_pipeline.merge.core import ROW_GROUP_ROWS, SHARD_GLOB, iter_merged_shards, shard_name
+from eagle_pipeline.merge.core import MERGED_SCHEMA, ROW_GROUP_ROWS, SHARD_GLOB, iter_merged_shards, shard_name
 from eagle_pipeline.storage import atomic_path, clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
 
 EXPORT_BATCH_ROWS = 1024
 SPLITS = ("train", "eval")
+# The merged table's contract columns minus `split`, which becomes the train/ and eval/ folders.
 HF_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("dataset", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("n_tokens", pa.int32()),
-        ("n_prompt_tokens", pa.int32()),
-        ("source", pa.string()),
-        ("backend", pa.string()),
-        ("provider", pa.string()),
-    ]
+    [MERGED_SCHEMA.field(name) for name in (
+        "sample_id", "dataset", "input_ids", "loss_mask", "n_tokens", "n_prompt_tokens", "source", "backend", "provider",
+    )]
 )
 HF_MANIFEST = "export_manifest.json"
 
