@@ -154,10 +154,14 @@ def main() -> None:
     text_table = synthetic_text(tok, ids, int(args.round_trip_tokens))
     n_rt = int(pa.compute.list_value_length(text_table["output_ids"]).to_numpy().sum())
     print(f"built round-trip table: {text_table.num_rows:,} rows / {n_rt:,} tokens in {time.perf_counter() - t0:.1f}s")
-    t0 = time.perf_counter()
-    report = run_audit(text_table, tok, ids, gates=["round_trip"])
-    dt = time.perf_counter() - t0
-    print(f"round_trip: {dt:.2f}s -> {n_rt / dt / 1e6:,.2f}M tokens/s (failing: {report.result('round_trip').failing})")
+    tok.fingerprint()  # computed once per tokenizer (for the report); not part of a gate's cost
+    best_rt = float("inf")
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        report = run_audit(text_table, tok, ids, gates=["round_trip"])
+        best_rt = min(best_rt, time.perf_counter() - t0)
+    print(f"round_trip: {best_rt:.2f}s -> {n_rt / best_rt / 1e6:,.2f}M tokens/s "
+          f"(failing: {report.result('round_trip').failing})")
     best = float("inf")
     for _ in range(args.repeat):
         t0 = time.perf_counter()
@@ -168,11 +172,13 @@ def main() -> None:
           f"(checked {res.checked}, failing {res.failing})")
     # The bound: re-encoding is inherent to the gate, so it cannot beat the tokenizer's own encode speed.
     texts = [tok.decode(ids_) for ids_ in text_table.column("output_ids").to_pylist()]
-    t0 = time.perf_counter()
-    tok.encode_ordinary_batch(texts)
-    dt = time.perf_counter() - t0
-    print(f"  reference: {tok.kind} encode_ordinary_batch alone on the same text: {n_rt / dt / 1e6:,.2f}M tokens/s")
-
+    raw = float("inf")
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        tok.encode_ordinary_batch(texts)
+        raw = min(raw, time.perf_counter() - t0)
+    print(f"  reference: {tok.kind} encode_ordinary_batch alone on the same text: {n_rt / raw / 1e6:,.2f}M tokens/s;"
+          f" round_trip runs at {raw / best_rt:.2f}x of it (an exact re-encode cannot beat the encoder)")
 
 if __name__ == "__main__":
     main()

@@ -391,9 +391,7 @@ def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
     kinds: Counter[str] = Counter()
     complete = ctx.complete
     ev_off, ev_pos, offs, vals = ctx.ev_row_offsets, ctx.ev_pos, ctx.offsets, ctx.values
-    batch_encode: Callable[[list[str]], list[list[int]]] | None = getattr(tok, "encode_ordinary_batch", None)
-
-    pending: list[tuple[int, int, list[int], str]] = []  # (row, span start in row, ids, text)
+    pending: list[tuple[int, int, np.ndarray, str]] = []  # (row, span start in row, ids (a view), text)
     pending_tokens = 0
 
     def mark(row: int, p: int, kind: str) -> None:
@@ -407,32 +405,30 @@ def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
         nonlocal pending_tokens
         if not pending:
             return
-        texts = [t for _, _, _, t in pending]
-        encoded = batch_encode(texts) if batch_encode is not None else [tok.encode_ordinary(t) for t in texts]
+        encoded = tok.encode_ordinary_arrays([t for _, _, _, t in pending])
         for (row, start, ids, _), again in zip(pending, encoded):
-            if list(again) != ids:
-                k = next((j for j, (x, y) in enumerate(zip(ids, again)) if x != y), min(len(ids), len(again)))
-                mark(row, start + k, "non_canonical")
+            if again.size != ids.size or not np.array_equal(again, ids):
+                k = min(ids.size, again.size)
+                differ = np.flatnonzero(ids[:k] != again[:k])
+                mark(row, start + (int(differ[0]) if differ.size else k), "non_canonical")
         pending.clear()
         pending_tokens = 0
 
     for row in np.flatnonzero(checked).tolist():
         a, b = int(offs[row]), int(offs[row + 1])
-        ids = vals[a:b].tolist()
         cuts = (ev_pos[ev_off[row] : ev_off[row + 1]] - a).tolist()
         start = 0
         for end in [*cuts, b - a]:
             if end > start and not (end == b - a and not complete[row]):
-                span = ids[start:end]
+                span = vals[a + start : a + end]
                 try:
-                    # A numpy slice converts to ints faster than a list inside decode_bytes.
-                    text = tok.decode_bytes(vals[a + start : a + end]).decode("utf-8")
+                    text = tok.decode_bytes(span).decode("utf-8")
                 except UnicodeDecodeError as exc:
                     # Locate the offending token: the first whose cumulative bytes cover the bad byte.
-                    mark(row, start + _token_at_byte(tok, span, exc.start), "invalid_utf8")
+                    mark(row, start + _token_at_byte(tok, span.tolist(), exc.start), "invalid_utf8")
                     break
                 pending.append((row, start, span, text))
-                pending_tokens += len(span)
+                pending_tokens += span.size
             start = end + 1
         if pending_tokens >= _ROUND_TRIP_BATCH_TOKENS:
             flush()

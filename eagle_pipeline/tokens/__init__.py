@@ -25,6 +25,7 @@ from .tokenizer import (
     resolve_tokenizer,
     split_like_kimi,
 )
+from .tool_declarations import ToolDeclarationError, typescript_tool_declarations
 
 __all__ = [
     "DEMO_CHAT_TEMPLATE",
@@ -42,6 +43,7 @@ __all__ = [
     "TargetTokenizer",
     "TemplateRenderError",
     "TokenizerLoadError",
+    "ToolDeclarationError",
     "build_demo_tokenizer",
     "get_profile",
     "ids_contain_literal_special",
@@ -54,4 +56,5 @@ __all__ = [
     "render_prompt_ids",
     "resolve_tokenizer",
     "split_like_kimi",
+    "typescript_tool_declarations",
 ]

@@ -1,13 +1,15 @@
 """Prompt rendering through the tokenizer's own chat template, with jinja2 configured like transformers.
 
-For Kimi-K2.5 with tools, Moonshot's Python tokenizer passes a TypeScript-style `tools_ts_str` to the template; we do
-not build it, so the template's own fallback (compact JSON of the tools) is rendered instead. See docs/tokens.md.
+A template that reads `tools_ts_str` (Kimi-K2.5 and later) gets what Moonshot's Python tokenizer gives it: the tools
+with their keys sorted recursively and, from them, the TypeScript declarations of `tool_declarations.py` (or, where a
+schema is outside that format, no `tools_ts_str`, so the template renders compact JSON). See docs/tokens.md.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +18,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .tokenizer import TargetTokenizer
+from .tool_declarations import ToolDeclarationError, sort_keys_deep, typescript_tool_declarations
+
+logger = logging.getLogger(__name__)
 
 # Names under which APIs return a message's reasoning; templates read `reasoning_content`.
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
@@ -68,6 +73,17 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _moonshot_tools(tools_json: str) -> tuple[list[Any], str | None]:
+    # Cached per distinct tool list: a dataset offers the same tools on every row, and the warning is said once.
+    tools = sort_keys_deep(json.loads(tools_json))
+    try:
+        return tools, typescript_tool_declarations(tools)
+    except ToolDeclarationError as exc:
+        logger.warning("tool declarations rendered as compact JSON, as Moonshot's tokenizer does here: %s", exc)
+        return tools, None
+
+
 def render_prompt(
     tokenizer: TargetTokenizer,
     messages: Sequence[Mapping[str, Any]] | str,
@@ -88,10 +104,15 @@ def render_prompt(
         messages = json.loads(messages)
     if isinstance(tools, str):
         tools = json.loads(tools)
+    tools = list(tools) if tools else None
     context: dict[str, Any] = dict(tokenizer.template_vars)
+    if tools and "tools_ts_str" in tokenizer.chat_template and "tools_ts_str" not in template_kwargs:
+        tools, ts = _moonshot_tools(json.dumps(tools, ensure_ascii=False))
+        if ts is not None:
+            context["tools_ts_str"] = ts
     context.update(
         messages=normalize_messages(messages),  # type: ignore[arg-type]
-        tools=list(tools) if tools else None,
+        tools=tools,
         add_generation_prompt=add_generation_prompt,
         thinking=thinking,
         enable_thinking=thinking,

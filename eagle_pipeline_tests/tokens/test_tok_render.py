@@ -63,13 +63,32 @@ def test_thinking_off(tok):
     assert "<think></think><|tool_calls_section_begin|>" in suffix and "need tool" not in suffix
 
 
-def test_tools_fallback_is_compact_json_without_html_escaping(tok):
-    tools = [{"type": "function", "function": {"name": "f", "description": "a < b & 'c' → é"}}]
+def test_tools_are_declared_in_typescript_with_keys_sorted(tok):
+    # `z` before `a`, required `z`: Moonshot's tokenizer sorts the keys first, so the root interface lists `a` first.
+    tools = [{"type": "function", "function": {
+        "name": "nest", "description": "a < b & 'c' → é",
+        "parameters": {"type": "object", "required": ["z"],
+                       "properties": {"z": {"type": "string"}, "a": {"$ref": "#"}}}}}]
     text = render_prompt(tok, SYSTEM_HI, tools)
     assert text.startswith(
-        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"f","description":"a < b & \'c\' → é"}}]<|im_end|>'
+        "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
+        "interface parameters {\n  a?: parameters,\n  z: string\n}\n// a < b & 'c' → é\n"
+        "type nest = (_: parameters) => any;\n}\n<|im_end|><|im_system|>system<|im_middle|>"
     )
-    # The TypeScript string Moonshot's tokenizer would build is used when the caller supplies it.
+
+
+def test_tools_outside_the_typescript_format_fall_back_to_sorted_compact_json(tok, caplog):
+    # A property schema without a type: Moonshot's tokenizer gives up on TypeScript and the template renders JSON
+    # (of the key-sorted tools, without HTML escaping).
+    tools = [{"type": "function", "function": {"name": "f", "description": "a < b & 'c' → é",
+                                               "parameters": {"type": "object", "properties": {"x": {"title": "X"}}}}}]
+    with caplog.at_level("WARNING"):
+        text = render_prompt(tok, SYSTEM_HI, tools)
+    assert text.startswith(
+        '<|im_system|>tool_declare<|im_middle|>[{"function":{"description":"a < b & \'c\' → é","name":"f",'
+        '"parameters":{"properties":{"x":{"title":"X"}},"type":"object"}},"type":"function"}]<|im_end|>'
+    )
+    # The tokenizer's own string is used when the caller supplies it.
     assert render_prompt(tok, SYSTEM_HI, tools, tools_ts_str="namespace functions {}").startswith(
         "<|im_system|>tool_declare<|im_middle|>namespace functions {}<|im_end|>"
     )
