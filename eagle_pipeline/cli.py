@@ -101,6 +101,7 @@ def _read_response_lines(path: Path, default_dataset: str, skip_unusable: bool) 
                 "output_token_ids": parsed.output_token_ids,
                 "finish_reason": parsed.finish_reason,
                 "usage_completion_tokens": parsed.usage_completion_tokens,
+                "usage_prompt_tokens": parsed.usage_prompt_tokens,
                 "thinking": thinking,
             }
         )
@@ -116,7 +117,8 @@ def _responses_table(rows: list[dict[str, Any]]):
         [("sample_id", pa.string()), ("dataset", pa.string()), ("messages_json", pa.string()), ("tools_json", pa.string()),
          ("source", pa.string()), ("backend", pa.string()), ("provider", pa.string()), ("reasoning", pa.string()),
          ("content", pa.string()), ("tool_calls_json", pa.string()), ("prompt_token_ids", ids), ("output_token_ids", ids),
-         ("finish_reason", pa.string()), ("usage_completion_tokens", pa.int64()), ("thinking", pa.bool_())]
+         ("finish_reason", pa.string()), ("usage_completion_tokens", pa.int64()), ("usage_prompt_tokens", pa.int64()),
+         ("thinking", pa.bool_())]
     )
     return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
 

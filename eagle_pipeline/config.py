@@ -71,6 +71,7 @@ class AuditConfig:
     billing_aggregate_bound: float = 0.005
     billing_row_abs_tolerance: int | None = None
     billing_row_rel_tolerance: float | None = None
+    prompt_row_abs_tolerance: int | None = None
     max_examples: int = 5
 
 
@@ -296,6 +297,7 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         billing_aggregate_bound=bound,
         billing_row_abs_tolerance=v.get(a, "billing_row_abs_tolerance", int, "audit", default=None),
         billing_row_rel_tolerance=v.get(a, "billing_row_rel_tolerance", (int, float), "audit", default=None),
+        prompt_row_abs_tolerance=v.get(a, "prompt_row_abs_tolerance", int, "audit", default=None),
         max_examples=v.get(a, "max_examples", int, "audit", default=5),
     )
     for problem in _audit_problems(audit):
@@ -367,6 +369,8 @@ def audit_settings_dict(audit: AuditConfig) -> dict[str, Any]:
         d["billing_row_abs_tolerance"] = audit.billing_row_abs_tolerance
     if audit.billing_row_rel_tolerance is not None:
         d["billing_row_rel_tolerance"] = audit.billing_row_rel_tolerance
+    if audit.prompt_row_abs_tolerance is not None:
+        d["prompt_row_abs_tolerance"] = audit.prompt_row_abs_tolerance
     return d
 
 

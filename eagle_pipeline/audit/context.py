@@ -277,6 +277,27 @@ class AuditContext:
         return vals, valid
 
     @cached_property
+    def prompt_usage(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(len(prompt_ids), usage_prompt_tokens with 0 for null, checkable mask) or None without those columns.
+
+        Checkable: the provider reported a prompt count and the row has prompt ids (an empty list means the prompt
+        is unknown, e.g. a CLI line without messages)."""
+        if "usage_prompt_tokens" not in self.table.column_names or "prompt_ids" not in self.table.column_names:
+            return None
+        ids = _column(self.table, "prompt_ids")
+        if not (pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)):
+            raise AuditInputError(f"column 'prompt_ids' must be a list of integers, got {ids.type}")
+        lengths = np.asarray(pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        col = _column(self.table, "usage_prompt_tokens")
+        if pa.types.is_null(col.type):
+            return lengths, np.zeros(self.n, dtype=np.int64), np.zeros(self.n, dtype=bool)
+        if not pa.types.is_integer(col.type):
+            raise AuditInputError(f"column 'usage_prompt_tokens' must hold integers, got {col.type}")
+        valid = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+        usage = np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        return lengths, usage, valid & (lengths > 0)
+
+    @cached_property
     def text_digests(self) -> tuple[np.ndarray, pa.Array] | None:
         """(valid mask, the `output_text_sha256` column) or None when the table has no such column (older files)."""
         if TEXT_DIGEST_COLUMN not in self.table.column_names:

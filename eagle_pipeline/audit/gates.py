@@ -220,6 +220,40 @@ def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
     return Outcome(checked, fail, _last(ctx), details, reasons, passed, source_extra)
 
 
+def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
+    """len(prompt_ids) against the provider's usage_prompt_tokens, per row; per source the spread of the difference,
+    which tells a constant offset (a provider's injected system prompt) from drift on some prompts (tool
+    declarations rendered differently)."""
+    n = ctx.n
+    found = ctx.prompt_usage
+    if found is None:
+        details: dict[str, Any] = {"usage_prompt_tokens_column": "absent"}
+        return Outcome(np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), details)
+    lengths, usage, checked = found
+    diff = usage - lengths  # > 0: the provider counted a longer prompt than ours
+    fail = checked & (np.abs(diff) > settings.prompt_row_abs_tolerance)
+    codes, keys = ctx.sources
+
+    def spread(sel: np.ndarray) -> dict[str, Any]:
+        d = diff[sel]
+        if d.size == 0:
+            return {}
+        return {"difference_min": int(d.min()), "difference_median": float(np.median(d)), "difference_max": int(d.max())}
+
+    source_extra = {key: spread(checked & (codes == k)) for k, key in enumerate(keys)}
+    reasons = {
+        int(i): f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
+        for i in np.flatnonzero(fail)[: settings.max_examples]
+    }
+    details = {
+        "usage_prompt_tokens_column": "present",
+        "row_tolerance": settings.prompt_row_abs_tolerance,
+        "rows_without_prompt_usage": int(np.count_nonzero(~checked)),
+        **spread(checked),
+    }
+    return Outcome(checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra)
+
+
 # ---- tool sections ---------------------------------------------------------------------------------------------
 
 _ID_PLAIN = re.compile(r"^\S+$")
@@ -517,5 +551,6 @@ GATE_FUNCTIONS: dict[str, Callable[[AuditContext, Any], Outcome]] = {
     "round_trip": gate_round_trip,
     "text_agreement": gate_text_agreement,
     "billing_agreement": gate_billing_agreement,
+    "prompt_agreement": gate_prompt_agreement,
     "not_truncated": gate_not_truncated,
 }

@@ -135,6 +135,16 @@ GATES: tuple[GateSpec, ...] = (
         "block",
     ),
     _spec(
+        "prompt_agreement",
+        "Prompt ids agree with the provider's prompt count",
+        "Rows with prompt ids and usage_prompt_tokens: |usage_prompt_tokens - len(prompt_ids)| must be within "
+        "prompt_row_abs_tolerance (default 0). A difference means the target answered another prompt than the one "
+        "rendered here: a provider that injects a system prompt, another chat template, or tool declarations "
+        "rendered differently. The output ids stay right, but the hidden states would be extracted under a prompt "
+        "the target never saw. Warns by default: providers are known to count prompts their own way.",
+        "warn",
+    ),
+    _spec(
         "not_truncated",
         "The generation finished on its own",
         "finish_reason other than stop/tool_calls (length, content_filter, error, abort, missing): the output may be "
@@ -159,6 +169,7 @@ class AuditSettings:
     billing_row_abs_tolerance: int = 2
     billing_row_rel_tolerance: float = 0.01
     billing_aggregate_bound: float = 0.005
+    prompt_row_abs_tolerance: int = 0
     max_examples: int = 5
     excerpt_tokens: int = 24
 
@@ -173,6 +184,7 @@ class AuditSettings:
         problems.extend(_check_number("billing_row_abs_tolerance", self.billing_row_abs_tolerance, int, 0, None))
         problems.extend(_check_number("billing_row_rel_tolerance", self.billing_row_rel_tolerance, float, 0, 1))
         problems.extend(_check_number("billing_aggregate_bound", self.billing_aggregate_bound, float, 0, 1))
+        problems.extend(_check_number("prompt_row_abs_tolerance", self.prompt_row_abs_tolerance, int, 0, None))
         problems.extend(_check_number("max_examples", self.max_examples, int, 0, None))
         problems.extend(_check_number("excerpt_tokens", self.excerpt_tokens, int, 1, None))
         if problems:

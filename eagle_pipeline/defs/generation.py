@@ -49,8 +49,8 @@ def provider_token_counters(tok, profile):
     def count_completion(reasoning: str, content: str, tool_calls: list) -> int:
         return len(reconstruct_output(tok, profile, reasoning=reasoning, content=content, tool_calls=tool_calls).ids)
 
-    def count_prompt(messages: list, tools: list | None) -> int:
-        return len(render_prompt_ids(tok, messages, tools))
+    def count_prompt(messages: list, tools: list | None, thinking: bool = True) -> int:
+        return len(render_prompt_ids(tok, messages, tools, thinking=thinking))
 
     return count_completion, count_prompt
 

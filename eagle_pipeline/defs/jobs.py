@@ -13,7 +13,7 @@ from eagle_pipeline.defs.tokens import token_samples
 dataset_job = dg.define_asset_job(
     "dataset_job",
     selection=dg.AssetSelection.assets(prompts, responses, token_samples),
-    # Thirteen audit checks as thirteen processes cost more than the checks themselves; one process per run.
+    # Fourteen audit checks as fourteen processes cost more than the checks themselves; one process per run.
     executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
 )

@@ -21,7 +21,8 @@ to every request once the server has seen more than N (a key revoked or credits 
              cut_body (connection closed mid-body), bad_json (complete HTTP response, truncated JSON)
   status:    http_401, http_402
   quality:   length (finish 'length', text cut), empty_content, empty_reasoning, billing_mismatch
-             (usage.completion_tokens +15%), bad_tool_args (malformed JSON arguments)
+             (usage.completion_tokens +15%), bad_tool_args (malformed JSON arguments), prompt_mismatch
+             (usage.prompt_tokens counts a system prompt the provider injected: +PROMPT_INJECTED_TOKENS)
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ from eagle_pipeline.prompts import canonical_json
 
 TRANSIENT_FAULTS = ("http_429", "http_500", "http_502", "http_503", "timeout", "error_200", "no_choices", "cut_body", "bad_json")
 STATUS_FAULTS = ("http_401", "http_402")
-QUALITY_FAULTS = ("length", "empty_content", "empty_reasoning", "billing_mismatch", "bad_tool_args")
+QUALITY_FAULTS = ("length", "empty_content", "empty_reasoning", "billing_mismatch", "bad_tool_args", "prompt_mismatch")
+PROMPT_INJECTED_TOKENS = 37
 ALL_FAULTS = TRANSIENT_FAULTS + STATUS_FAULTS + QUALITY_FAULTS
 _FAULT_OPTIONS = ("select", "after_requests", "fail_first_n_attempts", "retry_after_s", "timeout_sleep_s", "echo_auth")
 
 CountCompletion = Callable[[str, str, list], int]
-CountPrompt = Callable[[list, "list | None"], int]
+CountPrompt = Callable[[list, "list | None", bool], int]  # (messages, tools, thinking) -> prompt tokens
 
 
 def request_key(messages: Sequence[dict[str, Any]] | str, seed: int | None = None) -> str:
@@ -86,7 +88,7 @@ def crude_completion_tokens(reasoning: str, content: str, tool_calls: list) -> i
     return n
 
 
-def crude_prompt_tokens(messages: list, tools: list | None) -> int:
+def crude_prompt_tokens(messages: list, tools: list | None, thinking: bool = True) -> int:
     n = 3
     for m in messages:
         c = m.get("content")
@@ -558,7 +560,9 @@ class SimulatedOpenRouterServer(_LoopbackServer):
         reasoning_tokens = self.count_completion(ans.reasoning, "", []) if ans.reasoning else 0
         if "billing_mismatch" in q:
             completion_tokens = max(completion_tokens + 1, round(completion_tokens * 1.15))
-        prompt_tokens = self.count_prompt(messages, tools)
+        prompt_tokens = self.count_prompt(messages, tools, thinking)
+        if "prompt_mismatch" in q:
+            prompt_tokens += PROMPT_INJECTED_TOKENS
         cost = (prompt_tokens * self.price_prompt + completion_tokens * self.price_completion) / 1e6
         message: dict[str, Any] = {
             "role": "assistant",

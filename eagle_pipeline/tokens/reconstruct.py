@@ -39,6 +39,8 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
         ("ids_origin", pa.string()),
         ("finish_reason", pa.string()),
         ("usage_completion_tokens", pa.int64()),
+        # The provider's count of the prompt it saw (null: not reported); prompt_agreement compares it to prompt_ids.
+        ("usage_prompt_tokens", pa.int64()),
         ("thinking", pa.bool_()),
         ("dataset_has_tools", pa.bool_()),
         ("n_tool_calls", pa.int32()),
@@ -265,7 +267,7 @@ def ids_contain_literal_special(tokenizer: TargetTokenizer, ids: Sequence[int] |
 _REQUIRED_COLUMNS = ("sample_id", "dataset", "source", "backend", "messages_json")
 _OPTIONAL_COLUMNS = (
     "provider", "tools_json", "reasoning", "content", "tool_calls_json", "prompt_token_ids", "output_token_ids",
-    "finish_reason", "usage_completion_tokens", "thinking",
+    "finish_reason", "usage_completion_tokens", "usage_prompt_tokens", "thinking",
 )
 
 
@@ -402,6 +404,7 @@ def reconstruct_table(
         "ids_origin": origin,
         "finish_reason": col["finish_reason"],
         "usage_completion_tokens": col["usage_completion_tokens"],
+        "usage_prompt_tokens": col["usage_prompt_tokens"],
         "thinking": thinking,
         "dataset_has_tools": [bool(dataset_has_tools)] * n,
         "n_tool_calls": n_calls,

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, reconstruct_output
+from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, reconstruct_output, render_prompt_ids
 
 SENTENCES = [
     "Let me think about this step by step.",
@@ -39,6 +39,15 @@ SENTENCES = [
 ]
 
 TOOL_NAMES = ["get_weather", "search", "run_code", "lookup_user", "翻译"]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": name, "description": f"The {name} tool.",
+        "parameters": {"type": "object", "required": ["query"], "properties": {
+            "query": {"type": "string", "description": "What to look for."},
+            "n": {"type": "integer", "minimum": 0, "default": 10},
+            "flags": {"type": "array", "items": {}}}}}}
+    for name in TOOL_NAMES
+]
 
 
 def _text(rng: random.Random, lo: int, hi: int) -> str:
@@ -63,8 +72,11 @@ def _tool_calls(rng: random.Random, k: int) -> list[dict[str, Any]]:
 def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
     """`n` valid rows: two datasets (B1 without tools, B2 with tools), thinking on/off, tool calls, CJK/emoji,
     literal special strings, returned and reconstructed ids, mixed providers; usage mostly exact, some null.
-    Reconstructed rows carry `output_text_sha256` from the reconstruction; returned rows carry null."""
+    Reconstructed rows carry `output_text_sha256` from the reconstruction; returned rows carry null. Prompts are
+    rendered through the tokenizer's chat template (with tool declarations in B2); the provider's prompt count
+    agrees, or is null."""
     rng = random.Random(seed)
+    prompt_rng = random.Random(seed + 1)  # separate, so the outputs stay what they were before prompts were added
     rows: dict[str, list[Any]] = {name: [] for name in TOKEN_SAMPLES_SCHEMA.names}
     for i in range(n):
         tools_ds = i % 2 == 1
@@ -85,7 +97,10 @@ def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
         rows["source"].append(backend)
         rows["backend"].append(backend)
         rows["provider"].append(rng.choice(["Moonshot", "Together", None]) if backend == "openrouter" else None)
-        rows["prompt_ids"].append([])
+        messages = [{"role": "user", "content": _text(prompt_rng, 1, 3)}]
+        prompt = render_prompt_ids(tok, messages, TOOLS if tools_ds else None, thinking=thinking)
+        rows["prompt_ids"].append(prompt)
+        rows["usage_prompt_tokens"].append(None if prompt_rng.random() < 0.1 else len(prompt))
         rows["output_ids"].append(rec.ids)
         origin = "returned" if backend == "vllm" and rng.random() < 0.5 else "reconstructed"
         rows["ids_origin"].append(origin)

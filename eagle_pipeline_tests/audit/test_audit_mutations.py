@@ -331,6 +331,59 @@ def test_billing_split_by_source(env):
             assert entry["failing"] == 0 and entry["aggregate_relative_error"] < 0.005
 
 
+def test_prompt_mismatch_from_an_injected_system_prompt(env):
+    """A provider that prepends its own system prompt bills a longer prompt than the one we rendered; the gate
+    names the rows, warns without blocking or excluding, and the split by source shows a constant offset."""
+    tok, ids, table = env
+    rows = [i for i, r in enumerate(table.to_pylist()) if r["usage_prompt_tokens"] is not None and r["provider"] == "Together"]
+    assert len(rows) > 50
+    bad = mutate(table, rows, lambda o, r: o, usage_prompt_tokens=lambda u, r: u + 37)
+    report = assert_caught(bad, rows, tok, ids, "prompt_agreement")
+    res = report.result("prompt_agreement")
+    assert res.failing == len(rows) and not res.passed and not res.blocking and res.excluded == 0 and report.passed
+    assert res.by_source["openrouter/Together"]["difference_median"] == 37.0
+    assert res.by_source["openrouter/Moonshot"]["difference_max"] == 0
+    assert "usage_prompt_tokens" in res.examples[0]["problem"] and "+37" in res.examples[0]["problem"]
+
+
+def test_prompt_mismatch_from_json_instead_of_typescript_tools(env):
+    """Prompts rendered with the tools as compact JSON (what a template without Moonshot's tool declarations gives)
+    disagree with a provider that rendered the TypeScript declarations: only the tool dataset's rows."""
+    from eagle_pipeline.tokens import render_prompt_ids
+
+    from .corpus import TOOLS
+
+    tok, ids, table = env
+    rows = pick_rows(table, 40, lambda r: r["dataset_has_tools"] and r["usage_prompt_tokens"] is not None)
+    text_of = {r: tok.decode(p) for r, p in enumerate(table.column("prompt_ids").to_pylist())}
+
+    def as_json(prompt, r):
+        user = text_of[r].split("<|im_user|>user<|im_middle|>", 1)[1].split("<|im_end|>", 1)[0]
+        thinking = text_of[r].endswith("<think>")
+        return render_prompt_ids(tok, [{"role": "user", "content": user}], TOOLS, thinking=thinking,
+                                 tools_ts_str=None)
+
+    bad = mutate(table, rows, lambda o, r: o, prompt_ids=as_json)
+    report = assert_caught(bad, rows, tok, ids, "prompt_agreement")
+    assert report.result("prompt_agreement").details["difference_min"] != 0
+
+
+def test_prompt_agreement_tolerance_and_unknown_prompts(env):
+    tok, ids, table = env
+    rows = pick_rows(table, 30, lambda r: r["usage_prompt_tokens"] is not None)
+    bad = mutate(table, rows, lambda o, r: o, usage_prompt_tokens=lambda u, r: u - 1)
+    assert run_gate("prompt_agreement", bad, tok, ids).failing == 30
+    assert run_gate("prompt_agreement", bad, tok, ids, AuditSettings(prompt_row_abs_tolerance=1)).failing == 0
+    # Rows without prompt ids (a prompt the pipeline does not know) are not checked.
+    unknown = mutate(bad, rows, lambda o, r: o, prompt_ids=lambda p, r: [])
+    res = run_gate("prompt_agreement", unknown, tok, ids)
+    assert res.failing == 0 and res.checked == run_gate("prompt_agreement", table, tok, ids).checked - 30
+    # Files written before the column existed: the gate says so and checks nothing.
+    old = table.drop_columns(["usage_prompt_tokens"])
+    res = run_gate("prompt_agreement", old, tok, ids)
+    assert res.checked == 0 and res.details["usage_prompt_tokens_column"] == "absent"
+
+
 @pytest.mark.parametrize(
     "kind", ["drop_section_end", "drop_call_end", "bad_json", "args_not_object", "id_with_space", "empty_id",
              "id_without_index", "two_sections", "section_inside_reasoning", "count_mismatch", "text_after_section"]

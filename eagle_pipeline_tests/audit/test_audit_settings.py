@@ -22,7 +22,7 @@ from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, reconstruct_output
 EXPECTED_GATES = {
     "ends_with_eot", "single_eot", "single_think_close", "think_close_before_eot", "no_think_open", "round_trip",
     "reasoning_nonempty", "billing_agreement", "tool_tokens_declared", "tool_sections_well_formed", "ids_in_vocab",
-    "not_truncated", "text_agreement",
+    "not_truncated", "text_agreement", "prompt_agreement",
 }
 
 
@@ -116,6 +116,7 @@ def _table(tok, ids):
             "ids_origin": [r[3] for r in rows],
             "finish_reason": [r[2] for r in rows],
             "usage_completion_tokens": [len(r[1]) for r in rows],
+            "usage_prompt_tokens": [None] * n,
             "thinking": [True] * n,
             "dataset_has_tools": [False] * n,
             "n_tool_calls": [0] * n,

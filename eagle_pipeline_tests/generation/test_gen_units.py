@@ -188,7 +188,7 @@ def test_fault_plan_selection():
 
 
 def test_simulated_usage_uses_given_counters():
-    srv = SimulatedOpenRouterServer(count_completion_tokens=lambda r, c, t: 1000 + len(r) + len(c), count_prompt_tokens=lambda m, t: 77,
+    srv = SimulatedOpenRouterServer(count_completion_tokens=lambda r, c, t: 1000 + len(r) + len(c), count_prompt_tokens=lambda m, t, th: 77,
                                     price_per_m_prompt=1.0, price_per_m_completion=2.0)
     body = {"model": "m", "messages": [{"role": "user", "content": "hello there world"}], "seed": 1, "max_tokens": 100000}
     out = srv.answer(body)
