@@ -115,7 +115,9 @@ def gate_check_result(result) -> dg.AssetCheckResult:
 
 def gate_check_metadata(result) -> dict:
     examples = "\n".join(
-        f"- `{e['sample_id']}`: `{str(e.get('excerpt', ''))[:160].replace('`', chr(39))}`" for e in result.examples
+        f"- `{e['sample_id']}`: " + (f"{e['problem']}; " if e.get("problem") else "")
+        + f"`{str(e.get('excerpt', ''))[:160].replace('`', chr(39))}`"
+        for e in result.examples
     )
     meta = {
         "action": result.action,

@@ -93,6 +93,23 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
     assert materialized.isdisjoint({"merged_dataset", "draft_vocab", "hidden_state_plan"})
 
 
+def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance):
+    """A provider that bills an injected system prompt: prompt_agreement fails with WARN severity and names the
+    difference, and the merge still runs in the same run (the default action is warn)."""
+    pipeline_config(datasets=("B1",), simulated={"faults": {"prompt_mismatch": 1.0}})
+    defs = _probe_defs()
+    result = _run(defs, "probe_job", instance, "B1")
+    assert result.success
+    evaluation = _check_evaluations(result)["prompt_agreement"]
+    assert evaluation.passed is False and evaluation.severity == dg.AssetCheckSeverity.WARN
+    meta = evaluation.metadata
+    assert meta["rows_failing"].value == meta["rows_checked"].value > 0
+    assert json.loads(json.dumps(meta["details"].value))["difference_median"] == 37.0
+    assert "usage_prompt_tokens" in meta["failure_examples"].value
+    materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
+    assert {"merged_dataset", "draft_vocab"} <= materialized
+
+
 def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline_config, instance, tmp_path):
     pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
     defs = build_defs()
