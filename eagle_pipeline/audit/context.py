@@ -338,6 +338,9 @@ class AuditContext:
         return [str(x) for x in col.take(pa.array(np.asarray(rows, dtype=np.int64))).to_pylist()]
 
     # -- decoding -------------------------------------------------------------------------------------------------
+    def prompt_ids(self, row: int) -> list[int]:
+        return _column(self.table, "prompt_ids")[row].as_py() or []
+
     def row_ids(self, row: int) -> np.ndarray:
         return self.values[self.offsets[row] : self.offsets[row + 1]]
 

@@ -47,6 +47,7 @@ class Outcome:
     reasons: dict[int, str] = field(default_factory=dict)  # row -> what exactly is wrong, for examples
     passed: bool | None = None  # set by gates whose pass/fail is not "no failing row" (billing)
     source_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+    excerpts: dict[int, str] = field(default_factory=dict)  # row -> excerpt, for gates about something other than the output
 
 
 def _last(ctx: AuditContext) -> np.ndarray:
@@ -241,17 +242,22 @@ def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
         return {"difference_min": int(d.min()), "difference_median": float(np.median(d)), "difference_max": int(d.max())}
 
     source_extra = {key: spread(checked & (codes == k)) for k, key in enumerate(keys)}
+    shown = np.flatnonzero(fail)[: settings.max_examples].tolist()
     reasons = {
-        int(i): f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
-        for i in np.flatnonzero(fail)[: settings.max_examples]
+        i: f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
+        for i in shown
     }
+    # The prompt's head is where an injected system prompt or the tool declarations would show.
+    head = settings.excerpt_tokens
+    excerpts = {i: "prompt: " + ctx.render(ctx.prompt_ids(i)[:head]) + ("…" if lengths[i] > head else "") for i in shown}
     details = {
         "usage_prompt_tokens_column": "present",
         "row_tolerance": settings.prompt_row_abs_tolerance,
         "rows_without_prompt_usage": int(np.count_nonzero(~checked)),
         **spread(checked),
     }
-    return Outcome(checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra)
+    return Outcome(checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra,
+                   excerpts=excerpts)
 
 
 # ---- tool sections ---------------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def _finish(name: str, ctx: AuditContext, out: Outcome, settings: AuditSettings)
         ex: dict[str, Any] = {"sample_id": sid, "row": row, "position": p}
         if row in out.reasons:
             ex["problem"] = out.reasons[row]
-        ex["excerpt"] = ctx.excerpt(row, p, settings.excerpt_tokens)
+        ex["excerpt"] = out.excerpts[row] if row in out.excerpts else ctx.excerpt(row, p, settings.excerpt_tokens)
         examples.append(ex)
 
     codes, keys = ctx.sources

@@ -344,6 +344,8 @@ def test_prompt_mismatch_from_an_injected_system_prompt(env):
     assert res.by_source["openrouter/Together"]["difference_median"] == 37.0
     assert res.by_source["openrouter/Moonshot"]["difference_max"] == 0
     assert "usage_prompt_tokens" in res.examples[0]["problem"] and "+37" in res.examples[0]["problem"]
+    # The example shows the head of the prompt, not of the output.
+    assert res.examples[0]["excerpt"].startswith("prompt: <|im_")
 
 
 def test_prompt_mismatch_from_json_instead_of_typescript_tools(env):
