@@ -103,7 +103,10 @@ class _Type:
             notes = item.comments(inner)
             if not notes:
                 return f"Array<{item.render(indent)}>"
-            return f"Array<\n{notes}{inner}{item.render(inner)}\n{indent}>"
+            rendered = item.render(inner)
+            if not isinstance(rendered, str):  # a non-string "type" (Moonshot's tokenizer fails on it here)
+                raise ToolDeclarationError(f"array item type {rendered!r} is not a string")
+            return f"Array<\n{notes}{inner}{rendered}\n{indent}>"
         # object
         ordered = sorted(self.fields, key=lambda f: (f[2], f[0]))  # required first, each group by name
         parts = [_render_field(name, typ, optional, default, inner) for name, typ, optional, default in ordered]
@@ -198,6 +201,11 @@ class _Parser:
             name = ref.split("/")[-1]
             if name not in self.definitions:
                 raise ToolDeclarationError(f"$ref {ref!r} names no entry of $defs")
+            target = self.definitions[name]
+            if not isinstance(target, Mapping):
+                raise ToolDeclarationError(f"$defs entry {name!r} is not an object")
+            if target.get("$self_ref"):  # a definition marked as the root stands for the parameters themselves
+                name = "parameters"
         else:
             raise ToolDeclarationError(f"unsupported $ref {ref!r} (only '#' and '#/$defs/...')")
         return _Type("ref", schema.get("description", ""), name=name)
@@ -263,7 +271,7 @@ def typescript_tool_declarations(tools: Sequence[Mapping[str, Any]] | None) -> s
             functions.append(_function(tool["function"]))
         except ToolDeclarationError:
             raise
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
             name = tool["function"].get("name") if isinstance(tool["function"], Mapping) else None
             raise ToolDeclarationError(f"tool {name!r}: {type(exc).__name__}: {exc}") from exc
     if not functions:

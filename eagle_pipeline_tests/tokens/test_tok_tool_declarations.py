@@ -125,3 +125,34 @@ def test_schemas_outside_the_format_raise(schema, message):
 def test_sort_keys_deep():
     assert list(sort_keys_deep({"b": 1, "a": [{"d": 1, "c": 2}]})["a"][0]) == ["c", "d"]
     assert list(sort_keys_deep({"b": 1, "a": 2})) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # An array item with a non-string type and a comment: Moonshot's tokenizer cannot join it.
+        {"type": "object", "properties": {"a": {"type": "array", "items": {"type": 5, "description": "d"}}}},
+        # A $ref to a definition that is not an object.
+        {"type": "object", "$defs": {"A": {"type": "object", "$defs": {"B": True},
+                                           "properties": {"x": {"$ref": "#/$defs/B"}}}}},
+    ],
+)
+def test_edge_schemas_that_make_the_tokenizer_fall_back(params):
+    with pytest.raises(ToolDeclarationError):
+        typescript_tool_declarations([fn("f", params)])
+
+
+def test_deep_nesting_falls_back_instead_of_crashing():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ToolDeclarationError):
+        typescript_tool_declarations([fn("f", schema)])
+
+
+def test_definition_marked_self_ref_names_the_parameters():
+    params = {"type": "object", "$defs": {"X": {"type": "string", "$self_ref": True}},
+              "properties": {"a": {"$ref": "#/$defs/X"}}}
+    assert typescript_tool_declarations([fn("f", params)]) == (
+        HEAD + "interface X string\ntype f = (_: {\n  a?: parameters\n}) => any;\n}\n"
+    )
