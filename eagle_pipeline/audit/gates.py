@@ -179,10 +179,19 @@ def gate_not_truncated(ctx: AuditContext, settings: Any) -> Outcome:
     )
 
 
+def _spread(diff: np.ndarray, sel: np.ndarray) -> dict[str, Any]:
+    """Min, median and max of the per-row differences of the selected rows ({} when none is selected)."""
+    d = diff[sel]
+    if d.size == 0:
+        return {}
+    return {"difference_min": int(d.min()), "difference_median": float(np.median(d)), "difference_max": int(d.max())}
+
+
 def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
     usage, valid = ctx.usage
     lengths = ctx.lengths.astype(np.int64)
-    diff = np.abs(lengths - usage)
+    signed = usage - lengths  # > 0: the provider counted more tokens than our ids hold
+    diff = np.abs(signed)
     tol = np.maximum(float(settings.billing_row_abs_tolerance), settings.billing_row_rel_tolerance * usage)
     checked = valid
     fail = checked & (diff > tol)
@@ -203,6 +212,8 @@ def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
             "sum_output_tokens": int(src_len[k]),
             "sum_usage_tokens": int(src_use[k]),
             "aggregate_relative_error": rel(int(src_len[k]), int(src_use[k])),
+            # A median of exactly +1 or -1 is one token per row: a counting convention or a token we lose.
+            **_spread(signed, checked & (codes == k)),
         }
         for k, key in enumerate(keys)
     }
@@ -216,6 +227,7 @@ def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
         "sum_output_tokens": sum_len,
         "sum_usage_tokens": sum_usage,
         "rows_without_usage": int(np.count_nonzero(~valid)),
+        **_spread(signed, checked),
         "row_tolerance": f"max({settings.billing_row_abs_tolerance}, {settings.billing_row_rel_tolerance} * usage)",
     }
     return Outcome(checked, fail, _last(ctx), details, reasons, passed, source_extra)
@@ -234,14 +246,7 @@ def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
     diff = usage - lengths  # > 0: the provider counted a longer prompt than ours
     fail = checked & (np.abs(diff) > settings.prompt_row_abs_tolerance)
     codes, keys = ctx.sources
-
-    def spread(sel: np.ndarray) -> dict[str, Any]:
-        d = diff[sel]
-        if d.size == 0:
-            return {}
-        return {"difference_min": int(d.min()), "difference_median": float(np.median(d)), "difference_max": int(d.max())}
-
-    source_extra = {key: spread(checked & (codes == k)) for k, key in enumerate(keys)}
+    source_extra = {key: _spread(diff, checked & (codes == k)) for k, key in enumerate(keys)}
     shown = np.flatnonzero(fail)[: settings.max_examples].tolist()
     reasons = {
         i: f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
@@ -254,7 +259,7 @@ def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
         "usage_prompt_tokens_column": "present",
         "row_tolerance": settings.prompt_row_abs_tolerance,
         "rows_without_prompt_usage": int(np.count_nonzero(~checked)),
-        **spread(checked),
+        **_spread(diff, checked),
     }
     return Outcome(checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra,
                    excerpts=excerpts)

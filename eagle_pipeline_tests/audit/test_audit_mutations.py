@@ -331,6 +331,21 @@ def test_billing_split_by_source(env):
             assert entry["failing"] == 0 and entry["aggregate_relative_error"] < 0.005
 
 
+def test_billing_shows_a_systematic_one_token_offset_per_source(env):
+    """One token per row is within every tolerance, yet systematic: a provider that also counts a token our ids
+    lack (say, a newline it stripped from the text). The per-source median makes it visible."""
+    tok, ids, table = env
+    rows = [i for i, r in enumerate(table.to_pylist())
+            if r["usage_completion_tokens"] is not None and r["provider"] == "Moonshot"]
+    lengths = [len(o) for o in table.column("output_ids").to_pylist()]
+    bad = mutate(table, rows, lambda o, r: o, usage_completion_tokens=lambda u, r: lengths[r] + 1)
+    res = run_gate("billing_agreement", bad, tok, ids, AuditSettings(billing_aggregate_bound=0.05))
+    assert res.passed and res.failing == 0
+    assert res.by_source["openrouter/Moonshot"]["difference_median"] == 1.0
+    assert res.by_source["openrouter/Together"]["difference_median"] == 0.0
+    assert res.by_source["openrouter/Together"]["difference_min"] >= -1  # the corpus's own +-1 noise
+
+
 def test_prompt_mismatch_from_an_injected_system_prompt(env):
     """A provider that prepends its own system prompt bills a longer prompt than the one we rendered; the gate
     names the rows, warns without blocking or excluding, and the split by source shows a constant offset."""
