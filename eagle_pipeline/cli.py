@@ -4,7 +4,7 @@
     eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
 
-`reconstruct` writes the full token-samples schema, including `output_text_sha256` (the digest of the text each
+`reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
 Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed, 2 usage or input error.
@@ -221,8 +221,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     except (pa.ArrowInvalid, OSError) as exc:
         raise CliError(f"{src}: not a readable Parquet file ({exc})") from None
     report = run_audit(table, tok, profile.resolve(tok), settings, gates=gates)
-    if (gates is None or "text_agreement" in gates) and "output_text_sha256" not in table.column_names:
-        print(f"note: {src} has no output_text_sha256 column (written before text digests existed), so "
+    if (gates is None or "text_agreement" in gates) and "output_text_hash" not in table.column_names:
+        print(f"note: {src} has no output_text_hash column (written before text hashes existed), so "
               "text_agreement checked no row; run `reconstruct` again to check the ids against the text",
               file=sys.stderr)
     write_json_atomic({"input": str(src), **report.to_dict()}, args.report)

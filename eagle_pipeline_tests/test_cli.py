@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.cli import main
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, get_profile, load_tokenizer, reconstruct_output
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,9 +90,9 @@ def test_reconstruct_then_audit(kimi, tmp_path):
     assert rows["s3"]["literal_special"] and rows["s4"]["finish_reason"] == "length"
     assert len({r["prompt_key"] for r in rows.values()}) == 4  # no prompt given: keys must not collide
     # The digest of the text the ids must decode to, computed from the response text.
-    assert rows["s1"]["output_text_sha256"] == hashlib.sha256("Let me think.</think>Hello!<|im_end|>".encode()).hexdigest()
+    assert rows["s1"]["output_text_hash"] == text_hash_int64("Let me think.</think>Hello!<|im_end|>")
     for r in rows.values():
-        assert r["output_text_sha256"] == hashlib.sha256(tok.decode_bytes(r["output_ids"])).hexdigest()
+        assert r["output_text_hash"] == text_hash_int64(tok.decode_bytes(r["output_ids"]))
 
     report_path = tmp_path / "report.json"
     kept = tmp_path / "kept.parquet"
@@ -167,17 +167,17 @@ def test_audit_blocks_an_id_off_by_one(kimi, tmp_path):
 
 
 def test_audit_of_a_file_without_digests(kimi, tmp_path):
-    """Token samples written before output_text_sha256 existed still audit; text_agreement then checks nothing."""
+    """Token samples written before output_text_hash existed still audit; text_agreement then checks nothing."""
     kdir, tok, ids = kimi
     out = _reconstruct(kdir, tok, ids, tmp_path)
     old = tmp_path / "old.parquet"
-    pq.write_table(pq.read_table(out).drop_columns(["output_text_sha256"]), old)
+    pq.write_table(pq.read_table(out).drop_columns(["output_text_hash"]), old)
     report_path = tmp_path / "report.json"
     res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(old), "--report", str(report_path))
     assert res.returncode == 0, res.stdout + res.stderr
     gate = json.loads(report_path.read_text())["gates"]["text_agreement"]
     assert gate["checked"] == 0 and gate["details"]["digest_column"] == "absent"
-    assert "no output_text_sha256 column" in res.stderr
+    assert "no output_text_hash column" in res.stderr
 
 
 def test_returned_ids_are_kept(tmp_path):
@@ -192,7 +192,7 @@ def test_returned_ids_are_kept(tmp_path):
     row = pq.read_table(out).to_pylist()[0]
     assert row["ids_origin"] == "returned" and row["output_ids"] == [100, 2327, 101, 2306]
     assert row["prompt_ids"] == [1, 2, 3] and row["dataset"] == "B7"
-    assert row["output_text_sha256"] is None  # the server's text is not the exact decoding of its ids
+    assert row["output_text_hash"] is None  # the server's text is not the exact decoding of its ids
     assert not row["prompt_key"].startswith("sample:")
 
 

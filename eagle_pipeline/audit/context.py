@@ -32,8 +32,9 @@ RESERVED = 11  # a reserved / unnamed special slot
 OUT_OF_RANGE = 12  # id < 0 or id >= vocab_size
 
 TOOL_CODES = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END, ARG_BEGIN)
-# sha256 hex of the bytes a row's output ids must decode to, recorded by the reconstruction (null: unknown).
-TEXT_DIGEST_COLUMN = "output_text_sha256"
+# text_hash (int64 bit pattern) of the bytes a row's output ids must decode to, recorded by the reconstruction
+# (null: unknown).
+TEXT_DIGEST_COLUMN = "output_text_hash"
 ORIGINS = ("reconstructed", "returned")
 
 # Finish reasons of a generation that ended on its own; anything else (length, error, abort, content_filter,
@@ -298,17 +299,18 @@ class AuditContext:
         return lengths, usage, valid & (lengths > 0)
 
     @cached_property
-    def text_digests(self) -> tuple[np.ndarray, pa.Array] | None:
-        """(valid mask, the `output_text_sha256` column) or None when the table has no such column (older files)."""
+    def text_digests(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(valid mask, `output_text_hash` as uint64 with 0 for null) or None without that column (older files)."""
         if TEXT_DIGEST_COLUMN not in self.table.column_names:
             return None
         col = _column(self.table, TEXT_DIGEST_COLUMN)
         if pa.types.is_null(col.type):
-            return np.zeros(self.n, dtype=bool), col
-        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-            raise AuditInputError(f"column {TEXT_DIGEST_COLUMN!r} must be a string column, got {col.type}")
+            return np.zeros(self.n, dtype=bool), np.zeros(self.n, dtype=np.uint64)
+        if col.type != pa.int64():
+            raise AuditInputError(f"column {TEXT_DIGEST_COLUMN!r} must be int64 (the hash's bit pattern), got {col.type}")
         valid = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
-        return valid, col
+        hashes = np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)
+        return valid, hashes
 
     @cached_property
     def n_tool_calls(self) -> np.ndarray | None:

@@ -1,13 +1,12 @@
 """Gate implementations. Each takes the shared AuditContext and returns which rows it checked and which failed.
 
-All gates but three are pure numpy over the event list (see context.py). `tool_sections_well_formed` loops over the
-rows that hold tool ids (to decode ids and JSON arguments); `round_trip` loops over rows to decode and re-encode;
-`text_agreement` loops over rows that carry a text digest to decode and hash them.
+All gates but two are pure numpy over the event list (see context.py) or, for `text_agreement`, over the flat id
+buffer. `tool_sections_well_formed` loops over the rows that hold tool ids (to decode ids and JSON arguments);
+`round_trip` loops over rows to decode and re-encode.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections import Counter
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import pyarrow as pa
 
 from eagle_pipeline.audit.context import (
     ARG_BEGIN,
@@ -32,8 +30,8 @@ from eagle_pipeline.audit.context import (
     TOOL_CODES,
     AuditContext,
 )
+from eagle_pipeline.tokens.text_hash import TokenHashTable, ids_text_hashes, token_hash_table
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -491,53 +489,60 @@ def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
 
 
 def gate_text_agreement(ctx: AuditContext, settings: Any) -> Outcome:
-    """Rows with an `output_text_sha256` must decode (decode_bytes, specials as their strings) to bytes with that
-    sha256. The digest was computed from the source text when the row was built, so this compares the ids with the
-    text they claim to encode. Rows without a digest (returned ids, older files) are not checked."""
+    """Rows with an `output_text_hash` must decode (decode_bytes, specials as their strings) to bytes with that hash.
+    The hash was computed from the source text when the row was built, so this compares the ids with the text they
+    claim to encode. It is recomputed from the ids without decoding (tokens/text_hash.py): a few numpy passes over
+    the flat buffer. Rows without a hash (returned ids, older files) are not checked."""
     n = ctx.n
-    fail = np.zeros(n, dtype=bool)
-    pos = np.zeros(n, dtype=np.int64)  # a digest does not say where the bytes differ: excerpt the row's start
-    reasons: dict[int, str] = {}
-    kinds: Counter[str] = Counter()
+    pos = np.zeros(n, dtype=np.int64)  # a hash does not say where the bytes differ: excerpt the row's start
     found = ctx.text_digests
     if found is None:
         details: dict[str, Any] = {"problems": {}, "digest_column": "absent", "rows_without_digest": n}
-        return Outcome(np.zeros(n, dtype=bool), fail, pos, details)
-    checked, col = found
-    rows = np.flatnonzero(checked)
-    # Only the checked rows' digests become Python strings.
-    digests = col.filter(pa.array(checked)).to_pylist() if rows.size else []
-    decode_bytes = ctx.tokenizer.decode_bytes
-    offs, vals = ctx.offsets, ctx.values
-
-    def mark(row: int, kind: str, reason: str) -> None:
-        fail[row] = True
-        kinds[kind] += 1
-        if len(reasons) < settings.max_examples:
-            reasons[row] = reason
-
-    for row, want in zip(rows.tolist(), digests):
-        want = want.strip().lower()
-        if not _HEX64.match(want):
-            mark(row, "malformed_digest", "output_text_sha256 is not 64 hex digits")
-            continue
-        try:
-            data = decode_bytes(vals[offs[row] : offs[row + 1]])
-        except (KeyError, OverflowError, ValueError, TypeError):
-            # An id the tokenizer cannot decode (ids_in_vocab names it): these ids cannot be the text.
-            mark(row, "undecodable", "output_ids do not decode (an id outside the vocabulary)")
-            continue
-        if hashlib.sha256(data).hexdigest() != want:
-            mark(row, "digest_mismatch", f"output_ids decode to {len(data)} bytes whose sha256 differs from "
-                                         "output_text_sha256")
+        return Outcome(np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), pos, details)
+    checked, want = found
+    table = token_hash_table(ctx.tokenizer)
+    vals, offs = ctx.values, ctx.offsets
+    bad = _rows_with_undecodable_ids(ctx, table)
+    if bad.any():
+        vals = np.clip(vals, 0, table.vocab_size - 1)  # those rows fail anyway; the others hash as they are
+    got = ids_text_hashes(vals, offs, table)
+    undecodable = checked & bad
+    mismatch = checked & ~bad & (got != want)
+    reasons: dict[int, str] = {}
+    for row in np.flatnonzero(undecodable | mismatch)[: settings.max_examples].tolist():
+        reasons[row] = (
+            "output_ids do not decode (an id outside the vocabulary)" if undecodable[row]
+            else "output_ids decode to bytes whose text_hash differs from output_text_hash"
+        )
     origin = ctx.origin
+    problems = {"undecodable": int(undecodable.sum()), "digest_mismatch": int(mismatch.sum())}
     details = {
-        "problems": dict(kinds.most_common()),
+        "problems": {k: v for k, v in problems.items() if v},
         "digest_column": "present",
-        "rows_without_digest": int(n - rows.size),
+        "rows_without_digest": int(n - checked.sum()),
         "rows_without_digest_reconstructed": int(np.count_nonzero(~checked & (origin == 0))),
     }
-    return Outcome(checked, fail, pos, details, reasons)
+    return Outcome(checked, undecodable | mismatch, pos, details, reasons)
+
+
+def _rows_with_undecodable_ids(ctx: AuditContext, table: TokenHashTable) -> np.ndarray:
+    """Rows holding an id outside the vocabulary or one the tokenizer cannot decode."""
+    bad = np.zeros(ctx.n, dtype=bool)
+    if table.decodable[: ctx.classes.threshold].all():
+        # Every ordinary id decodes, so only the (few) non-ordinary ids need a look.
+        ids = ctx.values[ctx.ev_pos].astype(np.int64)
+        ok = (ids >= 0) & (ids < table.vocab_size)
+        ok[ok] = table.decodable[ids[ok]]
+        bad[ctx.ev_row[~ok]] = True
+        return bad
+    ids = ctx.values.astype(np.int64)
+    ok = (ids >= 0) & (ids < table.vocab_size)
+    ok[ok] = table.decodable[ids[ok]]
+    starts = ctx.offsets[:-1]
+    nonempty = ctx.lengths > 0
+    if nonempty.any():
+        bad[nonempty] = np.logical_or.reduceat(~ok, starts[nonempty])
+    return bad
 
 
 def _token_at_byte(tok: Any, span: list[int], byte: int) -> int:

@@ -117,11 +117,11 @@ GATES: tuple[GateSpec, ...] = (
     _spec(
         "text_agreement",
         "Output ids decode to exactly the source text",
-        "Rows carrying output_text_sha256 (reconstructed rows: the sha256 of the API text laid out as reasoning "
+        "Rows carrying output_text_hash (reconstructed rows: a 64-bit hash of the API text laid out as reasoning "
         "</think> content [tool section] <|im_end|>, computed from the text, not the ids, when the row was built) "
-        "must decode (specials as their strings) to bytes with that digest. Catches every id that changes the "
+        "must decode (specials as their strings) to bytes with that hash. Catches every id that changes the "
         "decoded text, including an ordinary or special id off by one that is itself canonical BPE (which "
-        "round_trip misses), shifted vocabularies, and ids mixed up between rows. Rows without a digest (returned "
+        "round_trip misses), shifted vocabularies, and ids mixed up between rows. Rows without a hash (returned "
         "ids) are not checked.",
         "block",
     ),

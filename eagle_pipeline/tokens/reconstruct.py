@@ -6,14 +6,13 @@ ModelProfile for others). Structural tokens become their special ids; every piec
 `encode_ordinary`, so a special-token string the model *typed* (e.g. a literal "<|im_end|>" in an answer about chat
 templates) stays ordinary tokens and the row is flagged `literal_special`.
 
-Each reconstructed row also records `output_text_sha256`: the sha256 of the exact bytes its output ids must decode
-to, computed from the source text pieces and the structural tokens' strings (never from the ids). The audit's
-`text_agreement` gate decodes the ids and compares, so any id that changes the decoded text is caught.
+Each reconstructed row also records `output_text_hash`: the 64-bit `text_hash` of the exact bytes its output ids must
+decode to, computed from the source text pieces and the structural tokens' strings (never from the ids). The audit's
+`text_agreement` gate recomputes it from the ids, so any id that changes the decoded text is caught.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import weakref
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import pyarrow as pa
 from ..prompts import normalized_prompt_key
 from .profiles import ModelProfile, ProfileIds, get_profile
 from .render import render_prompt
+from .text_hash import as_int64, text_hash
 from .tokenizer import TargetTokenizer
 
 TOKEN_SAMPLES_SCHEMA = pa.schema(
@@ -46,9 +46,10 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
         ("n_tool_calls", pa.int32()),
         ("literal_special", pa.bool_()),
         ("prompt_key", pa.string()),
-        # sha256 hex of the bytes output_ids must decode to (tokenizer.decode_bytes), computed from the source text,
-        # not from the ids; null where the pipeline does not know that text exactly (returned ids).
-        ("output_text_sha256", pa.string()),
+        # text_hash of the bytes output_ids must decode to (tokenizer.decode_bytes), computed from the source text,
+        # not from the ids, as the int64 bit pattern; null where the pipeline does not know that text exactly
+        # (returned ids).
+        ("output_text_hash", pa.int64()),
     ]
 )
 
@@ -59,12 +60,17 @@ IDS_RETURNED = "returned"
 @dataclass
 class Reconstruction:
     """Reconstructed output ids, whether the text held a literal special-token string, the tool-call count, and
-    `text_sha256`: sha256 hex of the bytes `ids` must decode to, computed from the text (see `plan_text_sha256`)."""
+    `text_bytes`: the bytes `ids` must decode to, taken from the text (`plan_text_bytes`)."""
 
     ids: list[int]
     literal_special: bool
     n_tool_calls: int
-    text_sha256: str | None = None
+    text_bytes: bytes = b""
+
+    @property
+    def text_hash(self) -> int:
+        """What the row's `output_text_hash` holds: text_hash of `text_bytes`, as int64 (computed when asked)."""
+        return as_int64(text_hash(self.text_bytes))
 
 
 # A plan is a list of parts: str = text to encode ordinarily, int = a structural special id. Adjacent texts are
@@ -121,13 +127,11 @@ def _text_bytes(text: str) -> bytes:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
 
 
-def plan_text_sha256(parts: Sequence[Part], special_strings: Mapping[int, bytes]) -> str:
-    """sha256 hex of the bytes a plan's ids must decode to: the UTF-8 of each text piece and each structural token's
-    string, in order. Computed from the text, independently of how (or whether correctly) it was encoded."""
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(_text_bytes(p) if isinstance(p, str) else special_strings[p])
-    return h.hexdigest()
+def plan_text_bytes(parts: Sequence[Part], special_strings: Mapping[int, bytes]) -> bytes:
+    """The bytes a plan's ids must decode to: the UTF-8 of each text piece and each structural token's string, in
+    order. Taken from the text, independently of how (or whether correctly) it was encoded; `text_hash` of them is
+    what a reconstructed row records."""
+    return b"".join(_text_bytes(p) if isinstance(p, str) else special_strings[p] for p in parts)
 
 
 def _as_profile_ids(tokenizer: TargetTokenizer, profile: ProfileIds | ModelProfile | str) -> ProfileIds:
@@ -246,8 +250,8 @@ def reconstruct_output(
     # literal_special looks at exactly the text that is encoded ordinarily (reasoning, content, tool ids/arguments);
     # the few separators profiles add ("\n", '{"name": "') cannot complete a special-token string.
     literal = any(map(tokenizer.contains_special_string, texts))
-    digest = plan_text_sha256(plan.parts, _special_strings(pids))
-    return Reconstruction(_assemble(plan.parts, encoded), literal, plan.n_tool_calls, digest)
+    text = plan_text_bytes(plan.parts, _special_strings(pids))
+    return Reconstruction(_assemble(plan.parts, encoded), literal, plan.n_tool_calls, text)
 
 
 def ids_contain_literal_special(tokenizer: TargetTokenizer, ids: Sequence[int] | np.ndarray) -> bool:
@@ -290,7 +294,7 @@ def reconstruct_table(
     """The token-samples table (TOKEN_SAMPLES_SCHEMA) for a responses table.
 
     Rows with `output_token_ids` keep the server's ids (ids_origin='returned'); the others are reconstructed from
-    their text ('reconstructed') and get `output_text_sha256`, the digest of the bytes their ids must decode to,
+    their text ('reconstructed') and get `output_text_hash`, the hash of the bytes their ids must decode to,
     computed from that text. Returned rows get null there: the server's text fields are not the exact decoding of
     its ids (see docs/tokens.md). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
     rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). All texts are
@@ -316,7 +320,7 @@ def reconstruct_table(
     prompt_keys: list[str] = []
     plans: list[_Plan | None] = []
     texts: list[str] = []
-    digests: list[str | None] = []
+    digests: list[int | None] = []
     special_strings = _special_strings(pids)
 
     for i in range(n):
@@ -355,7 +359,7 @@ def reconstruct_table(
         )
         plans.append(plan)
         texts.extend(plan.texts())
-        digests.append(plan_text_sha256(plan.parts, special_strings))
+        digests.append(as_int64(text_hash(plan_text_bytes(plan.parts, special_strings))))
 
     # One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
     # numpy arrays up to the Arrow column, so no Python int is made per token.
@@ -410,7 +414,7 @@ def reconstruct_table(
         "n_tool_calls": n_calls,
         "literal_special": literal,
         "prompt_key": prompt_keys,
-        "output_text_sha256": digests,
+        "output_text_hash": digests,
     }
     return pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
 

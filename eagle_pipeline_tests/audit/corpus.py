@@ -72,7 +72,7 @@ def _tool_calls(rng: random.Random, k: int) -> list[dict[str, Any]]:
 def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
     """`n` valid rows: two datasets (B1 without tools, B2 with tools), thinking on/off, tool calls, CJK/emoji,
     literal special strings, returned and reconstructed ids, mixed providers; usage mostly exact, some null.
-    Reconstructed rows carry `output_text_sha256` from the reconstruction; returned rows carry null. Prompts are
+    Reconstructed rows carry `output_text_hash` from the reconstruction; returned rows carry null. Prompts are
     rendered through the tokenizer's chat template (with tool declarations in B2); the provider's prompt count
     agrees, or is null."""
     rng = random.Random(seed)
@@ -105,7 +105,7 @@ def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
         origin = "returned" if backend == "vllm" and rng.random() < 0.5 else "reconstructed"
         rows["ids_origin"].append(origin)
         # As reconstruct_table does: reconstructed rows carry the digest of their source text, returned rows none.
-        rows["output_text_sha256"].append(rec.text_sha256 if origin == "reconstructed" else None)
+        rows["output_text_hash"].append(rec.text_hash if origin == "reconstructed" else None)
         rows["finish_reason"].append("tool_calls" if calls else "stop")
         rows["usage_completion_tokens"].append(usage)
         rows["thinking"].append(thinking)

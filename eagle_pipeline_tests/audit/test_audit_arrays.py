@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import numpy as np
@@ -10,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, run_gate, tool_call_id_ok
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import KIMI_PAT_STR, TOKEN_SAMPLES_SCHEMA, get_profile, reconstruct_output
 from eagle_pipeline.tokens.tokenizer import tiktoken_tokenizer
 
@@ -96,14 +96,14 @@ def test_input_errors_name_the_column(demo_table, demo_tok, demo_ids):
 # ---- the text digest column -------------------------------------------------------------------------------------------
 
 
-def _with_digests(table, digests, type_=pa.string()):
-    i = table.schema.get_field_index("output_text_sha256")
-    return table.set_column(i, pa.field("output_text_sha256", type_), pa.array(digests, type_))
+def _with_digests(table, digests, type_=pa.int64()):
+    i = table.schema.get_field_index("output_text_hash")
+    return table.set_column(i, pa.field("output_text_hash", type_), pa.array(digests, type_))
 
 
 def test_text_agreement_without_digests_checks_nothing(demo_table, demo_tok, demo_ids):
     """Files written before the column existed, or tables whose digests are all null, are not text-checked."""
-    res = run_gate("text_agreement", demo_table.drop_columns(["output_text_sha256"]), demo_tok, demo_ids)
+    res = run_gate("text_agreement", demo_table.drop_columns(["output_text_hash"]), demo_tok, demo_ids)
     assert res.checked == 0 and res.failing == 0 and res.details["digest_column"] == "absent"
     for nulls in (_with_digests(demo_table, [None] * demo_table.num_rows),
                   _with_digests(demo_table, [None] * demo_table.num_rows, pa.null())):
@@ -114,9 +114,8 @@ def test_text_agreement_without_digests_checks_nothing(demo_table, demo_tok, dem
 
 def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
     outputs = demo_table.column("output_ids").to_pylist()
-    digests = [hashlib.sha256(demo_tok.decode_bytes(o)).hexdigest() if o[0] < demo_tok.vocab_size else None for o in outputs]
-    digests[1] = digests[1].upper()  # hex case does not matter
-    digests[2] = "not-a-digest"
+    digests = [text_hash_int64(demo_tok.decode_bytes(o)) if o[0] < demo_tok.vocab_size else None for o in outputs]
+    digests[2] = digests[2] ^ 1  # one bit of the hash
     digests[4] = digests[5]  # another row's text
     outs = list(outputs)
     outs[6] = [demo_tok.vocab_size + 3] + outs[6]  # cannot be decoded at all
@@ -125,15 +124,35 @@ def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
         demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32())))
     res = run_gate("text_agreement", table, demo_tok, demo_ids)
     assert np.flatnonzero(res.row_fail).tolist() == [2, 4, 6, 7]
-    assert res.details["problems"] == {"malformed_digest": 1, "digest_mismatch": 1, "undecodable": 2}
+    assert res.details["problems"] == {"digest_mismatch": 2, "undecodable": 2}
     assert res.checked == demo_table.num_rows - 1  # row 50 (oov id) has no digest here
     # Sliced and chunked layouts give the same verdicts.
     sliced = run_gate("text_agreement", table.slice(3, 10), demo_tok, demo_ids)
     assert np.flatnonzero(sliced.row_fail).tolist() == [1, 3, 4]
     chunked = pa.concat_tables([table.slice(0, 5), table.slice(5)])
     assert np.flatnonzero(run_gate("text_agreement", chunked, demo_tok, demo_ids).row_fail).tolist() == [2, 4, 6, 7]
-    with pytest.raises(AuditInputError, match="output_text_sha256"):
-        run_gate("text_agreement", _with_digests(demo_table, [b"x"] * demo_table.num_rows, pa.binary()), demo_tok, demo_ids)
+    with pytest.raises(AuditInputError, match="output_text_hash"):
+        run_gate("text_agreement", _with_digests(demo_table, ["x"] * demo_table.num_rows, pa.string()), demo_tok, demo_ids)
+
+
+def test_text_hash_from_ids_equals_hash_of_decoded_bytes(kimi_tok, demo_tok):
+    """The vectorised per-row hash equals the hash of decode_bytes for random ids of the whole vocabulary (specials
+    included), empty rows, and rows spread over several of the gate's chunks."""
+    from eagle_pipeline.tokens import text_hash as th
+
+    for tok in (kimi_tok, demo_tok):
+        table = th.token_hash_table(tok)
+        rng = np.random.default_rng(5)
+        lengths = rng.choice([0, 1, 2, 7, 300, 5000], size=400)
+        values = rng.integers(0, tok.vocab_size, int(lengths.sum()), dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        got = th.ids_text_hashes(values, offsets, table)
+        want = [th.text_hash(tok.decode_bytes(values[offsets[i] : offsets[i + 1]])) for i in range(400)]
+        assert got.tolist() == want
+    texts = [b"", b"a", "abé".encode(), b"abe", bytes(range(256)) * 40]
+    assert len({th.text_hash(t) for t in texts}) == len(texts)
+    # The definition, written out: sum of R[byte] * B**position mod 2**64.
+    assert th.text_hash("abé".encode()) == sum(int(th.R[b]) * pow(th.B, i, 1 << 64) for i, b in enumerate("abé".encode())) % (1 << 64)
 
 
 def test_literal_special_string_encoded_as_special_id(demo_tok, demo_ids):
@@ -149,7 +168,7 @@ def test_literal_special_string_encoded_as_special_id(demo_tok, demo_ids):
             "ids_origin": ["reconstructed"] * 2, "finish_reason": ["stop"] * 2,
             "usage_completion_tokens": [None] * 2, "usage_prompt_tokens": [None] * 2, "thinking": [True] * 2, "dataset_has_tools": [False] * 2,
             "n_tool_calls": [0] * 2, "literal_special": [True] * 2, "prompt_key": ["a", "b"],
-            "output_text_sha256": [rec.text_sha256] * 2,
+            "output_text_hash": [rec.text_hash] * 2,
         },
         schema=TOKEN_SAMPLES_SCHEMA,
     )
@@ -196,7 +215,7 @@ def qwen():
             "usage_completion_tokens": [len(r.ids) for r, _, _ in rows], "usage_prompt_tokens": [None] * n, "thinking": [t for _, t, _ in rows],
             "dataset_has_tools": [True] * n, "n_tool_calls": [r.n_tool_calls for r, _, _ in rows],
             "literal_special": [False] * n, "prompt_key": ["k"] * n,
-            "output_text_sha256": [r.text_sha256 for r, _, _ in rows],
+            "output_text_hash": [r.text_hash for r, _, _ in rows],
         },
         schema=TOKEN_SAMPLES_SCHEMA,
     )

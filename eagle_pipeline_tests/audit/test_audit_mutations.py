@@ -5,13 +5,12 @@ must pass them all. Then each corruption class is injected into a subset of rows
 must flag exactly those rows, while every other gate stays silent on untouched rows and only the listed gates
 (which legitimately see the same damage) may also fire on the mutated ones.
 
-Reconstructed rows carry `output_text_sha256` (the digest of their source text), so `text_agreement` also fires on
+Reconstructed rows carry `output_text_hash` (the digest of their source text), so `text_agreement` also fires on
 every mutation that changes the bytes their ids decode to; returned rows carry none and are left to the others.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditSettings, run_audit, run_gate
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 
 from .corpus import build_clean_table, mutate
 from .helpers import assert_caught, pick_rows
@@ -481,12 +481,12 @@ def test_truncated_rows_are_filtered_and_nothing_else_fires(env):
     cuts = {r: rng.randint(1, len(table.column("output_ids")[r]) - 2) for r in cut_rows}
     outputs = table.column("output_ids").to_pylist()
     # A reconstructed cut row's digest is that of its (cut) text, i.e. of the bytes its ids decode to.
-    cut_digest = {r: hashlib.sha256(tok.decode_bytes(outputs[r][: -cuts[r]])).hexdigest() for r in cut_rows}
+    cut_digest = {r: text_hash_int64(tok.decode_bytes(outputs[r][: -cuts[r]])) for r in cut_rows}
     bad = mutate(
         table, cut_rows, lambda o, r: o[: -cuts[r]],
         finish_reason=lambda v, r: reasons[r % len(reasons)],
         usage_completion_tokens=lambda u, r: None if u is None else u - cuts[r],
-        output_text_sha256=lambda v, r: None if v is None else cut_digest[r],
+        output_text_hash=lambda v, r: None if v is None else cut_digest[r],
     )
     report = assert_caught(bad, cut_rows, tok, ids, "not_truncated")
     res = report.result("not_truncated")

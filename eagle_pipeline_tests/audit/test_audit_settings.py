@@ -122,7 +122,7 @@ def _table(tok, ids):
             "n_tool_calls": [0] * n,
             "literal_special": [False] * n,
             "prompt_key": [r[0] for r in rows],
-            "output_text_sha256": [None] * n,  # hand-built rows: no source text, so no text digest
+            "output_text_hash": [None] * n,  # hand-built rows: no source text, so no text digest
         },
         schema=TOKEN_SAMPLES_SCHEMA,
     )

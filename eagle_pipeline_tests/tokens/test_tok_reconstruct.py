@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pyarrow as pa
 import pytest
 
 from eagle_pipeline.prompts import normalized_prompt_key
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import (
     IDS_RECONSTRUCTED,
     IDS_RETURNED,
@@ -31,8 +31,9 @@ def sp(tok: TargetTokenizer, name: str) -> int:
     return tok.special_tokens[name]
 
 
-def sha(data: bytes | str) -> str:
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+def sha(data: bytes | str) -> int:
+    """The text hash the reconstruction records (named for the sha256 it replaced)."""
+    return text_hash_int64(data)
 
 
 def test_facts_pin(kimi):
@@ -40,12 +41,12 @@ def test_facts_pin(kimi):
     assert rec.ids == [9413, 1019, 2704, 13, 163607, 19180, 0, 163586]
     assert not rec.literal_special and rec.n_tool_calls == 0
     # The digest is that of the text laid out with the structural strings, and the ids decode to exactly it.
-    assert rec.text_sha256 == sha("Let me think.</think>Hello!<|im_end|>") == sha(kimi.decode_bytes(rec.ids))
+    assert rec.text_hash == sha("Let me think.</think>Hello!<|im_end|>") == sha(kimi.decode_bytes(rec.ids))
     # One id off by one is still canonical BPE for this text's neighbour, but it no longer decodes to the text.
     off = list(rec.ids)
     off[1] += 1
     assert kimi.decode(off[:4]) == "Let un think." and kimi.encode_ordinary("Let un think.") == off[:4]
-    assert sha(kimi.decode_bytes(off)) != rec.text_sha256
+    assert sha(kimi.decode_bytes(off)) != rec.text_hash
 
 
 def test_profile_object_and_ids_are_interchangeable(tok):
@@ -58,11 +59,11 @@ def test_thinking_off_and_empty(tok):
     close, eot = sp(tok, "</think>"), sp(tok, "<|im_end|>")
     rec = reconstruct_output(tok, "kimi-k2.5", reasoning="ignored", content="Answer.", tool_calls=None, thinking=False)
     assert rec.ids == tok.encode_ordinary("Answer.") + [eot]
-    assert rec.text_sha256 == sha("Answer.<|im_end|>")  # thinking off: the reasoning is not part of the output
+    assert rec.text_hash == sha("Answer.<|im_end|>")  # thinking off: the reasoning is not part of the output
     empty = reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None)
-    assert empty.ids == [close, eot] and empty.text_sha256 == sha("</think><|im_end|>")
+    assert empty.ids == [close, eot] and empty.text_hash == sha("</think><|im_end|>")
     empty = reconstruct_output(tok, "kimi-k2.5", reasoning=None, content=None, tool_calls=None, thinking=False)
-    assert empty.ids == [eot] and empty.text_sha256 == sha("<|im_end|>")
+    assert empty.ids == [eot] and empty.text_hash == sha("<|im_end|>")
 
 
 def test_kimi_tool_section(tok):
@@ -80,7 +81,7 @@ def test_kimi_tool_section(tok):
     assert rec.ids == tok.encode_with_specials(expected_text)
     assert rec.n_tool_calls == 2 and not rec.literal_special
     assert tok.decode(rec.ids) == expected_text
-    assert rec.text_sha256 == sha(expected_text) == sha(tok.decode_bytes(rec.ids))
+    assert rec.text_hash == sha(expected_text) == sha(tok.decode_bytes(rec.ids))
 
 
 def test_malformed_tool_call_is_reported(tok):
@@ -114,7 +115,7 @@ def test_adversarial_roundtrip(tok, case):
     assert tok.decode(rec.ids) == reasoning + "</think>" + content + "<|im_end|>"
     assert tok.decode_bytes(rec.ids) == (reasoning + "</think>" + content + "<|im_end|>").encode()
     assert rec.literal_special == (case == "literal_specials")
-    assert rec.text_sha256 == sha(reasoning + "</think>" + content + "<|im_end|>") == sha(tok.decode_bytes(rec.ids))
+    assert rec.text_hash == sha(reasoning + "</think>" + content + "<|im_end|>") == sha(tok.decode_bytes(rec.ids))
 
 
 def test_huge_reasoning_size():
@@ -138,14 +139,14 @@ def test_literal_special_strings_agree_with_the_digest(tok):
     content_ids = rec.ids[rec.ids.index(close) + 1 : -1]
     assert tok.decode_bytes(content_ids) == content.encode()
     expected = "Quote </think> and <|tool_call_begin|> as text.</think>" + content + "<|im_end|>"
-    assert rec.text_sha256 == sha(expected) == sha(tok.decode_bytes(rec.ids))
+    assert rec.text_hash == sha(expected) == sha(tok.decode_bytes(rec.ids))
 
 
 def test_digest_of_text_the_encoder_cannot_hold(tok):
     """A lone surrogate (possible after json.loads) is encoded as U+FFFD, so the digest hashes U+FFFD too."""
     rec = reconstruct_output(tok, "kimi-k2.5", reasoning="a\ud800b", content="c", tool_calls=None)
     assert tok.decode_bytes(rec.ids) == "a\ufffdb</think>c<|im_end|>".encode()
-    assert rec.text_sha256 == sha(tok.decode_bytes(rec.ids))
+    assert rec.text_hash == sha(tok.decode_bytes(rec.ids))
 
 
 def test_literal_special_in_tool_text(tok):
@@ -259,21 +260,21 @@ def test_reconstruct_table(tok):
         if s["output_token_ids"] is not None:
             assert row["ids_origin"] == IDS_RETURNED and row["output_ids"] == s["output_token_ids"]
             # The server's text fields are not the exact decoding of its ids: no digest.
-            assert row["output_text_sha256"] is None
+            assert row["output_text_hash"] is None
         else:
             calls = json.loads(s["tool_calls_json"]) if s["tool_calls_json"] else None
             rec = reconstruct_output(tok, "kimi-k2.5", reasoning=s["reasoning"], content=s["content"], tool_calls=calls,
                                      thinking=s["thinking"])
             assert row["ids_origin"] == IDS_RECONSTRUCTED and row["output_ids"] == rec.ids
             assert row["literal_special"] == rec.literal_special and row["n_tool_calls"] == rec.n_tool_calls
-            assert row["output_text_sha256"] == rec.text_sha256 == sha(tok.decode_bytes(row["output_ids"]))
+            assert row["output_text_hash"] == rec.text_hash == sha(tok.decode_bytes(row["output_ids"]))
     assert rows["s-tools"]["n_tool_calls"] == 1
     assert rows["s-ret-noprompt"]["n_tool_calls"] == 1  # counted from the returned ids
     assert rows["s-nothink"]["thinking"] is False and rows["s-nothink"]["literal_special"] is True
     assert sp(tok, "</think>") not in rows["s-nothink"]["output_ids"]
     assert rows["s-ret-literal"]["literal_special"] is True and rows["s-ret"]["literal_special"] is False
-    assert rows["s-recon"]["output_text_sha256"] == sha("Let me think.</think>Sunny.<|im_end|>")
-    assert rows["s-nothink"]["output_text_sha256"] == sha("Hello <|im_end|><|im_end|>")  # literal, then the real eot
+    assert rows["s-recon"]["output_text_hash"] == sha("Let me think.</think>Sunny.<|im_end|>")
+    assert rows["s-nothink"]["output_text_hash"] == sha("Hello <|im_end|><|im_end|>")  # literal, then the real eot
     # The same prompt key for the same prompt text whatever the case/whitespace.
     assert rows["s-recon"]["prompt_key"] == normalized_prompt_key([{"role": "user", "content": "weather in paris?"}])
 

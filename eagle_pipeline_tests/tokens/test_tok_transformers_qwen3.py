@@ -6,7 +6,6 @@ The tokenizer carries Qwen3's structural tokens (<|im_start|>, <|im_end|> as spe
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
@@ -22,6 +21,7 @@ from eagle_pipeline.tokens import (
     render_prompt_ids,
     resolve_tokenizer,
 )
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 
 # Written for this test: ChatML with Qwen3's assistant-turn layout (reasoning block, then content, then
 # "\n"-separated <tool_call> blocks) and its thinking switch in the generation prompt.
@@ -155,8 +155,8 @@ def test_qwen3_reconstruction_matches_template(qwen, label, thinking, turn):
     assert qwen.encode_with_specials(full) == render_prompt_ids(qwen, history, thinking=thinking) + rec.ids + qwen.encode_ordinary("\n")
     # The text digest is the rendered turn's text (without the template's trailing "\n"), and the ids decode to it.
     turn_text = full[len(prompt) : -1]
-    assert rec.text_sha256 == hashlib.sha256(turn_text.encode()).hexdigest()
-    assert rec.text_sha256 == hashlib.sha256(qwen.decode_bytes(rec.ids)).hexdigest()
+    assert rec.text_hash == text_hash_int64(turn_text)
+    assert rec.text_hash == text_hash_int64(qwen.decode_bytes(rec.ids))
     if thinking:
         assert rec.ids[0] == qwen.special_tokens["<think>"]
 
@@ -176,7 +176,7 @@ def test_qwen3_table(qwen):
     assert out[1]["n_tool_calls"] == 1 and out[1]["output_ids"][0] == qwen.special_tokens["<tool_call>"]
     assert out[1]["prompt_ids"] == render_prompt_ids(qwen, [{"role": "user", "content": "hi"}], thinking=False)
     for row in out:
-        assert row["output_text_sha256"] == hashlib.sha256(qwen.decode_bytes(row["output_ids"])).hexdigest()
+        assert row["output_text_hash"] == text_hash_int64(qwen.decode_bytes(row["output_ids"]))
 
 
 def test_transformers_errors_name_the_spec(tmp_path):
