@@ -45,7 +45,8 @@ class Outcome:
     reasons: dict[int, str] = field(default_factory=dict)  # row -> what exactly is wrong, for examples
     passed: bool | None = None  # set by gates whose pass/fail is not "no failing row" (billing)
     source_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
-    excerpts: dict[int, str] = field(default_factory=dict)  # row -> excerpt, for gates about something other than the output
+    # row -> excerpt, for gates about something other than the output (the prompt, say)
+    excerpts: dict[int, str] = field(default_factory=dict)
 
 
 def _last(ctx: AuditContext) -> np.ndarray:
