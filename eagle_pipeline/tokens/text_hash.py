@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-MASK = (1 << 64) - 1
 B = 0x9E3779B97F4A7C15  # odd, so B**n is invertible mod 2**64
 # Derived from sha256 so the table never depends on a random generator's version.
 R = np.array(
@@ -60,7 +59,8 @@ def as_int64(h: int) -> int:
 
 
 class TokenHashTable:
-    """Per-id hash and B**len of one tokenizer's token bytes (specials as their strings); built once per tokenizer.
+    """Per id, the text_hash of the token's bytes (specials as their strings) and B**len, side by side in `pairs`
+    (one lookup fetches one cache line); built once per tokenizer.
 
     `decodable[i]` is False for ids the tokenizer cannot decode (they hash as empty text)."""
 
@@ -78,15 +78,14 @@ class TokenHashTable:
         flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
         starts = np.cumsum(lengths) - lengths
         owner = np.repeat(np.arange(vocab), lengths)
-        with np.errstate(over="ignore"):
-            weighted = R[flat] * _power_table(int(lengths.max(initial=0)) + 1)[np.arange(flat.size) - starts[owner]]
-            self.hashes = np.zeros(vocab, dtype=np.uint64)
-            nonempty = lengths > 0
-            if flat.size:
-                self.hashes[nonempty] = np.add.reduceat(weighted, starts[nonempty])
-        self.multipliers = _power_table(int(lengths.max(initial=0)) + 1)[lengths]  # B**len per id
-        # Both per id side by side: one gather (np.take along rows) fetches one cache line per id instead of two.
-        self.pairs = np.stack([self.hashes, self.multipliers], axis=1)
+        powers = _power_table(int(lengths.max(initial=0)) + 1)
+        self.pairs = np.zeros((vocab, 2), dtype=np.uint64)  # (hash of the token's bytes, B**len)
+        self.pairs[:, 1] = powers[lengths]
+        nonempty = lengths > 0
+        if flat.size:
+            with np.errstate(over="ignore"):
+                weighted = R[flat] * powers[np.arange(flat.size) - starts[owner]]  # as text_hash, per token
+                self.pairs[nonempty, 0] = np.add.reduceat(weighted, starts[nonempty])
         self.decodable = decodable
         self.vocab_size = vocab
 

@@ -135,6 +135,28 @@ def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
         run_gate("text_agreement", _with_digests(demo_table, ["x"] * demo_table.num_rows, pa.string()), demo_tok, demo_ids)
 
 
+def test_text_agreement_with_an_ordinary_id_the_tokenizer_cannot_decode(demo_table, demo_tok, demo_ids):
+    """A tokenizer whose undecodable ids are not all special ones: the gate checks every id, not only the rare ones."""
+    from eagle_pipeline.tokens import text_hash as th
+
+    outputs = demo_table.column("output_ids").to_pylist()
+    with_hash = [i for i, h in enumerate(demo_table.column("output_text_hash").to_pylist()) if h is not None]
+    first = with_hash[0]
+    victim = outputs[first][0]
+    assert victim < min(demo_tok.special_tokens.values())  # an ordinary id
+    before = set(np.flatnonzero(run_gate("text_agreement", demo_table, demo_tok, demo_ids).row_fail).tolist())
+    table = th.token_hash_table(demo_tok)
+    saved = table.decodable.copy()
+    try:
+        table.decodable[victim] = False
+        res = run_gate("text_agreement", demo_table, demo_tok, demo_ids)
+    finally:
+        table.decodable[:] = saved
+    holding = {i for i in with_hash if victim in outputs[i]}
+    assert first in holding and set(np.flatnonzero(res.row_fail).tolist()) == before | holding
+    assert res.details["problems"]["undecodable"] == len(holding)
+
+
 def test_text_hash_from_ids_equals_hash_of_decoded_bytes(kimi_tok, demo_tok):
     """The vectorised per-row hash equals the hash of decode_bytes for random ids of the whole vocabulary (specials
     included), empty rows, and rows spread over several of the gate's chunks."""
