@@ -20,9 +20,9 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_pipeline.audit import GATE_NAMES, run_audit  # noqa: E402
-from eagle_pipeline.tokens.text_hash import ids_text_hashes, text_hash_int64, token_hash_table  # noqa: E402
-from eagle_pipeline.tokens import get_profile, resolve_tokenizer  # noqa: E402
+from eagle_pipeline.audit import GATE_NAMES, run_audit
+from eagle_pipeline.tokens import get_profile, resolve_tokenizer
+from eagle_pipeline.tokens.text_hash import ids_text_hashes, text_hash_int64, token_hash_table
 
 LOOPING_GATES = ("round_trip",)
 
@@ -37,7 +37,12 @@ def _pin_one_core() -> str:
 
 
 def _table(
-    lengths: np.ndarray, values: np.ndarray, *, thinking: np.ndarray, has_tools: bool, n_calls: np.ndarray,
+    lengths: np.ndarray,
+    values: np.ndarray,
+    *,
+    thinking: np.ndarray,
+    has_tools: bool,
+    n_calls: np.ndarray,
     digests: list[int | None] | None = None,
 ) -> pa.Table:
     n = lengths.size
@@ -53,8 +58,9 @@ def _table(
             "backend": pa.array(np.where(np.arange(n) % 2, "vllm", "openrouter").tolist()),
             "provider": pa.array(np.where(np.arange(n) % 3, "p1", "p2").tolist()),
             # 64-token prompts, counted alike by the provider (prompt_agreement reads only their lengths).
-            "prompt_ids": pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * 64),
-                                                   pa.array(np.ones(n * 64, dtype=np.int32))),
+            "prompt_ids": pa.ListArray.from_arrays(
+                pa.array(np.arange(n + 1, dtype=np.int32) * 64), pa.array(np.ones(n * 64, dtype=np.int32))
+            ),
             "output_ids": out,
             "ids_origin": pa.array(["reconstructed"] * n),
             "finish_reason": pa.array(finish.tolist()),
@@ -106,10 +112,43 @@ def synthetic_vectorised(tok, ids, total_tokens: int, seed: int = 0) -> pa.Table
 def synthetic_text(tok, ids, total_tokens: int, seed: int = 1) -> pa.Table:
     """Realistic canonical rows (real encoded text, with its text digest) for the round-trip and text gates."""
     rng = np.random.default_rng(seed)
-    words = (
-        "the model reasons about tokens and bytes while the drafter learns to predict the next step quickly "
-        "数据 模型 推理 速度 🙂 café naïve ünïcode 12345 (x+y)^2 = x^2 + 2xy + y^2; print('hello, world')"
-    ).split()
+    words = [
+        "the",
+        "model",
+        "reasons",
+        "about",
+        "tokens",
+        "and",
+        "bytes",
+        "while",
+        "the",
+        "drafter",
+        "learns",
+        "to",
+        "predict",
+        "the",
+        "next",
+        "step",
+        "quickly",
+        "数据",
+        "模型",
+        "推理",
+        "速度",
+        "🙂",
+        "café",
+        "naïve",
+        "ünïcode",
+        "12345",
+        "(x+y)^2",
+        "=",
+        "x^2",
+        "+",
+        "2xy",
+        "+",
+        "y^2;",
+        "print('hello,",
+        "world')",
+    ]
     lengths, parts, thinking, digests = [], [], [], []
     total = 0
     while total < total_tokens:
@@ -122,8 +161,14 @@ def synthetic_text(tok, ids, total_tokens: int, seed: int = 1) -> pa.Table:
         digests.append(text_hash_int64(f"{reasoning}</think>{content}<|im_end|>"))
         total += len(row)
     n = len(lengths)
-    return _table(np.asarray(lengths), np.concatenate(parts), thinking=np.asarray(thinking), has_tools=True,
-                  n_calls=np.zeros(n, np.int64), digests=digests)
+    return _table(
+        np.asarray(lengths),
+        np.concatenate(parts),
+        thinking=np.asarray(thinking),
+        has_tools=True,
+        n_calls=np.zeros(n, np.int64),
+        digests=digests,
+    )
 
 
 def main() -> None:
@@ -150,8 +195,10 @@ def main() -> None:
         best = min(best, time.perf_counter() - t0)
     per_token = {"vectorised": best / n_tok}
     bad = {r.name: r.failing for r in report.results if r.failing}
-    print(f"vectorised gates ({len(vector_gates)}, all together): {best:.3f}s -> {n_tok / best / 1e6:,.0f}M tokens/s"
-          f"  (failures on valid data: {bad or 'none'})")
+    print(
+        f"vectorised gates ({len(vector_gates)}, all together): {best:.3f}s -> {n_tok / best / 1e6:,.0f}M tokens/s"
+        f"  (failures on valid data: {bad or 'none'})"
+    )
     for gate in vector_gates:
         t0 = time.perf_counter()
         run_audit(table, tok, ids, gates=[gate])
@@ -170,8 +217,10 @@ def main() -> None:
         report = run_audit(text_table, tok, ids, gates=["round_trip"])
         best_rt = min(best_rt, time.perf_counter() - t0)
     per_token["round_trip"] = best_rt / n_rt
-    print(f"round_trip: {best_rt:.2f}s -> {n_rt / best_rt / 1e6:,.2f}M tokens/s "
-          f"(failing: {report.result('round_trip').failing})")
+    print(
+        f"round_trip: {best_rt:.2f}s -> {n_rt / best_rt / 1e6:,.2f}M tokens/s "
+        f"(failing: {report.result('round_trip').failing})"
+    )
     best = float("inf")
     for _ in range(args.repeat):
         t0 = time.perf_counter()
@@ -179,8 +228,10 @@ def main() -> None:
         best = min(best, time.perf_counter() - t0)
     res = report.result("text_agreement")
     per_token["text_agreement"] = best / n_rt
-    print(f"text_agreement: {best:.2f}s -> {n_rt / best / 1e6:,.2f}M tokens/s "
-          f"(checked {res.checked}, failing {res.failing})")
+    print(
+        f"text_agreement: {best:.2f}s -> {n_rt / best / 1e6:,.2f}M tokens/s "
+        f"(checked {res.checked}, failing {res.failing})"
+    )
     # The bound: re-encoding is inherent to the gate, so it cannot beat the tokenizer's own encode speed.
     texts = [tok.decode(ids_) for ids_ in text_table.column("output_ids").to_pylist()]
     raw = float("inf")
@@ -188,8 +239,10 @@ def main() -> None:
         t0 = time.perf_counter()
         tok.encode_ordinary_batch(texts)
         raw = min(raw, time.perf_counter() - t0)
-    print(f"  reference: {tok.kind} encode_ordinary_batch alone on the same text: {n_rt / raw / 1e6:,.2f}M tokens/s;"
-          f" round_trip runs at {raw / best_rt:.2f}x of it (an exact re-encode cannot beat the encoder)")
+    print(
+        f"  reference: {tok.kind} encode_ordinary_batch alone on the same text: {n_rt / raw / 1e6:,.2f}M tokens/s;"
+        f" round_trip runs at {raw / best_rt:.2f}x of it (an exact re-encode cannot beat the encoder)"
+    )
 
     # The headline: seconds per token add up across the gates of one audit.
     target = 100e6
@@ -200,6 +253,7 @@ def main() -> None:
     ):
         rate = 1 / sum(per_token[p] for p in parts)
         print(f"  {label:<28} {rate / 1e6:>10,.2f}M tokens/s  {'meets' if rate >= target else 'MISSES'} the target")
+
 
 if __name__ == "__main__":
     main()

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from eagle_pipeline.hidden_states import (  # noqa: E402
+from eagle_pipeline.hidden_states import (
     build_tiny_model,
     default_aux_layers,
     extract_shard,
@@ -35,7 +35,7 @@ from eagle_pipeline.hidden_states import (  # noqa: E402
     plan_batches,
     read_rows,
 )
-from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged  # noqa: E402
+from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
 
 
 def naive_loop(model, rows, aux) -> float:
@@ -74,18 +74,34 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = read_rows(merged, 0, args.samples)
         lengths = rows.lengths
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny {args.family}: hidden "
-              f"{args.hidden_size}, {args.layers} layers, aux {aux}")
-        print(f"data: {args.samples} samples, {n_tokens:,} tokens, length min/median/max "
-              f"{min(lengths)}/{sorted(lengths)[len(lengths) // 2]}/{max(lengths)}")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny {args.family}: hidden "
+            f"{args.hidden_size}, {args.layers} layers, aux {aux}"
+        )
+        print(
+            f"data: {args.samples} samples, {n_tokens:,} tokens, length min/median/max "
+            f"{min(lengths)}/{sorted(lengths)[len(lengths) // 2]}/{max(lengths)}"
+        )
 
         # Warm-up so one-off costs (lazy inits, allocator) don't land on whichever method runs first.
-        extract_shard(model, merged, shard_index=0, shard_size=args.samples, out_dir=Path(tmp) / "warm",
-                      max_tokens_per_batch=args.max_tokens_per_batch)
+        extract_shard(
+            model,
+            merged,
+            shard_index=0,
+            shard_size=args.samples,
+            out_dir=Path(tmp) / "warm",
+            max_tokens_per_batch=args.max_tokens_per_batch,
+        )
 
         def run_extract(budget, tag):
-            s = extract_shard(model, merged, shard_index=0, shard_size=args.samples,
-                              out_dir=Path(tmp) / tag, max_tokens_per_batch=budget)
+            s = extract_shard(
+                model,
+                merged,
+                shard_index=0,
+                shard_size=args.samples,
+                out_dir=Path(tmp) / tag,
+                max_tokens_per_batch=budget,
+            )
             shutil.rmtree(Path(tmp) / tag)
             return s
 
@@ -110,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         ("naive HF loop (output_hidden_states, no writes)", naive_s),
     ):
         print(f"{name:<50}{secs:>9.2f}{n_tokens / secs:>12,.0f}{naive_s / secs:>9.1f}x")
-    print(f"\npadding: length-bucketed {batched.padding_fraction:.1%} of computed tokens "
-          f"(budget {args.max_tokens_per_batch} tokens/batch); shuffled-order batches under the same budget "
-          f"{shuffled_frac:.1%}; one-per-forward 0%")
-    print(f"shard written: {batched.size_bytes / 1e6:.1f} MB for {n_tokens:,} tokens "
-          f"({batched.size_bytes / n_tokens:.0f} B/token, fp32)")
+    print(
+        f"\npadding: length-bucketed {batched.padding_fraction:.1%} of computed tokens "
+        f"(budget {args.max_tokens_per_batch} tokens/batch); shuffled-order batches under the same budget "
+        f"{shuffled_frac:.1%}; one-per-forward 0%"
+    )
+    print(
+        f"shard written: {batched.size_bytes / 1e6:.1f} MB for {n_tokens:,} tokens "
+        f"({batched.size_bytes / n_tokens:.0f} B/token, fp32)"
+    )
     return 0
 
 

@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def _body() -> bytes:
-    reasoning = ("The user asks for a careful explanation; let me reason about each step and check the edge cases. " * 12).strip()
+    reasoning = (
+        "The user asks for a careful explanation; let me reason about each step and check the edge cases. " * 12
+    ).strip()
     content = ("Here is the answer, with a short example and the caveat that matters in practice. " * 12).strip()
     obj = {
         "id": "gen-1767225600-aBcDeFgHiJkLmNoPqRsT",
@@ -58,7 +60,9 @@ def _body() -> bytes:
                     "content": content,
                     "refusal": None,
                     "reasoning": reasoning,
-                    "reasoning_details": [{"type": "reasoning.text", "text": reasoning, "format": "unknown", "index": 0}],
+                    "reasoning_details": [
+                        {"type": "reasoning.text", "text": reasoning, "format": "unknown", "index": 0}
+                    ],
                 },
             }
         ],
@@ -155,12 +159,26 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
             "tools_json": pa.nulls(n, pa.string()),
         }
     )
-    backend = BackendSpec(name="bench", kind="openrouter", endpoint=url, model="moonshotai/kimi-k2.5", concurrency=in_flight, timeout_s=120)
+    backend = BackendSpec(
+        name="bench",
+        kind="openrouter",
+        endpoint=url,
+        model="moonshotai/kimi-k2.5",
+        concurrency=in_flight,
+        timeout_s=120,
+    )
     with tempfile.TemporaryDirectory() as d:
         cpu0, _ = _usage()
         t0 = time.monotonic()
-        s = generate_dataset(dataset="B1", prompts=prompts, backend=backend, sampling=sampling, out_dir=Path(d) / "r",
-                             errors_dir=Path(d) / "r" / "errors", progress_every_s=3600)
+        s = generate_dataset(
+            dataset="B1",
+            prompts=prompts,
+            backend=backend,
+            sampling=sampling,
+            out_dir=Path(d) / "r",
+            errors_dir=Path(d) / "r" / "errors",
+            progress_every_s=3600,
+        )
         wall = time.monotonic() - t0
         cpu1, rss = _usage()
         t = read_responses(Path(d) / "r")
@@ -170,11 +188,19 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
     ordered = sorted(ends)
     # From two latencies after the first request (connection ramp) to the 90th-percentile completion (before the drain).
     steady = _steady(spans, in_flight, latency, min(starts) + 2 * latency, ordered[int(len(ordered) * 0.9)])
-    return {"completed": s.completed, "failed": s.failed, "wall_s": wall, "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, s.completed),
-            "peak_rss_mib": rss / 2**20, **steady}
+    return {
+        "completed": s.completed,
+        "failed": s.failed,
+        "wall_s": wall,
+        "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, s.completed),
+        "peak_rss_mib": rss / 2**20,
+        **steady,
+    }
 
 
-async def _bare(kind: str, url: str, in_flight: int, duration: float) -> tuple[list[tuple[float, float, bool]], int, float]:
+async def _bare(
+    kind: str, url: str, in_flight: int, duration: float
+) -> tuple[list[tuple[float, float, bool]], int, float]:
     """Requests for `duration` seconds, then everything still in flight is cancelled (a stalled pool cannot stretch the run)."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 4096}).encode()
     headers = {"Content-Type": "application/json"}
@@ -183,7 +209,9 @@ async def _bare(kind: str, url: str, in_flight: int, duration: float) -> tuple[l
     if kind == "aiohttp":
         import aiohttp
 
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight), timeout=aiohttp.ClientTimeout(total=60))
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=in_flight), timeout=aiohttp.ClientTimeout(total=60)
+        )
 
         async def one() -> None:
             async with session.post(url, data=body, headers=headers) as r:
@@ -191,7 +219,9 @@ async def _bare(kind: str, url: str, in_flight: int, duration: float) -> tuple[l
     else:
         import httpx
 
-        session = httpx.AsyncClient(limits=httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight), timeout=60)
+        session = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight), timeout=60
+        )
 
         async def one() -> None:
             r = await session.post(url, content=body, headers=headers)
@@ -231,10 +261,8 @@ def client_bare(kind: str, url: str, in_flight: int, n: int, latency: float, dur
     except ImportError:
         loop_factory = None
     cpu0, _ = _usage()
-    t_start = time.monotonic()
     with asyncio.Runner(loop_factory=loop_factory) as r:
         spans, failures, t0 = r.run(_bare(kind, url, in_flight, duration))
-    wall = time.monotonic() - t_start
     cpu1, rss = _usage()
     done = sum(1 for _, _, ok in spans if ok)
     a, b = t0 + 2 * latency, t0 + duration
@@ -244,14 +272,22 @@ def client_bare(kind: str, url: str, in_flight: int, n: int, latency: float, dur
         # httpx never reaches the wave regime (requests take many latencies): count completions in the window.
         rate = sum(1 for _, e, ok in spans if ok and a <= e <= b) / (b - a)
         steady = {"steady_per_s": rate, "share_of_ideal": rate / (in_flight / latency), "mean_request_s": None}
-    return {"completed": done, "failed": failures, "wall_s": duration, "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, done),
-            "peak_rss_mib": rss / 2**20, **steady}
+    return {
+        "completed": done,
+        "failed": failures,
+        "wall_s": duration,
+        "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, done),
+        "peak_rss_mib": rss / 2**20,
+        **steady,
+    }
 
 
 # ---- orchestration ---------------------------------------------------------------------------------------
 
 
-def scenario(client: str, in_flight: int, latency: float, n: int, duration: float = 600.0, env: dict | None = None) -> dict:
+def scenario(
+    client: str, in_flight: int, latency: float, n: int, duration: float = 600.0, env: dict | None = None
+) -> dict:
     with tempfile.TemporaryDirectory() as d:
         port_file = os.path.join(d, "port")
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(latency), port_file])
@@ -263,7 +299,17 @@ def scenario(client: str, in_flight: int, latency: float, n: int, duration: floa
             port = Path(port_file).read_text()
             base = f"http://127.0.0.1:{port}/api/v1"
             url = base if client == "pipeline" else base + "/chat/completions"
-            cmd = [sys.executable, __file__, "--client", client, url, str(in_flight), str(n), str(latency), str(duration)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--client",
+                client,
+                url,
+                str(in_flight),
+                str(n),
+                str(latency),
+                str(duration),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
             if out.returncode != 0:
                 return {"error": out.stderr[-2000:]}
@@ -298,14 +344,20 @@ def main() -> None:
         ("httpx", 2000, 2.0, 0, 10.0 if q else 14.0, None, "bare httpx"),
     ]
     cores = os.cpu_count()
-    print(f"# generation client benchmark: {cores} cores, python {sys.version.split()[0]}, loopback server in a separate process")
-    header = (f"{'client':<24} {'in flight':>9} {'latency':>7} {'done':>7} {'fail':>5} {'steady/s':>9} {'ideal/s':>8} {'share':>6} "
-              f"{'overall/s':>9} {'cpu ms/resp':>11} {'peak RSS':>9} {'wall s':>7} {'srv cpu s':>9}")
+    print(
+        f"# generation client benchmark: {cores} cores, python {sys.version.split()[0]}, loopback server in a separate process"
+    )
+    header = (
+        f"{'client':<24} {'in flight':>9} {'latency':>7} {'done':>7} {'fail':>5} {'steady/s':>9} {'ideal/s':>8} {'share':>6} "
+        f"{'overall/s':>9} {'cpu ms/resp':>11} {'peak RSS':>9} {'wall s':>7} {'srv cpu s':>9}"
+    )
     print(header)
     for client, inflight, latency, n, duration, env, label in runs:
         r = scenario(client, inflight, latency, n, duration, env)
         if "error" in r:
-            print(f"{label:<24} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            print(
+                f"{label:<24} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
+            )
             continue
         print(
             f"{label:<24} {inflight:>9} {latency:>6.0f}s {r['completed']:>7} {r['failed']:>5} {r['steady_per_s']:>9.0f} {inflight / latency:>8.0f} "
@@ -319,7 +371,14 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(float(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) > 1 and sys.argv[1] == "--client":
-        kind, url, inflight, n, latency, duration = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+        kind, url, inflight, n, latency, duration = (
+            sys.argv[2],
+            sys.argv[3],
+            int(sys.argv[4]),
+            int(sys.argv[5]),
+            float(sys.argv[6]),
+            float(sys.argv[7]),
+        )
         if kind == "pipeline":
             res = client_pipeline(url, inflight, n, latency)
         else:

@@ -102,8 +102,15 @@ def build_inputs(workdir: Path, seed: int = 0) -> dict:
         path = write_parquet_atomic(table, workdir / "tokens" / f"{ds}.parquet")
         keep = rng.random(n) >= 0.03
         np.save(workdir / "tokens" / f"{ds}.keep.npy", keep)
-        inputs.append({"dataset": ds, "path": str(path), "keep": str(workdir / "tokens" / f"{ds}.keep.npy"),
-                       "version": file_sha256(path), "rejected": int((~keep).sum())})
+        inputs.append(
+            {
+                "dataset": ds,
+                "path": str(path),
+                "keep": str(workdir / "tokens" / f"{ds}.keep.npy"),
+                "version": file_sha256(path),
+                "rejected": int((~keep).sum()),
+            }
+        )
         del table, pv, ov
     return {"inputs": inputs, "tokens": TOTAL_TOKENS, "samples": sum(n for n, _ in DATASETS.values())}
 
@@ -123,20 +130,34 @@ def _child(step: str, workdir: Path) -> None:
     t0 = time.perf_counter()
     if step == "merge":
         inputs = [
-            M.MergeInput(i["dataset"], Path(i["path"]), keep_mask=np.load(i["keep"]),
-                         excluded_by_gate={"synthetic_reject": i["rejected"]}, upstream_version=i["version"])
+            M.MergeInput(
+                i["dataset"],
+                Path(i["path"]),
+                keep_mask=np.load(i["keep"]),
+                excluded_by_gate={"synthetic_reject": i["rejected"]},
+                upstream_version=i["version"],
+            )
             for i in spec["inputs"]
         ]
         man = M.merge_datasets(inputs, merged, M.MergeSettings(seed=0, eval_fraction=0.01), config_hash="bench")
-        result = {"rows": man.rows_total, "tokens": man.tokens_total, "supervised": man.supervised_tokens_total,
-                  "shards": len(man.shards), "excluded": {d: v for d, v in man.excluded.items()}}
+        result = {
+            "rows": man.rows_total,
+            "tokens": man.tokens_total,
+            "supervised": man.supervised_tokens_total,
+            "shards": len(man.shards),
+            "excluded": {d: v for d, v in man.excluded.items()},
+        }
     elif step == "vocab":
         s = M.build_draft_vocab(merged, VOCAB, workdir / "draft_vocab", k=32000)
         result = {"coverage": s.coverage, "distinct": s.distinct_supervised_tokens, "supervised": s.supervised_tokens}
     elif step == "checks":
         man = M.MergeManifest.read(merged)
-        rs = [M.check_row_count(merged, man.rows_total), M.check_unique_sample_ids(merged),
-              M.check_loss_mask_aligned(merged), M.check_supervised_spans_end_with_eot(merged, EOT)]
+        rs = [
+            M.check_row_count(merged, man.rows_total),
+            M.check_unique_sample_ids(merged),
+            M.check_loss_mask_aligned(merged),
+            M.check_supervised_spans_end_with_eot(merged, EOT),
+        ]
         result = {r.name: r.passed for r in rs}
     elif step == "export_jsonl":
         s = M.export_specforge_jsonl(merged, workdir / "exports" / "specforge_train.jsonl")
@@ -151,7 +172,10 @@ def _child(step: str, workdir: Path) -> None:
 
 def _run_child(step: str, workdir: Path) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", step, "--workdir", str(workdir)], check=True, capture_output=True, text=True
+        [sys.executable, __file__, "--child", step, "--workdir", str(workdir)],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -173,8 +197,10 @@ def main() -> None:
         t0 = time.perf_counter()
         spec = build_inputs(workdir)
         (workdir / "inputs.json").write_text(json.dumps(spec))
-        print(f"synthetic inputs: {spec['samples']} samples, {spec['tokens']:,} tokens, 8 datasets "
-              f"({time.perf_counter() - t0:.1f} s to build) in {workdir}")
+        print(
+            f"synthetic inputs: {spec['samples']} samples, {spec['tokens']:,} tokens, 8 datasets "
+            f"({time.perf_counter() - t0:.1f} s to build) in {workdir}"
+        )
         steps = ["merge", "checks", "vocab"] + ([] if args.skip_exports else ["export_jsonl", "export_hf"])
         res = {}
         for step in steps:

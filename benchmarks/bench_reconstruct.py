@@ -17,17 +17,84 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pyarrow as pa  # noqa: E402
+import pyarrow as pa
 
-from eagle_pipeline.tokens import reconstruct_output, reconstruct_table, resolve_tokenizer  # noqa: E402
-from eagle_pipeline.tokens.text_hash import text_hash, text_hash_int64  # noqa: E402
+from eagle_pipeline.tokens import reconstruct_output, reconstruct_table, resolve_tokenizer
+from eagle_pipeline.tokens.text_hash import text_hash, text_hash_int64
 
-WORDS = (
-    "the of and to in is that for it as with was on be by this are or from at an which have not but can all "
-    "first then check compute value result answer because therefore assume number total function return data "
-    "user question step consider case verify equation solution problem however note example large small "
-    "Paris weather city temperature list table file code error test model token vector matrix prime"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "this",
+    "are",
+    "or",
+    "from",
+    "at",
+    "an",
+    "which",
+    "have",
+    "not",
+    "but",
+    "can",
+    "all",
+    "first",
+    "then",
+    "check",
+    "compute",
+    "value",
+    "result",
+    "answer",
+    "because",
+    "therefore",
+    "assume",
+    "number",
+    "total",
+    "function",
+    "return",
+    "data",
+    "user",
+    "question",
+    "step",
+    "consider",
+    "case",
+    "verify",
+    "equation",
+    "solution",
+    "problem",
+    "however",
+    "note",
+    "example",
+    "large",
+    "small",
+    "Paris",
+    "weather",
+    "city",
+    "temperature",
+    "list",
+    "table",
+    "file",
+    "code",
+    "error",
+    "test",
+    "model",
+    "token",
+    "vector",
+    "matrix",
+    "prime",
+]
 CODE = [
     "```python\ndef solve(n: int) -> int:\n    total = 0\n    for i in range(n):\n        total += i * i\n    return total\n```\n",
     '{"name": "search", "arguments": {"query": "latest results", "limit": 10}}\n',
@@ -59,38 +126,47 @@ def make_samples(n: int, seed: int = 7) -> list[dict]:
     for i in range(n):
         calls = None
         if rng.random() < 0.1:
-            calls = [{"id": f"functions.search:{j}", "type": "function",
-                      "function": {"name": "search", "arguments": json.dumps({"query": paragraph(rng, 40)})}}
-                     for j in range(rng.randint(1, 3))]
-        samples.append({
-            "sample_id": f"B1-{i:06d}",
-            "messages": [{"role": "user", "content": f"Question {i}: " + paragraph(rng, 200)}],
-            "reasoning": paragraph(rng, rng.randint(1500, 5000)),
-            "content": paragraph(rng, rng.randint(400, 2500)),
-            "tool_calls": calls,
-        })
+            calls = [
+                {
+                    "id": f"functions.search:{j}",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": json.dumps({"query": paragraph(rng, 40)})},
+                }
+                for j in range(rng.randint(1, 3))
+            ]
+        samples.append(
+            {
+                "sample_id": f"B1-{i:06d}",
+                "messages": [{"role": "user", "content": f"Question {i}: " + paragraph(rng, 200)}],
+                "reasoning": paragraph(rng, rng.randint(1500, 5000)),
+                "content": paragraph(rng, rng.randint(400, 2500)),
+                "tool_calls": calls,
+            }
+        )
     return samples
 
 
 def responses_table(samples: list[dict]) -> pa.Table:
     n = len(samples)
-    return pa.table({
-        "sample_id": [s["sample_id"] for s in samples],
-        "dataset": ["B1"] * n,
-        "source": ["openrouter"] * n,
-        "backend": ["openrouter"] * n,
-        "provider": ["moonshotai"] * n,
-        "messages_json": [json.dumps(s["messages"]) for s in samples],
-        "tools_json": pa.array([None] * n, pa.string()),
-        "reasoning": [s["reasoning"] for s in samples],
-        "content": [s["content"] for s in samples],
-        "tool_calls_json": [json.dumps(s["tool_calls"]) if s["tool_calls"] else None for s in samples],
-        "prompt_token_ids": pa.array([None] * n, pa.list_(pa.int32())),
-        "output_token_ids": pa.array([None] * n, pa.list_(pa.int32())),
-        "finish_reason": ["stop"] * n,
-        "usage_completion_tokens": pa.array([None] * n, pa.int64()),
-        "thinking": [True] * n,
-    })
+    return pa.table(
+        {
+            "sample_id": [s["sample_id"] for s in samples],
+            "dataset": ["B1"] * n,
+            "source": ["openrouter"] * n,
+            "backend": ["openrouter"] * n,
+            "provider": ["moonshotai"] * n,
+            "messages_json": [json.dumps(s["messages"]) for s in samples],
+            "tools_json": pa.array([None] * n, pa.string()),
+            "reasoning": [s["reasoning"] for s in samples],
+            "content": [s["content"] for s in samples],
+            "tool_calls_json": [json.dumps(s["tool_calls"]) if s["tool_calls"] else None for s in samples],
+            "prompt_token_ids": pa.array([None] * n, pa.list_(pa.int32())),
+            "output_token_ids": pa.array([None] * n, pa.list_(pa.int32())),
+            "finish_reason": ["stop"] * n,
+            "usage_completion_tokens": pa.array([None] * n, pa.int64()),
+            "thinking": [True] * n,
+        }
+    )
 
 
 def main() -> None:
@@ -109,12 +185,18 @@ def main() -> None:
     table = responses_table(samples)
     # The same rows with prompt ids already present (as from vLLM/SGLang): isolates the output reconstruction.
     prompt_col = pa.array([[1, 2, 3]] * len(samples), pa.list_(pa.int32()))
-    table_with_prompts = table.set_column(table.schema.get_field_index("prompt_token_ids"), "prompt_token_ids", prompt_col)
+    table_with_prompts = table.set_column(
+        table.schema.get_field_index("prompt_token_ids"), "prompt_token_ids", prompt_col
+    )
     print(f"tokenizer {tok.name} [{tok.kind}]  samples {len(samples)}  text {mb:.1f} MB")
 
     def outputs_loop():
-        return [reconstruct_output(tok, "kimi-k2.5", reasoning=s["reasoning"], content=s["content"],
-                                   tool_calls=s["tool_calls"]) for s in samples]
+        return [
+            reconstruct_output(
+                tok, "kimi-k2.5", reasoning=s["reasoning"], content=s["content"], tool_calls=s["tool_calls"]
+            )
+            for s in samples
+        ]
 
     # Rounds interleave the contenders so that load from other processes hits them alike; the best round counts.
     contenders = {
@@ -141,8 +223,9 @@ def main() -> None:
     assert table_ids == [r.ids for r in recs], "reconstruct_table disagrees with reconstruct_output"
     digests = out.column("output_text_hash").to_pylist()
     assert digests == [r.text_hash for r in recs], "reconstruct_table digests disagree with reconstruct_output"
-    assert all(text_hash_int64(tok.decode_bytes(i)) == d for i, d in zip(table_ids[:200], digests)), \
+    assert all(text_hash_int64(tok.decode_bytes(i)) == d for i, d in zip(table_ids[:200], digests)), (
         "output ids do not decode to the text digest"
+    )
     # The text digest's share of the work: hashing the same pieces the table hashes.
     t0, c0 = time.perf_counter(), time.process_time()
     for s in samples:
@@ -166,15 +249,24 @@ def main() -> None:
     rec_w = best["raw_batch"] / best["table_no_prompt"]
     rec_c = best_cpu["raw_batch"] / best_cpu["table_no_prompt"]
     verdict = "OK" if max(rec_w, rec_c) >= 0.8 else "BELOW TARGET"
-    print(f"output reconstruction (reconstruct_table) vs raw encode_ordinary_batch: wall {rec_w:.2f}, CPU {rec_c:.2f}"
-          f" (target >= 0.8): {verdict}")
-    print(f"per-sample reconstruct_output vs raw encode_ordinary: wall {best['raw_seq'] / best['loop']:.2f}, "
-          f"CPU {best_cpu['raw_seq'] / best_cpu['loop']:.2f}")
-    print(f"whole table incl. rendering every prompt (extra work on other text): wall "
-          f"{best['raw_batch'] / best['table']:.2f}, CPU {best_cpu['raw_batch'] / best_cpu['table']:.2f}")
-    print(f"text digests (output_text_hash) alone: {hash_w * 1000:.1f} ms wall, {hash_c * 1000:.1f} ms CPU = "
-          f"{hash_c / best_cpu['table_no_prompt']:.1%} of reconstruct_table's CPU time")
+    print(
+        f"output reconstruction (reconstruct_table) vs raw encode_ordinary_batch: wall {rec_w:.2f}, CPU {rec_c:.2f}"
+        f" (target >= 0.8): {verdict}"
+    )
+    print(
+        f"per-sample reconstruct_output vs raw encode_ordinary: wall {best['raw_seq'] / best['loop']:.2f}, "
+        f"CPU {best_cpu['raw_seq'] / best_cpu['loop']:.2f}"
+    )
+    print(
+        f"whole table incl. rendering every prompt (extra work on other text): wall "
+        f"{best['raw_batch'] / best['table']:.2f}, CPU {best_cpu['raw_batch'] / best_cpu['table']:.2f}"
+    )
+    print(
+        f"text digests (output_text_hash) alone: {hash_w * 1000:.1f} ms wall, {hash_c * 1000:.1f} ms CPU = "
+        f"{hash_c / best_cpu['table_no_prompt']:.1%} of reconstruct_table's CPU time"
+    )
     print("(ratio = raw time / our time; CPU time is the steadier figure when other processes share the cores)")
+
 
 if __name__ == "__main__":
     main()

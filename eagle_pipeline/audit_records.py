@@ -9,9 +9,9 @@ holds for UI clicks, schedules, backfills and the CLI alike, and does not depend
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from eagle_pipeline.storage import DataRoot, file_sha256, read_json, write_json_atomic
 
@@ -21,7 +21,14 @@ def gate_record_path(root: DataRoot, dataset: str, gate: str) -> Path:
 
 
 def write_gate_record(
-    root: DataRoot, dataset: str, gate: str, *, tokens_sha256: str, action: str, blocking_failed: bool, checked: int,
+    root: DataRoot,
+    dataset: str,
+    gate: str,
+    *,
+    tokens_sha256: str,
+    action: str,
+    blocking_failed: bool,
+    checked: int,
     failing: int,
 ) -> Path:
     """Record one gate's verdict on one dataset's token samples."""
@@ -34,7 +41,7 @@ def write_gate_record(
             "blocking_failed": bool(blocking_failed),
             "checked": int(checked),
             "failing": int(failing),
-            "at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "at": _dt.datetime.now(_dt.UTC).isoformat(),
         },
         gate_record_path(root, dataset, gate),
     )
@@ -69,5 +76,7 @@ def audit_problems(root: DataRoot, datasets: Iterable[str], gates: Iterable[str]
             if rec.get("tokens_sha256") != current:
                 problems.append(GateProblem(ds, gate, "audit check did not run on the latest token samples"))
             elif rec.get("blocking_failed", True):
-                problems.append(GateProblem(ds, gate, f"blocking audit failed ({rec.get('failing')} of {rec.get('checked')} rows)"))
+                problems.append(
+                    GateProblem(ds, gate, f"blocking audit failed ({rec.get('failing')} of {rec.get('checked')} rows)")
+                )
     return problems

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from eagle_pipeline.storage import iter_jsonl_objects
 
@@ -31,7 +32,9 @@ class CliError(Exception):
 # ---- reconstruct ---------------------------------------------------------------------------------------------------
 
 
-def _read_response_lines(path: Path, default_dataset: str, skip_unusable: bool) -> tuple[list[dict[str, Any]], list[int], int]:
+def _read_response_lines(
+    path: Path, default_dataset: str, skip_unusable: bool
+) -> tuple[list[dict[str, Any]], list[int], int]:
     """Parse a responses JSONL file into responses-table rows; returns (rows, line numbers, skipped)."""
     from eagle_pipeline.generation.backends import parse_chat_completion
     from eagle_pipeline.generation.failures import RequestFailure
@@ -72,7 +75,9 @@ def _read_response_lines(path: Path, default_dataset: str, skip_unusable: bool) 
         if messages is not None and not isinstance(messages, list):
             raise CliError(f"{where}: 'messages' must be a list of chat messages")
         choices = body.get("choices")
-        want_ids = bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+        want_ids = (
+            bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+        )
         try:
             parsed = parse_chat_completion(body, 200, want_ids=want_ids)
         except RequestFailure as exc:
@@ -114,11 +119,24 @@ def _responses_table(rows: list[dict[str, Any]]):
 
     ids = pa.list_(pa.int32())
     schema = pa.schema(
-        [("sample_id", pa.string()), ("dataset", pa.string()), ("messages_json", pa.string()), ("tools_json", pa.string()),
-         ("source", pa.string()), ("backend", pa.string()), ("provider", pa.string()), ("reasoning", pa.string()),
-         ("content", pa.string()), ("tool_calls_json", pa.string()), ("prompt_token_ids", ids), ("output_token_ids", ids),
-         ("finish_reason", pa.string()), ("usage_completion_tokens", pa.int64()), ("usage_prompt_tokens", pa.int64()),
-         ("thinking", pa.bool_())]
+        [
+            ("sample_id", pa.string()),
+            ("dataset", pa.string()),
+            ("messages_json", pa.string()),
+            ("tools_json", pa.string()),
+            ("source", pa.string()),
+            ("backend", pa.string()),
+            ("provider", pa.string()),
+            ("reasoning", pa.string()),
+            ("content", pa.string()),
+            ("tool_calls_json", pa.string()),
+            ("prompt_token_ids", ids),
+            ("output_token_ids", ids),
+            ("finish_reason", pa.string()),
+            ("usage_completion_tokens", pa.int64()),
+            ("usage_prompt_tokens", pa.int64()),
+            ("thinking", pa.bool_()),
+        ]
     )
     return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
 
@@ -141,30 +159,39 @@ def cmd_reconstruct(args: argparse.Namespace) -> int:
     for i, r in enumerate(rows):
         datasets.setdefault(r["dataset"], []).append(i)
     parts, order = [], []
-    for name, idx in datasets.items():
+    for idx in datasets.values():
         has_tools = any(rows[i]["has_tools"] for i in idx)
         part_rows = [rows[i] for i in idx]
         try:
             parts.append(reconstruct_table(_responses_table(part_rows), tok, profile, dataset_has_tools=has_tools))
         except ValueError as exc:
-            raise CliError(_locate_failure(src, part_rows, [lines[i] for i in idx], tok, profile, has_tools, exc)) from None
+            raise CliError(
+                _locate_failure(src, part_rows, [lines[i] for i in idx], tok, profile, has_tools, exc)
+            ) from None
         order.extend(idx)
     table = pa.concat_tables(parts).take(pa.array(np.argsort(np.asarray(order), kind="stable")))
     # Without a prompt the prompt-based dedup key would merge every such row into one: key them by sample instead.
     no_prompt = [not r["has_prompt"] for r in rows]
     if any(no_prompt):
-        keys = pc.if_else(pa.array(no_prompt), pc.binary_join_element_wise("sample:", table.column("sample_id"), ""), table.column("prompt_key"))
+        keys = pc.if_else(
+            pa.array(no_prompt),
+            pc.binary_join_element_wise("sample:", table.column("sample_id"), ""),
+            table.column("prompt_key"),
+        )
         table = table.set_column(table.schema.get_field_index("prompt_key"), "prompt_key", keys.cast(pa.string()))
     write_parquet_atomic(table, args.output)
     origin = table.column("ids_origin").to_pylist()
     print(
         f"wrote {table.num_rows} token samples ({origin.count('reconstructed')} reconstructed, "
-        f"{origin.count('returned')} returned ids) to {args.output}" + (f"; skipped {skipped} unusable lines" if skipped else "")
+        f"{origin.count('returned')} returned ids) to {args.output}"
+        + (f"; skipped {skipped} unusable lines" if skipped else "")
     )
     return EXIT_OK
 
 
-def _locate_failure(src: Path, rows: list[dict[str, Any]], lines: list[int], tok: Any, profile: Any, has_tools: bool, exc: Exception) -> str:
+def _locate_failure(
+    src: Path, rows: list[dict[str, Any]], lines: list[int], tok: Any, profile: Any, has_tools: bool, exc: Exception
+) -> str:
     """Reconstruct rows one by one to name the line of the first that fails (only on the error path)."""
     from eagle_pipeline.tokens import reconstruct_table
 
@@ -222,9 +249,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise CliError(f"{src}: not a readable Parquet file ({exc})") from None
     report = run_audit(table, tok, profile.resolve(tok), settings, gates=gates)
     if (gates is None or "text_agreement" in gates) and "output_text_hash" not in table.column_names:
-        print(f"note: {src} has no output_text_hash column (written before text hashes existed), so "
-              "text_agreement checked no row; run `reconstruct` again to check the ids against the text",
-              file=sys.stderr)
+        print(
+            f"note: {src} has no output_text_hash column (written before text hashes existed), so "
+            "text_agreement checked no row; run `reconstruct` again to check the ids against the text",
+            file=sys.stderr,
+        )
     write_json_atomic({"input": str(src), **report.to_dict()}, args.report)
     if args.kept_out:
         write_parquet_atomic(table.filter(pa.array(np.asarray(report.filter_mask))), args.kept_out)
@@ -255,33 +284,52 @@ def _load_target(tokenizer: str, profile_name: str) -> tuple[Any, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps.")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def target_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--tokenizer", required=True, metavar="DIR",
-                       help="target tokenizer: a directory (Kimi tiktoken.model, or a transformers tokenizer) or 'demo'")
+        p.add_argument(
+            "--tokenizer",
+            required=True,
+            metavar="DIR",
+            help="target tokenizer: a directory (Kimi tiktoken.model, or a transformers tokenizer) or 'demo'",
+        )
         p.add_argument("--profile", default="kimi-k2.5", help="model profile (default: kimi-k2.5; also: qwen3)")
 
-    rec = sub.add_parser("reconstruct", help="rebuild exact output ids from chat-completion responses (JSONL)",
-                         description="Each input line: {sample_id, response (the chat-completion body as returned), "
-                                     "dataset?, tools? (list or true), thinking? (default true), messages?}.")
+    rec = sub.add_parser(
+        "reconstruct",
+        help="rebuild exact output ids from chat-completion responses (JSONL)",
+        description="Each input line: {sample_id, response (the chat-completion body as returned), "
+        "dataset?, tools? (list or true), thinking? (default true), messages?}.",
+    )
     target_options(rec)
     rec.add_argument("--in", dest="input", required=True, metavar="JSONL")
     rec.add_argument("--out", dest="output", required=True, metavar="PARQUET")
     rec.add_argument("--dataset", default="imported", help="dataset of lines that name none (default: imported)")
-    rec.add_argument("--skip-unusable", action="store_true",
-                     help="skip (and count) error bodies or bodies without choices instead of failing")
+    rec.add_argument(
+        "--skip-unusable",
+        action="store_true",
+        help="skip (and count) error bodies or bodies without choices instead of failing",
+    )
     rec.set_defaults(func=cmd_reconstruct)
 
-    aud = sub.add_parser("audit", help="run the audit gates over a token-samples Parquet file",
-                         description="Exit status 1 when a blocking gate fails, 2 on usage or input errors.")
+    aud = sub.add_parser(
+        "audit",
+        help="run the audit gates over a token-samples Parquet file",
+        description="Exit status 1 when a blocking gate fails, 2 on usage or input errors.",
+    )
     target_options(aud)
     aud.add_argument("--in", dest="input", required=True, metavar="PARQUET")
     aud.add_argument("--report", required=True, metavar="JSON", help="where to write the JSON report")
-    aud.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="GATE=ACTION or GATE@ORIGIN=ACTION (block|filter|warn; origin reconstructed|returned), "
-                          "or a numeric setting such as billing_aggregate_bound=0.01; repeatable")
+    aud.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="GATE=ACTION or GATE@ORIGIN=ACTION (block|filter|warn; origin reconstructed|returned), "
+        "or a numeric setting such as billing_aggregate_bound=0.01; repeatable",
+    )
     aud.add_argument("--gates", help="comma-separated subset of gates (default: all)")
     aud.add_argument("--kept-out", metavar="PARQUET", help="also write the rows that pass the filter")
     aud.set_defaults(func=cmd_audit)

@@ -25,7 +25,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml"
 
 GATE_ACTIONS = ("block", "filter", "warn")
-PROVIDER_KEYS = ("order", "only", "ignore", "allow_fallbacks", "quantizations", "require_parameters", "data_collection", "sort")
+PROVIDER_KEYS = (
+    "order",
+    "only",
+    "ignore",
+    "allow_fallbacks",
+    "quantizations",
+    "require_parameters",
+    "data_collection",
+    "sort",
+)
 
 
 class ConfigError(ValueError):
@@ -159,7 +168,9 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         raise ConfigError(str(source), ["top level: expected a mapping"])
     v.unknown(raw, "", {"data_root", "target", "backends", "datasets", "generation", "audit", "merge", "hidden_states"})
 
-    data_root_raw = os.environ.get(DATA_ROOT_ENV) or v.get(raw, "data_root", str, "", required=True, default=".eagle-data")
+    data_root_raw = os.environ.get(DATA_ROOT_ENV) or v.get(
+        raw, "data_root", str, "", required=True, default=".eagle-data"
+    )
     data_root = _resolve(base, data_root_raw)
 
     t = v.section(raw, "target")
@@ -193,7 +204,9 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         provider = v.get(b, "provider", dict, path, default={}) or {}
         for k in provider:
             if k not in PROVIDER_KEYS:
-                v.problem(f"{path}.provider.{k}", f"unknown provider-routing key; expected one of {list(PROVIDER_KEYS)}")
+                v.problem(
+                    f"{path}.provider.{k}", f"unknown provider-routing key; expected one of {list(PROVIDER_KEYS)}"
+                )
         import_paths = v.get(b, "import_paths", list, path, default=[]) or []
         if kind == "import" and not import_paths:
             v.problem(f"{path}.import_paths", "required for kind 'import'")
@@ -236,12 +249,16 @@ def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
         if not isinstance(d, dict):
             v.problem(path, "expected a mapping")
             continue
-        v.unknown(d, path, {"name", "prompts", "domain", "tools", "backend", "limit", "max_tokens", "sampling", "budget_usd"})
+        v.unknown(
+            d, path, {"name", "prompts", "domain", "tools", "backend", "limit", "max_tokens", "sampling", "budget_usd"}
+        )
         name = v.get(d, "name", str, path, required=True, default=f"dataset{i}")
         if name in datasets:
             v.problem(f"{path}.name", f"duplicate dataset name {name!r}")
         if not name.replace("_", "").replace("-", "").isalnum():
-            v.problem(f"{path}.name", "use letters, digits, '-' and '_' only (it becomes a partition key and a file name)")
+            v.problem(
+                f"{path}.name", "use letters, digits, '-' and '_' only (it becomes a partition key and a file name)"
+            )
         prompts = _resolve(base, v.get(d, "prompts", str, path, required=True, default=""))
         if not prompts.is_file():
             v.problem(f"{path}.prompts", f"file not found: {prompts}")
@@ -414,7 +431,9 @@ class _Validator:
             if key not in allowed:
                 self.problem(f"{path}.{key}" if path else str(key), f"unknown key; expected one of {sorted(allowed)}")
 
-    def get(self, mapping: dict, key: str, types: Any, path: str, *, required: bool = False, default: Any = None) -> Any:
+    def get(
+        self, mapping: dict, key: str, types: Any, path: str, *, required: bool = False, default: Any = None
+    ) -> Any:
         full = f"{path}.{key}" if path else key
         if key not in mapping or mapping[key] is None:
             if required:
@@ -426,6 +445,8 @@ class _Validator:
             self.problem(full, f"expected {'/'.join(t.__name__ for t in types_t)}, got bool")
             return default
         if not isinstance(value, types_t):
-            self.problem(full, f"expected {'/'.join(t.__name__ for t in types_t)}, got {type(value).__name__} {value!r}")
+            self.problem(
+                full, f"expected {'/'.join(t.__name__ for t in types_t)}, got {type(value).__name__} {value!r}"
+            )
             return default
         return value

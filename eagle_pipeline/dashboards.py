@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def histogram_png(series: Mapping[str, Sequence[float] | np.ndarray], *, title: str, xlabel: str, bins: int = 30) -> bytes:
+def histogram_png(
+    series: Mapping[str, Sequence[float] | np.ndarray], *, title: str, xlabel: str, bins: int = 30
+) -> bytes:
     """One overlaid histogram per named series, as PNG bytes (small: ~6x3 in at 80 dpi)."""
     import matplotlib
 
@@ -94,10 +96,13 @@ def dataset_overview(root, datasets: Sequence[str], merged_rows: Mapping[str, in
             {
                 "dataset": ds,
                 "responses": resp.num_rows if resp is not None else 0,
-                "spend_usd": round(float(pc.sum(resp.column("cost_usd")).as_py() or 0.0), 4) if resp is not None else 0.0,
+                "spend_usd": round(float(pc.sum(resp.column("cost_usd")).as_py() or 0.0), 4)
+                if resp is not None
+                else 0.0,
                 "failed_requests": n_errors,
                 "providers": ", ".join(f"{k}:{v}" for k, v in value_counts(resp.column("provider"), "unknown").items())
-                if resp is not None else "",
+                if resp is not None
+                else "",
                 "token_samples": pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0,
                 "audit": "-" if audit is None else ("pass" if audit.get("passed") else "FAIL"),
                 "gates_with_failures": ", ".join(failing),

@@ -28,7 +28,16 @@ from eagle_pipeline.defs.tokens import build_gate_checks, token_samples
 
 def build_defs() -> dg.Definitions:
     return dg.Definitions(
-        assets=[prompts, responses, token_samples, merged_dataset, draft_vocab, hidden_state_plan, hidden_states, trainer_exports],
+        assets=[
+            prompts,
+            responses,
+            token_samples,
+            merged_dataset,
+            draft_vocab,
+            hidden_state_plan,
+            hidden_states,
+            trainer_exports,
+        ],
         asset_checks=[
             *build_gate_checks(),
             merged_row_count_matches_admitted,

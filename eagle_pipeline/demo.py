@@ -19,7 +19,6 @@ from pathlib import Path
 from eagle_pipeline.config import REPO_ROOT, load_config
 from eagle_pipeline.storage import DataRoot, read_json
 
-
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
-def progress_reporter(log: Callable[[str], None], label: str, unit: str = "rows", every_s: float = 5.0) -> Callable[[int, int], None]:
+def progress_reporter(
+    log: Callable[[str], None], label: str, unit: str = "rows", every_s: float = 5.0
+) -> Callable[[int, int], None]:
     """A `(done, total)` callback that logs at most every `every_s` seconds, and always at the end."""
     start = time.monotonic()
     last = [float("-inf")]

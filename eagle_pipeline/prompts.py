@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -50,7 +51,9 @@ def make_sample_id(dataset: str, messages: Sequence[Mapping[str, Any]], tools: A
 
     The same prompt under another sampling config (temperature, seed, max_tokens, thinking) is another sample.
     """
-    payload = canonical_json({"dataset": dataset, "messages": list(messages), "tools": tools, "sampling": dict(sampling)})
+    payload = canonical_json(
+        {"dataset": dataset, "messages": list(messages), "tools": tools, "sampling": dict(sampling)}
+    )
     return f"{dataset}-{hashlib.sha256(payload.encode()).hexdigest()[:20]}"
 
 
@@ -90,7 +93,12 @@ def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Prom
 
 
 def _is_tool(t: Any) -> bool:
-    return isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict) and "name" in t["function"]
+    return (
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and "name" in t["function"]
+    )
 
 
 def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str, Any]) -> pa.Table:

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.cli import main
-from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, get_profile, load_tokenizer, reconstruct_output
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,15 +28,24 @@ def body(reasoning, content, *, tool_calls=None, finish="stop", usage=None, prov
     msg = {"role": "assistant", "content": content, field: reasoning}
     if tool_calls:
         msg["tool_calls"] = tool_calls
-    out = {"id": "gen-1", "provider": provider, "model": "moonshotai/kimi-k2.5",
-           "choices": [{"index": 0, "message": msg, "finish_reason": finish}]}
+    out = {
+        "id": "gen-1",
+        "provider": provider,
+        "model": "moonshotai/kimi-k2.5",
+        "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+    }
     if usage is not None:
         out["usage"] = {"prompt_tokens": 10, "completion_tokens": usage, "total_tokens": 10 + usage}
     return out
 
 
-CALL = [{"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
+CALL = [
+    {
+        "id": "functions.get_weather:0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +58,16 @@ def _lines(tok, ids, *, bad_usage: bool = False):
     """Responses whose usage equals the reconstructed length (or is 30% high with bad_usage)."""
     specs = [
         ("s1", "Let me think.", "Hello!", None, "stop", "reasoning", "B1", None),
-        ("s2", "需要查天气。", "", CALL, "tool_calls", "reasoning_content", "B2", [{"type": "function", "function": {"name": "get_weather"}}]),
+        (
+            "s2",
+            "需要查天气。",
+            "",
+            CALL,
+            "tool_calls",
+            "reasoning_content",
+            "B2",
+            [{"type": "function", "function": {"name": "get_weather"}}],
+        ),
         ("s3", "Quick check 🚀", "Literal <|im_end|> in text.", None, "stop", "reasoning", "B1", None),
         ("s4", "Long", "cut mid-sent", None, "length", "reasoning", "B1", None),
     ]
@@ -57,8 +75,11 @@ def _lines(tok, ids, *, bad_usage: bool = False):
     for sid, r, c, calls, finish, field, ds, tools in specs:
         n = len(reconstruct_output(tok, ids, reasoning=r, content=c, tool_calls=calls).ids)
         usage = round(n * 1.3) if bad_usage else n
-        line = {"sample_id": sid, "dataset": ds,
-                "response": body(r, c, tool_calls=calls, finish=finish, usage=usage, field=field)}
+        line = {
+            "sample_id": sid,
+            "dataset": ds,
+            "response": body(r, c, tool_calls=calls, finish=finish, usage=usage, field=field),
+        }
         if tools:
             line["tools"] = tools
         lines.append(line)
@@ -85,7 +106,10 @@ def test_reconstruct_then_audit(kimi, tmp_path):
     assert list(rows) == ["s1", "s2", "s3", "s4"]
     assert rows["s1"]["output_ids"] == [9413, 1019, 2704, 13, 163607, 19180, 0, 163586]  # FACTS.md pin
     assert rows["s1"]["prompt_ids"] == [] and rows["s1"]["provider"] == "Moonshot"
-    assert rows["s2"]["output_ids"] == reconstruct_output(tok, ids, reasoning="需要查天气。", content="", tool_calls=CALL).ids
+    assert (
+        rows["s2"]["output_ids"]
+        == reconstruct_output(tok, ids, reasoning="需要查天气。", content="", tool_calls=CALL).ids
+    )
     assert rows["s2"]["n_tool_calls"] == 1 and rows["s2"]["dataset_has_tools"] and not rows["s1"]["dataset_has_tools"]
     assert rows["s3"]["literal_special"] and rows["s4"]["finish_reason"] == "length"
     assert len({r["prompt_key"] for r in rows.values()}) == 4  # no prompt given: keys must not collide
@@ -96,7 +120,9 @@ def test_reconstruct_then_audit(kimi, tmp_path):
 
     report_path = tmp_path / "report.json"
     kept = tmp_path / "kept.parquet"
-    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(out), "--report", str(report_path), "--kept-out", str(kept))
+    res = run_cli(
+        "audit", "--tokenizer", str(kdir), "--in", str(out), "--report", str(report_path), "--kept-out", str(kept)
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(report_path.read_text())
     assert report["passed"] is True and report["blocking_failed"] == []
@@ -123,12 +149,34 @@ def test_audit_blocks_on_billing_and_set_overrides(kimi, tmp_path):
     assert report["gates"]["billing_agreement"]["details"]["aggregate_relative_error"] > 0.2
     assert "import/Moonshot" in report["gates"]["billing_agreement"]["by_source"]
 
-    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(out), "--report", str(report_path),
-                  "--set", "billing_agreement=warn", "--set", "not_truncated@reconstructed=block")
+    res = run_cli(
+        "audit",
+        "--tokenizer",
+        str(kdir),
+        "--in",
+        str(out),
+        "--report",
+        str(report_path),
+        "--set",
+        "billing_agreement=warn",
+        "--set",
+        "not_truncated@reconstructed=block",
+    )
     assert res.returncode == 1
     assert json.loads(report_path.read_text())["blocking_failed"] == ["not_truncated"]
-    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(out), "--report", str(report_path),
-                  "--set", "billing_aggregate_bound=0.5", "--set", "billing_row_rel_tolerance=0.5")
+    res = run_cli(
+        "audit",
+        "--tokenizer",
+        str(kdir),
+        "--in",
+        str(out),
+        "--report",
+        str(report_path),
+        "--set",
+        "billing_aggregate_bound=0.5",
+        "--set",
+        "billing_row_rel_tolerance=0.5",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads(report_path.read_text())["settings"]["billing_aggregate_bound"] == 0.5
 
@@ -150,8 +198,12 @@ def test_audit_blocks_an_id_off_by_one(kimi, tmp_path):
     outputs = table.column("output_ids").to_pylist()
     outputs[0][1] += 1
     tampered = tmp_path / "tampered.parquet"
-    pq.write_table(table.set_column(table.schema.get_field_index("output_ids"), "output_ids",
-                                    pa.array(outputs, pa.list_(pa.int32()))), tampered)
+    pq.write_table(
+        table.set_column(
+            table.schema.get_field_index("output_ids"), "output_ids", pa.array(outputs, pa.list_(pa.int32()))
+        ),
+        tampered,
+    )
     report_path = tmp_path / "report.json"
     res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(tampered), "--report", str(report_path))
     assert res.returncode == 1, res.stdout + res.stderr
@@ -161,8 +213,17 @@ def test_audit_blocks_an_id_off_by_one(kimi, tmp_path):
     assert gate["failing_sample_ids"] == ["s1"] and gate["details"]["problems"] == {"digest_mismatch": 1}
     assert report["gates"]["round_trip"]["failing"] == 0
     assert "text_agreement" in res.stdout and "BLOCKED by text_agreement" in res.stdout
-    res = run_cli("audit", "--tokenizer", str(kdir), "--in", str(tampered), "--report", str(report_path),
-                  "--set", "text_agreement=warn")
+    res = run_cli(
+        "audit",
+        "--tokenizer",
+        str(kdir),
+        "--in",
+        str(tampered),
+        "--report",
+        str(report_path),
+        "--set",
+        "text_agreement=warn",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -185,7 +246,9 @@ def test_returned_ids_are_kept(tmp_path):
     b = body("r", "c", usage=3)
     b["prompt_token_ids"] = [1, 2, 3]
     b["choices"][0]["token_ids"] = [100, 2327, 101, 2306]
-    src = _write(tmp_path / "r.jsonl", [{"sample_id": "v1", "response": b, "messages": [{"role": "user", "content": "hi"}]}])
+    src = _write(
+        tmp_path / "r.jsonl", [{"sample_id": "v1", "response": b, "messages": [{"role": "user", "content": "hi"}]}]
+    )
     out = tmp_path / "t.parquet"
     res = run_cli("reconstruct", "--tokenizer", "demo", "--in", str(src), "--out", str(out), "--dataset", "B7")
     assert res.returncode == 0, res.stderr
@@ -214,12 +277,26 @@ def test_prompt_rendered_from_messages(tmp_path):
         ([json.dumps({"sample_id": "a", "response": body("r", "c")}), "not json"], "r.jsonl:2: invalid JSON"),
         (['{"response": {}}'], "r.jsonl:1: 'sample_id' must be a non-empty string"),
         (['{"sample_id": "a", "response": 5}'], "r.jsonl:1: 'response' must be the chat-completion body"),
-        (['{"sample_id": "a", "response": {"error": {"code": 502, "message": "upstream"}}}'], "r.jsonl:1: unusable response"),
+        (
+            ['{"sample_id": "a", "response": {"error": {"code": 502, "message": "upstream"}}}'],
+            "r.jsonl:1: unusable response",
+        ),
         (['{"sample_id": "a", "response": {"choices": []}}'], "r.jsonl:1: unusable response"),
-        ([json.dumps({"sample_id": "a", "response": body("r", "c")}), json.dumps({"sample_id": "a", "response": body("r", "c")})],
-         "r.jsonl:2: duplicate sample_id 'a' (first on line 1)"),
-        ([json.dumps({"sample_id": "a", "response": body("r", "c", tool_calls=[{"function": {"arguments": "{}"}}])})],
-         "r.jsonl:1: cannot reconstruct"),
+        (
+            [
+                json.dumps({"sample_id": "a", "response": body("r", "c")}),
+                json.dumps({"sample_id": "a", "response": body("r", "c")}),
+            ],
+            "r.jsonl:2: duplicate sample_id 'a' (first on line 1)",
+        ),
+        (
+            [
+                json.dumps(
+                    {"sample_id": "a", "response": body("r", "c", tool_calls=[{"function": {"arguments": "{}"}}])}
+                )
+            ],
+            "r.jsonl:1: cannot reconstruct",
+        ),
         ([json.dumps({"sample_id": "a", "response": body("r", "c"), "tools": "yes"})], "r.jsonl:1: 'tools' must be"),
     ],
 )
@@ -232,11 +309,16 @@ def test_reconstruct_input_errors(tmp_path, lines, fragment):
 
 
 def test_skip_unusable(tmp_path):
-    src = _write(tmp_path / "r.jsonl", [
-        {"sample_id": "a", "response": {"error": {"code": 502, "message": "upstream"}}},
-        {"sample_id": "b", "response": body("r", "c")},
-    ])
-    res = run_cli("reconstruct", "--tokenizer", "demo", "--in", str(src), "--out", str(tmp_path / "o.parquet"), "--skip-unusable")
+    src = _write(
+        tmp_path / "r.jsonl",
+        [
+            {"sample_id": "a", "response": {"error": {"code": 502, "message": "upstream"}}},
+            {"sample_id": "b", "response": body("r", "c")},
+        ],
+    )
+    res = run_cli(
+        "reconstruct", "--tokenizer", "demo", "--in", str(src), "--out", str(tmp_path / "o.parquet"), "--skip-unusable"
+    )
     assert res.returncode == 0, res.stderr
     assert "skipped 1 unusable lines" in res.stdout
     assert pq.read_table(tmp_path / "o.parquet").column("sample_id").to_pylist() == ["b"]

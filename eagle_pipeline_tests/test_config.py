@@ -79,7 +79,7 @@ def test_api_key_value_in_place_of_env_name_is_rejected(tmp_path):
         d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
     p = tmp_path / "pipeline.yaml"
     p.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="backends.openrouter.api_key_env: must be the name"):
+    with pytest.raises(ConfigError, match=r"backends\.openrouter\.api_key_env: must be the name"):
         load_config(p)
 
 

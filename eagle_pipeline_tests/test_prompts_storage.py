@@ -54,8 +54,10 @@ def test_prompts_table_columns(tmp_path):
     p = tmp_path / "p.jsonl"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     p.write_text(
-        json.dumps({"id": "a", "messages": [{"role": "user", "content": "x"}]}) + "\n"
-        + json.dumps({"id": "b", "messages": [{"role": "user", "content": "y"}], "tools": tools}) + "\n"
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "x"}]})
+        + "\n"
+        + json.dumps({"id": "b", "messages": [{"role": "user", "content": "y"}], "tools": tools})
+        + "\n"
     )
     t = prompts_table("B6", load_prompt_file(p), {"seed": 1})
     assert t.column("source_id").to_pylist() == ["a", "b"]

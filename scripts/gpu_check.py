@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from eagle_pipeline.hidden_states import (  # noqa: E402
+from eagle_pipeline.hidden_states import (
     build_model_from_config,
     build_tiny_model,
     count_rows,
@@ -40,7 +40,7 @@ from eagle_pipeline.hidden_states import (  # noqa: E402
     shard_status,
     verify_shard,
 )
-from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged  # noqa: E402
+from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
 
 H200_BF16_PEAK_TFLOPS = 989.0
 
@@ -91,8 +91,10 @@ def print_environment(device: str) -> None:
     print(f"torch {torch.__version__} (cuda build {torch.version.cuda}), transformers {transformers.__version__}")
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        print(f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}, "
-              f"{torch.cuda.device_count()} visible")
+        print(
+            f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, capability {props.major}.{props.minor}, "
+            f"{torch.cuda.device_count()} visible"
+        )
     else:
         print(f"CPU run, {torch.get_num_threads()} threads")
 
@@ -154,23 +156,36 @@ def main(argv: list[str] | None = None) -> int:
     # Shards are deleted after verification, so peak disk is about one shard plus the one being written.
     budget_tokens = int(args.disk_fraction * free / bytes_per_token)
     merged, n_tokens = write_synthetic_merged(
-        workdir / "merged", samples, vocab_size=desc["vocab_size"], mean_tokens=mean_tokens, max_tokens=max_len,
+        workdir / "merged",
+        samples,
+        vocab_size=desc["vocab_size"],
+        mean_tokens=mean_tokens,
+        max_tokens=max_len,
         seed=args.seed,
     )
     shard_size = args.shard_size or max(-(-samples // 3), 1)
     n_rows = count_rows(merged)
     shards = num_shards(n_rows, shard_size)
     plan = plan_extraction(
-        hidden_size=desc["hidden_size"], num_layers=n_layers, total_params=desc["params"],
-        active_params=desc["matmul_active_params"], n_tokens=n_tokens, n_samples=samples,
-        dtype_bytes=dtype.itemsize, shard_size=shard_size,
+        hidden_size=desc["hidden_size"],
+        num_layers=n_layers,
+        total_params=desc["params"],
+        active_params=desc["matmul_active_params"],
+        n_tokens=n_tokens,
+        n_samples=samples,
+        dtype_bytes=dtype.itemsize,
+        shard_size=shard_size,
     )
-    print(f"data: {samples} samples, {n_tokens:,} tokens (mean {n_tokens / samples:.0f}, max {max_len}), "
-          f"{shards} shards of {shard_size}; output ~{plan.bytes_on_disk / 1e9:.2f} GB "
-          f"({plan.bytes_per_shard / 1e9:.2f} GB per shard); free disk {free / 1e9:.1f} GB in {workdir}")
+    print(
+        f"data: {samples} samples, {n_tokens:,} tokens (mean {n_tokens / samples:.0f}, max {max_len}), "
+        f"{shards} shards of {shard_size}; output ~{plan.bytes_on_disk / 1e9:.2f} GB "
+        f"({plan.bytes_per_shard / 1e9:.2f} GB per shard); free disk {free / 1e9:.1f} GB in {workdir}"
+    )
     if 2 * plan.bytes_per_shard > args.disk_fraction * free and not args.keep:
-        print(f"ERROR: two shards ({2 * plan.bytes_per_shard / 1e9:.1f} GB) exceed {args.disk_fraction:.0%} of free disk;"
-              " lower --samples or --shard-size")
+        print(
+            f"ERROR: two shards ({2 * plan.bytes_per_shard / 1e9:.1f} GB) exceed {args.disk_fraction:.0%} of free disk;"
+            " lower --samples or --shard-size"
+        )
         return 2
     if args.keep and n_tokens > budget_tokens:
         print("ERROR: --keep would need more disk than allowed; lower --samples")
@@ -188,30 +203,46 @@ def main(argv: list[str] | None = None) -> int:
     for shard in range(shards):
         try:
             s = extract_shard(
-                model, merged, shard_index=shard, shard_size=shard_size, out_dir=out_dir, aux_layers=aux,
-                max_tokens_per_batch=max_tpb, device=device, dtype=dtype, progress=guard,
+                model,
+                merged,
+                shard_index=shard,
+                shard_size=shard_size,
+                out_dir=out_dir,
+                aux_layers=aux,
+                max_tokens_per_batch=max_tpb,
+                device=device,
+                dtype=dtype,
+                progress=guard,
             )
         except Deadline as exc:
             print(f"stopped: {exc}")
             break
         except torch.cuda.OutOfMemoryError as exc:
-            print(f"ERROR: out of GPU memory in shard {shard} with --max-tokens-per-batch {max_tpb}; "
-                  f"retry with a smaller budget, e.g. {max_tpb // 2}. ({str(exc).splitlines()[0]})")
+            print(
+                f"ERROR: out of GPU memory in shard {shard} with --max-tokens-per-batch {max_tpb}; "
+                f"retry with a smaller budget, e.g. {max_tpb // 2}. ({str(exc).splitlines()[0]})"
+            )
             return 2
         summaries.append(s)
         tflops = 2 * flops_params * s.tokens / max(s.compute_seconds, 1e-9) / 1e12
-        print(f"shard {shard}: {s.rows} rows, {s.tokens:,} tokens in {s.seconds:.1f}s = {s.tokens_per_s:,.0f} tok/s "
-              f"end to end; compute {s.compute_seconds:.1f}s ({s.tokens / max(s.compute_seconds, 1e-9):,.0f} tok/s, "
-              f"{tflops:.0f} TFLOP/s), waited on disk {s.write_wait_seconds:.1f}s; {s.batches} batches, "
-              f"padding {s.padding_fraction:.1%}, {s.size_bytes / 1e9:.2f} GB, nonfinite samples {s.n_nonfinite_samples}")
+        print(
+            f"shard {shard}: {s.rows} rows, {s.tokens:,} tokens in {s.seconds:.1f}s = {s.tokens_per_s:,.0f} tok/s "
+            f"end to end; compute {s.compute_seconds:.1f}s ({s.tokens / max(s.compute_seconds, 1e-9):,.0f} tok/s, "
+            f"{tflops:.0f} TFLOP/s), waited on disk {s.write_wait_seconds:.1f}s; {s.batches} batches, "
+            f"padding {s.padding_fraction:.1%}, {s.size_bytes / 1e9:.2f} GB, nonfinite samples {s.n_nonfinite_samples}"
+        )
         tv = time.perf_counter()
         checks = verify_shard(out_dir, shard, merged)
         status = shard_status(out_dir, shard)
         ok = all(c.passed for c in checks.values()) and status == "done"
         failures += 0 if ok else 1
-        print(f"  verify ({time.perf_counter() - tv:.1f}s): status={status} "
-              + ", ".join(f"{k}={'ok' if c.passed else 'FAIL'} {c.failing}/{c.checked} {c.failing_sample_ids[:3]}"
-                          for k, c in checks.items()))
+        print(
+            f"  verify ({time.perf_counter() - tv:.1f}s): status={status} "
+            + ", ".join(
+                f"{k}={'ok' if c.passed else 'FAIL'} {c.failing}/{c.checked} {c.failing_sample_ids[:3]}"
+                for k, c in checks.items()
+            )
+        )
         if not args.keep:
             for p in shard_paths(out_dir, shard):
                 p.unlink(missing_ok=True)
@@ -227,16 +258,25 @@ def main(argv: list[str] | None = None) -> int:
     st_tokens, st_compute = sum(s.tokens for s in steady), sum(s.compute_seconds for s in steady)
     peak = H200_BF16_PEAK_TFLOPS * 1e12
     print("\nRESULT")
-    print(f"  shards {len(summaries)}/{shards}, tokens {tokens:,}, end-to-end {tokens / secs:,.0f} tok/s, "
-          f"compute-only {tokens / compute:,.0f} tok/s")
-    for label, params in (("matmul params (no embedding lookup, no lm_head)", flops_params), ("all params", desc["params"])):
+    print(
+        f"  shards {len(summaries)}/{shards}, tokens {tokens:,}, end-to-end {tokens / secs:,.0f} tok/s, "
+        f"compute-only {tokens / compute:,.0f} tok/s"
+    )
+    for label, params in (
+        ("matmul params (no embedding lookup, no lm_head)", flops_params),
+        ("all params", desc["params"]),
+    ):
         mfu = 2 * params * st_tokens / st_compute / peak
-        print(f"  FLOPs = 2 x {params / 1e9:.2f}B {label} x tokens: steady-state compute = {mfu:.1%} of "
-              f"{H200_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak (end to end {2 * params * tokens / secs / peak:.1%})")
+        print(
+            f"  FLOPs = 2 x {params / 1e9:.2f}B {label} x tokens: steady-state compute = {mfu:.1%} of "
+            f"{H200_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak (end to end {2 * params * tokens / secs / peak:.1%})"
+        )
     if device == "cuda":
         print(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"  verification: {'all shards passed' if not failures else f'{failures} shard(s) FAILED'}; "
-          f"total wall {time.perf_counter() - started:.0f}s")
+    print(
+        f"  verification: {'all shards passed' if not failures else f'{failures} shard(s) FAILED'}; "
+        f"total wall {time.perf_counter() - started:.0f}s"
+    )
     if args.workdir is None and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0

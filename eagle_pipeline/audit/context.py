@@ -99,7 +99,7 @@ def build_token_classes(tokenizer: Any, profile_ids: Any) -> TokenClasses:
     for i in structural:
         if 0 <= i < vocab_size:
             lut[i] = STRUCTURAL
-    for attr, code in _PROFILE_FIELDS:
+    for _attr, code in _PROFILE_FIELDS:
         i = ids[code]
         if i is not None and 0 <= i < vocab_size:
             lut[i] = code
@@ -307,7 +307,9 @@ class AuditContext:
         if pa.types.is_null(col.type):
             return np.zeros(self.n, dtype=bool), np.zeros(self.n, dtype=np.uint64)
         if col.type != pa.int64():
-            raise AuditInputError(f"column {TEXT_DIGEST_COLUMN!r} must be int64 (the hash's bit pattern), got {col.type}")
+            raise AuditInputError(
+                f"column {TEXT_DIGEST_COLUMN!r} must be int64 (the hash's bit pattern), got {col.type}"
+            )
         valid = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
         hashes = np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)
         return valid, hashes

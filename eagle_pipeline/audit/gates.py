@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,6 @@ from eagle_pipeline.audit.context import (
     AuditContext,
 )
 from eagle_pipeline.tokens.text_hash import TokenHashTable, ids_text_hashes, token_hash_table
-
 
 
 @dataclass
@@ -87,7 +87,10 @@ def gate_single_eot(ctx: AuditContext, settings: Any) -> Outcome:
     complete = ctx.complete
     fail = (complete & (cnt != 1)) | (~complete & (cnt > 1))
     pos = np.where(cnt > 0, ctx.first_pos(EOT), _last(ctx))
-    details = {"rows_without_eot": int(np.count_nonzero(complete & (cnt == 0))), "rows_with_several": int(np.count_nonzero(cnt > 1))}
+    details = {
+        "rows_without_eot": int(np.count_nonzero(complete & (cnt == 0))),
+        "rows_with_several": int(np.count_nonzero(cnt > 1)),
+    }
     return Outcome(np.ones(ctx.n, dtype=bool), fail, pos, details)
 
 
@@ -253,15 +256,18 @@ def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
     }
     # The prompt's head is where an injected system prompt or the tool declarations would show.
     head = settings.excerpt_tokens
-    excerpts = {i: "prompt: " + ctx.render(ctx.prompt_ids(i)[:head]) + ("…" if lengths[i] > head else "") for i in shown}
+    excerpts = {
+        i: "prompt: " + ctx.render(ctx.prompt_ids(i)[:head]) + ("…" if lengths[i] > head else "") for i in shown
+    }
     details = {
         "usage_prompt_tokens_column": "present",
         "row_tolerance": settings.prompt_row_abs_tolerance,
         "rows_without_prompt_usage": int(np.count_nonzero(~checked)),
         **_spread(diff, checked),
     }
-    return Outcome(checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra,
-                   excerpts=excerpts)
+    return Outcome(
+        checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra, excerpts=excerpts
+    )
 
 
 # ---- tool sections ---------------------------------------------------------------------------------------------
@@ -512,7 +518,8 @@ def gate_text_agreement(ctx: AuditContext, settings: Any) -> Outcome:
     reasons: dict[int, str] = {}
     for row in np.flatnonzero(undecodable | mismatch)[: settings.max_examples].tolist():
         reasons[row] = (
-            "output_ids do not decode (an id outside the vocabulary)" if undecodable[row]
+            "output_ids do not decode (an id outside the vocabulary)"
+            if undecodable[row]
             else "output_ids decode to bytes whose text_hash differs from output_text_hash"
         )
     origin = ctx.origin

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -124,10 +125,14 @@ class AuditReport:
         """One line per gate, for terminals and logs."""
         lines = []
         for r in self.results:
-            status = "BLOCK" if r.blocking else "FILTER" if r.excluded else "WARN" if not r.passed or r.failing else "ok"
+            status = (
+                "BLOCK" if r.blocking else "FILTER" if r.excluded else "WARN" if not r.passed or r.failing else "ok"
+            )
             lines.append(f"{r.name:<26} {status:<6} failing {r.failing}/{r.checked}  excluded {r.excluded}")
         kept = int(np.count_nonzero(self.filter_mask))
-        lines.append(f"kept {kept}/{self.n_rows} rows; {'PASSED' if self.passed else 'BLOCKED by ' + ', '.join(self.blocking_failed)}")
+        lines.append(
+            f"kept {kept}/{self.n_rows} rows; {'PASSED' if self.passed else 'BLOCKED by ' + ', '.join(self.blocking_failed)}"
+        )
         return "\n".join(lines)
 
 
@@ -147,7 +152,10 @@ def _finish(name: str, ctx: AuditContext, out: Outcome, settings: AuditSettings)
     spec = GATES_BY_NAME[name]
     origin_actions = {o: settings.action_for(name, o) for o in ORIGINS}
     n = ctx.n
-    checked, fail = np.asarray(out.checked, dtype=bool), np.asarray(out.fail, dtype=bool) & np.asarray(out.checked, dtype=bool)
+    checked, fail = (
+        np.asarray(out.checked, dtype=bool),
+        np.asarray(out.fail, dtype=bool) & np.asarray(out.checked, dtype=bool),
+    )
     if checked.shape != (n,) or fail.shape != (n,):
         raise AssertionError(f"gate {name} returned masks of the wrong shape")
     n_checked, n_fail = int(np.count_nonzero(checked)), int(np.count_nonzero(fail))
@@ -189,7 +197,11 @@ def _finish(name: str, ctx: AuditContext, out: Outcome, settings: AuditSettings)
     for k, o in enumerate(ORIGINS):
         c = int(np.count_nonzero(checked & (origin == k)))
         if c:
-            by_origin[o] = {"checked": c, "failing": int(np.count_nonzero(fail & (origin == k))), "action": origin_actions[o]}
+            by_origin[o] = {
+                "checked": c,
+                "failing": int(np.count_nonzero(fail & (origin == k))),
+                "action": origin_actions[o],
+            }
 
     return GateResult(
         name=name,
@@ -219,7 +231,9 @@ def _check_gate_names(gates: Iterable[str]) -> list[str]:
     return names
 
 
-def run_gate(name: str, table: pa.Table, tokenizer: Any, profile_ids: Any, settings: AuditSettings | None = None) -> GateResult:
+def run_gate(
+    name: str, table: pa.Table, tokenizer: Any, profile_ids: Any, settings: AuditSettings | None = None
+) -> GateResult:
     """Run one gate over a token-samples table."""
     _check_gate_names([name])
     settings = settings or AuditSettings()

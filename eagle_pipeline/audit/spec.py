@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from eagle_pipeline.audit.context import ORIGINS
 
@@ -191,7 +192,7 @@ class AuditSettings:
             raise AuditSettingsError("invalid audit settings:\n  - " + "\n  - ".join(problems))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "AuditSettings":
+    def from_dict(cls, data: Mapping[str, Any] | None) -> AuditSettings:
         """Settings from plain data (YAML/JSON); unknown keys, gates, origins or actions are errors."""
         if data is None:
             return cls()
@@ -200,9 +201,7 @@ class AuditSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise AuditSettingsError(
-                f"invalid audit settings:\n  - unknown key(s) {unknown}; known: {sorted(known)}"
-            )
+            raise AuditSettingsError(f"invalid audit settings:\n  - unknown key(s) {unknown}; known: {sorted(known)}")
         kwargs = dict(data)
         if kwargs.get("actions") is None:
             kwargs.pop("actions", None)

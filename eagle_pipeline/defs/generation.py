@@ -1,9 +1,8 @@
 """Generation assets: prompts -> responses, one partition per dataset."""
 
-
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -177,13 +176,18 @@ def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
         "completion_tokens_total": completion,
         "errors_total": errors.num_rows,
         "errors_by_class": dg.MetadataValue.json(value_counts(errors.column("error_class")) if errors.num_rows else {}),
-        "provider_split": dg.MetadataValue.json(value_counts(table.column("provider"), "unknown") if table.num_rows else {}),
+        "provider_split": dg.MetadataValue.json(
+            value_counts(table.column("provider"), "unknown") if table.num_rows else {}
+        ),
         "source_split": dg.MetadataValue.json(value_counts(table.column("source")) if table.num_rows else {}),
         "finish_reasons": dg.MetadataValue.json(value_counts(table.column("finish_reason")) if table.num_rows else {}),
         "elapsed_s": round(float(summary.elapsed_s), 2),
         "reasoning_content_lengths": dg.MetadataValue.md(
             histogram_markdown(
-                {"reasoning": text_lengths(table.column("reasoning")), "content": text_lengths(table.column("content"))},
+                {
+                    "reasoning": text_lengths(table.column("reasoning")),
+                    "content": text_lengths(table.column("content")),
+                },
                 title="Reasoning and content length per response",
                 xlabel="characters",
             )

@@ -1,6 +1,5 @@
 """Hidden-state extraction: the plan (CPU, first), the shards (GPU pool), their checks, and trainer exports."""
 
-
 import os
 import socket
 import threading
@@ -140,7 +139,9 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     # target, just to skip it; and it tells what a rerun found.
     before = shard_status(root.hidden_states_dir, shard)
     if before == "done":
-        summary = ShardSummary(**{**read_index_meta(shard_paths(root.hidden_states_dir, shard)[1])["summary"], "skipped": True})
+        summary = ShardSummary(
+            **{**read_index_meta(shard_paths(root.hidden_states_dir, shard)[1])["summary"], "skipped": True}
+        )
         device = "none (already done)"
     else:
         with shard_device(h.device, shard, prefer=_cached_devices(), log=context.log.info) as device:
@@ -182,7 +183,9 @@ def _refuse_over_budget(plan_path, disk_budget_gb: float | None) -> None:
     replanning.
     """
     if not plan_path.exists():
-        raise dg.Failure(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.", allow_retries=False)
+        raise dg.Failure(
+            f"No extraction plan at {plan_path}: materialize hidden_state_plan first.", allow_retries=False
+        )
     plan = read_json(plan_path)["this_run"]
     planned = int(plan["bytes_on_disk"])
     if disk_budget_gb is None or planned <= disk_budget_gb * 1e9:
@@ -191,7 +194,11 @@ def _refuse_over_budget(plan_path, disk_budget_gb: float | None) -> None:
         f"Extraction refused: this run's plan needs {planned:,} bytes ({planned / 1e9:.3g} GB) on disk, over the "
         f"budget of {int(disk_budget_gb * 1e9):,} bytes ({disk_budget_gb:g} GB, hidden_states.disk_budget_gb). "
         "Raise the budget, shrink the merged dataset, or extract fewer layers.",
-        metadata={"planned_bytes": planned, "budget_bytes": int(disk_budget_gb * 1e9), "plan": dg.MetadataValue.json(plan)},
+        metadata={
+            "planned_bytes": planned,
+            "budget_bytes": int(disk_budget_gb * 1e9),
+            "plan": dg.MetadataValue.json(plan),
+        },
         allow_retries=False,
     )
 
@@ -219,9 +226,15 @@ def _shard_check(name: str, verify_key: str, description: str):
 
 
 hidden_state_checks = [
-    _shard_check("shapes_match_token_counts", "shapes", "Per sample, every state tensor has one row per token, width 3H / H."),
-    _shard_check("no_nan_or_inf", "finite", "No NaN or Inf in any state: a bad sample fails the shard, never skipped silently."),
-    _shard_check("ids_match_merged", "ids_match", "Stored input ids equal the merged dataset's ids for the same sample_id."),
+    _shard_check(
+        "shapes_match_token_counts", "shapes", "Per sample, every state tensor has one row per token, width 3H / H."
+    ),
+    _shard_check(
+        "no_nan_or_inf", "finite", "No NaN or Inf in any state: a bad sample fails the shard, never skipped silently."
+    ),
+    _shard_check(
+        "ids_match_merged", "ids_match", "Stored input ids equal the merged dataset's ids for the same sample_id."
+    ),
 ]
 
 

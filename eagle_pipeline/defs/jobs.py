@@ -1,6 +1,5 @@
 """Jobs and schedules. Dataset jobs run one partition per run: partitioned audit checks need that."""
 
-
 import dagster as dg
 import pyarrow.parquet as pq
 

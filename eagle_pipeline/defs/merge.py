@@ -1,6 +1,5 @@
 """Merge and shuffle the audited datasets; the draft vocabulary; trainer exports."""
 
-
 import dagster as dg
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -62,8 +61,12 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         inputs,
         root.merged_dir,
         MergeSettings(
-            seed=m.seed, weights=m.weights, caps=m.caps, dedup=m.dedup,
-            eval_fraction=m.eval_fraction, rows_per_shard=m.rows_per_shard,
+            seed=m.seed,
+            weights=m.weights,
+            caps=m.caps,
+            dedup=m.dedup,
+            eval_fraction=m.eval_fraction,
+            rows_per_shard=m.rows_per_shard,
         ),
         config_hash=cfg.config_hash(),
     )
@@ -105,9 +108,7 @@ def overview_table(rows: list[dict]) -> dg.MetadataValue:
     """The per-dataset overview as a Dagster table (one row per dataset)."""
     types = {int: "int", float: "float", str: "string"}
     columns = [dg.TableColumn(k, types.get(type(v), "string")) for k, v in rows[0].items()] if rows else []
-    return dg.MetadataValue.table(
-        records=[dg.TableRecord(r) for r in rows], schema=dg.TableSchema(columns=columns)
-    )
+    return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in rows], schema=dg.TableSchema(columns=columns))
 
 
 @dg.asset_check(asset=merged_dataset, blocking=True, description="Merged rows equal the rows admitted by the audit.")

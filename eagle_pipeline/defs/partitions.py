@@ -1,6 +1,5 @@
 """Partitions: one per dataset (from the configuration), one per hidden-state shard (filled by the merge)."""
 
-
 import dagster as dg
 
 from eagle_pipeline.config import load_config

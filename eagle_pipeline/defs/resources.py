@@ -1,6 +1,5 @@
 """The one resource every asset uses: the pipeline configuration, its data root, tokenizer and model profile."""
 
-
 import functools
 from pathlib import Path
 

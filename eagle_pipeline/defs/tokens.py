@@ -1,6 +1,5 @@
 """Token samples (exact target ids) and the structural audit: one blocking asset check per gate."""
 
-
 import warnings
 
 import dagster as dg
@@ -45,7 +44,11 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     table = reconstruct_table(resp, tok, pipeline.profile(), dataset_has_tools=ds.tools)
     # The run id makes every materialization a distinct file, so an audit verdict binds to exactly one of them.
     table = table.replace_schema_metadata(
-        {**(table.schema.metadata or {}), b"eagle.run_id": context.run.run_id.encode(), b"eagle.tokenizer": tok.fingerprint().encode()}
+        {
+            **(table.schema.metadata or {}),
+            b"eagle.run_id": context.run.run_id.encode(),
+            b"eagle.tokenizer": tok.fingerprint().encode(),
+        }
     )
     path = write_parquet_atomic(table, root.tokens(ds.name))
     digest = file_sha256(path)
@@ -68,12 +71,17 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "mean_output_tokens": round(float(pc.mean(lengths).as_py() or 0.0), 1),
             "max_output_tokens": int(pc.max(lengths).as_py() or 0),
             "ids_origin": dg.MetadataValue.json(origin),
-            "rows_with_literal_special_strings": int(pc.sum(table.column("literal_special").cast("int64")).as_py() or 0),
+            "rows_with_literal_special_strings": int(
+                pc.sum(table.column("literal_special").cast("int64")).as_py() or 0
+            ),
             "audit_summary": dg.MetadataValue.md(report_markdown(report)),
             "rows_kept_after_filters": int(report.filter_mask.sum()),
             "token_lengths": dg.MetadataValue.md(
                 histogram_markdown(
-                    {"prompt": list_lengths(table.column("prompt_ids")), "output": list_lengths(table.column("output_ids"))},
+                    {
+                        "prompt": list_lengths(table.column("prompt_ids")),
+                        "output": list_lengths(table.column("output_ids")),
+                    },
                     title=f"{ds.name}: tokens per sample ({tok.name})",
                     xlabel="tokens",
                 )
@@ -104,18 +112,21 @@ def gate_check_result(result) -> dg.AssetCheckResult:
     """Blocking failure -> ERROR (stops downstream); rows only filtered -> pass, counted; rows only warned -> WARN."""
     metadata = {**gate_check_metadata(result), "rows_excluded_downstream": result.excluded}
     if result.blocking:
-        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata,
-                                   description=gate_verdict(result))
+        return dg.AssetCheckResult(
+            passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata, description=gate_verdict(result)
+        )
     warned = result.failing - result.excluded
     if warned:
-        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata,
-                                   description=gate_verdict(result))
+        return dg.AssetCheckResult(
+            passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata, description=gate_verdict(result)
+        )
     return dg.AssetCheckResult(passed=True, metadata=metadata, description=gate_verdict(result))
 
 
 def gate_check_metadata(result) -> dict:
     examples = "\n".join(
-        f"- `{e['sample_id']}`: " + (f"{e['problem']}; " if e.get("problem") else "")
+        f"- `{e['sample_id']}`: "
+        + (f"{e['problem']}; " if e.get("problem") else "")
         + f"`{str(e.get('excerpt', ''))[:160].replace('`', chr(39))}`"
         for e in result.examples
     )
@@ -155,8 +166,14 @@ def build_gate_check(gate) -> dg.AssetChecksDefinition:
         table = pq.read_table(path)
         result = run_gate(gate.name, table, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
         write_gate_record(
-            root, ds, gate.name, tokens_sha256=file_sha256(path), action=result.action,
-            blocking_failed=result.blocking, checked=result.checked, failing=result.failing,
+            root,
+            ds,
+            gate.name,
+            tokens_sha256=file_sha256(path),
+            action=result.action,
+            blocking_failed=result.blocking,
+            checked=result.checked,
+            failing=result.failing,
         )
         return gate_check_result(result)
 

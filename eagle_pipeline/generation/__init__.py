@@ -22,11 +22,11 @@ from eagle_pipeline.generation.store import read_errors, read_responses
 
 __all__ = [
     "BACKEND_KINDS",
-    "BackendSpec",
     "ERRORS_SCHEMA",
+    "RESPONSES_SCHEMA",
+    "BackendSpec",
     "GenerationSummary",
     "ProgressEvent",
-    "RESPONSES_SCHEMA",
     "RequestFailure",
     "SamplingSpec",
     "SimulatedOpenRouterServer",

@@ -8,8 +8,9 @@ RequestFailure for anything that is not a usable response, classified for the re
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
@@ -66,7 +67,10 @@ def _price_cost(spec: BackendSpec, prompt_tokens: int | None, completion_tokens:
         return None
     if prompt_tokens is None and completion_tokens is None:
         return None
-    return ((prompt_tokens or 0) * (spec.price_per_m_prompt or 0.0) + (completion_tokens or 0) * (spec.price_per_m_completion or 0.0)) / 1e6
+    return (
+        (prompt_tokens or 0) * (spec.price_per_m_prompt or 0.0)
+        + (completion_tokens or 0) * (spec.price_per_m_completion or 0.0)
+    ) / 1e6
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -100,7 +104,9 @@ def load_json_body(status: int, raw: bytes) -> tuple[str, Any]:
         return text, json.loads(text)
     except (UnicodeDecodeError, ValueError) as exc:
         if 200 <= status < 300:
-            raise RequestFailure(F.MALFORMED_BODY, f"response body is not JSON ({len(raw)} bytes): {exc}", True, status) from None
+            raise RequestFailure(
+                F.MALFORMED_BODY, f"response body is not JSON ({len(raw)} bytes): {exc}", True, status
+            ) from None
         return raw.decode("utf-8", errors="replace"), None
 
 
@@ -199,7 +205,7 @@ class HttpBackend:
     """Base of the live backends: a URL, a body per prompt, a parser per response."""
 
     path = "/chat/completions"
-    headers: dict[str, str] = {}
+    headers: ClassVar[dict[str, str]] = {}
 
     def __init__(self, spec: BackendSpec, sampling: SamplingSpec) -> None:
         self.spec = spec
@@ -209,7 +215,9 @@ class HttpBackend:
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
         raise NotImplementedError
 
-    def parse(self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem) -> tuple[str, ParsedResponse]:
+    def parse(
+        self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
+    ) -> tuple[str, ParsedResponse]:
         """Return (body text, parsed columns) or raise RequestFailure."""
         raise NotImplementedError
 
@@ -253,7 +261,9 @@ class _ChatBackend(HttpBackend):
             return f'{self._prefix},"messages":{item.messages_json},"tools":{tools}}}'.encode()
         return f'{self._prefix},"messages":{item.messages_json}}}'.encode()
 
-    def parse(self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem) -> tuple[str, ParsedResponse]:
+    def parse(
+        self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
+    ) -> tuple[str, ParsedResponse]:
         text, obj = load_json_body(status, raw)
         if not 200 <= status < 300:
             raise error_for_status(status, obj, text, retry_after_s)
@@ -293,7 +303,9 @@ class SGLangBackend(HttpBackend):
     def __init__(self, spec: BackendSpec, sampling: SamplingSpec, render_prompt_ids: RenderPromptIds) -> None:
         super().__init__(spec, sampling)
         if render_prompt_ids is None:
-            raise ValueError(f"backend {spec.name!r}: kind 'sglang' needs render_prompt_ids(messages, tools) -> list[int]")
+            raise ValueError(
+                f"backend {spec.name!r}: kind 'sglang' needs render_prompt_ids(messages, tools) -> list[int]"
+            )
         self.render_prompt_ids = render_prompt_ids
         s = sampling
         sp: dict[str, Any] = {
@@ -324,7 +336,9 @@ class SGLangBackend(HttpBackend):
         body["rid"] = f"{item.sample_id}:{attempt}"  # unique per attempt: a timed-out attempt may still run server-side
         return _dumps(body).encode()
 
-    def parse(self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem) -> tuple[str, ParsedResponse]:
+    def parse(
+        self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
+    ) -> tuple[str, ParsedResponse]:
         text, obj = load_json_body(status, raw)
         if not 200 <= status < 300:
             raise error_for_status(status, obj, text, retry_after_s)
@@ -334,7 +348,9 @@ class SGLangBackend(HttpBackend):
         self._ids_cache.pop(item.sample_id, None)
 
 
-def parse_sglang_generate(obj: Any, status: int, prompt_ids: list[int], spec: BackendSpec | None = None) -> ParsedResponse:
+def parse_sglang_generate(
+    obj: Any, status: int, prompt_ids: list[int], spec: BackendSpec | None = None
+) -> ParsedResponse:
     """Parse a /generate response (a dict, or a one-element list for batch form)."""
     if isinstance(obj, list) and len(obj) == 1:
         obj = obj[0]
@@ -382,7 +398,9 @@ def parse_sglang_generate(obj: Any, status: int, prompt_ids: list[int], spec: Ba
     )
 
 
-def make_backend(spec: BackendSpec, sampling: SamplingSpec, render_prompt_ids: RenderPromptIds | None = None) -> HttpBackend:
+def make_backend(
+    spec: BackendSpec, sampling: SamplingSpec, render_prompt_ids: RenderPromptIds | None = None
+) -> HttpBackend:
     if spec.kind in ("openrouter", "simulated"):
         return OpenRouterBackend(spec, sampling)
     if spec.kind == "vllm":

@@ -7,8 +7,6 @@ does work proportional to its size (measurements in docs/generation.md).
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from eagle_pipeline.generation import failures as F
@@ -25,7 +23,7 @@ class HttpClient:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "HttpClient":
+    async def __aenter__(self) -> HttpClient:
         connector = aiohttp.TCPConnector(
             limit=self._concurrency,  # one connection per in-flight request, reused (keep-alive)
             limit_per_host=0,
@@ -54,11 +52,15 @@ class HttpClient:
                 raw = await resp.read()
                 retry_after = resp.headers.get("Retry-After")
                 return resp.status, raw, F.parse_retry_after(retry_after) if retry_after else None
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             raise RequestFailure(F.TIMEOUT, f"no complete response within {self._timeout_s:g} s", True) from None
         except aiohttp.ClientPayloadError as exc:
-            raise RequestFailure(F.CONNECTION, F.truncate(f"response body cut: {type(exc).__name__}: {exc}"), True) from None
+            raise RequestFailure(
+                F.CONNECTION, F.truncate(f"response body cut: {type(exc).__name__}: {exc}"), True
+            ) from None
         except aiohttp.ClientResponseError as exc:
-            raise RequestFailure(F.CONNECTION, F.truncate(f"{type(exc).__name__}: {exc.message}"), True, exc.status or None) from None
+            raise RequestFailure(
+                F.CONNECTION, F.truncate(f"{type(exc).__name__}: {exc.message}"), True, exc.status or None
+            ) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise RequestFailure(F.CONNECTION, F.truncate(f"{type(exc).__name__}: {exc}"), True) from None

@@ -5,8 +5,9 @@ from __future__ import annotations
 import email.utils
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 # error_class values (the errors table's `error_class` column).
 RATE_LIMIT = "rate_limit"  # 429, in-body rate_limit_exceeded, retryable 402 in-flight budget
@@ -51,7 +52,9 @@ class RequestFailure(Exception):
         return f"{self.error_class}{status}: {self.message}"
 
 
-def classify_status(status: int, message: str, *, retry_after_s: float | None = None, error_obj: Any = None) -> RequestFailure:
+def classify_status(
+    status: int, message: str, *, retry_after_s: float | None = None, error_obj: Any = None
+) -> RequestFailure:
     """Classify a non-2xx HTTP status, or an in-body error code, into a RequestFailure."""
     meta = error_obj.get("metadata") if isinstance(error_obj, dict) else None
     meta = meta if isinstance(meta, dict) else {}

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -83,11 +84,25 @@ def _records(path: Path) -> Iterator[tuple[str, dict[str, Any] | None, str | Non
 
 
 def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, base: dict[str, Any]) -> dict[str, Any]:
-    body = rec["response"] if "response" in rec else {k: v for k, v in rec.items() if k not in ("sample_id", "source_id", "messages", "tools")}
-    want_ids = isinstance(body, dict) and isinstance(body.get("choices"), list) and bool(body["choices"]) and isinstance(body["choices"][0], dict) and "token_ids" in body["choices"][0]
+    body = (
+        rec["response"]
+        if "response" in rec
+        else {k: v for k, v in rec.items() if k not in ("sample_id", "source_id", "messages", "tools")}
+    )
+    want_ids = (
+        isinstance(body, dict)
+        and isinstance(body.get("choices"), list)
+        and bool(body["choices"])
+        and isinstance(body["choices"][0], dict)
+        and "token_ids" in body["choices"][0]
+    )
     p = parse_chat_completion(body, 200, want_ids=want_ids, spec=spec)
     created = body.get("created") if isinstance(body, dict) else None
-    at_us = int(created * 1_000_000) if isinstance(created, (int, float)) and not isinstance(created, bool) else time.time_ns() // 1000
+    at_us = (
+        int(created * 1_000_000)
+        if isinstance(created, (int, float)) and not isinstance(created, bool)
+        else time.time_ns() // 1000
+    )
     return {
         **base,
         "model": p.model or spec.model or None,
@@ -160,8 +175,16 @@ def import_responses(
         failed += 1
         errors_by_class[cls] = errors_by_class.get(cls, 0) + 1
         sink.errors.append(
-            {"sample_id": sample_id, "dataset": dataset, "backend": backend.name, "error_class": cls, "http_status": None,
-             "message": F.truncate(message, 1000), "attempts": 0, "at": time.time_ns() // 1000}
+            {
+                "sample_id": sample_id,
+                "dataset": dataset,
+                "backend": backend.name,
+                "error_class": cls,
+                "http_status": None,
+                "message": F.truncate(message, 1000),
+                "attempts": 0,
+                "at": time.time_ns() // 1000,
+            }
         )
 
     for path in (Path(p) for p in backend.import_paths):
@@ -199,7 +222,9 @@ def import_responses(
                 elif "raw_response_json" in rec or "content" in rec:
                     row = _row_from_table_row(rec, base)
                 else:
-                    raise RequestFailure(F.IMPORT_INVALID, "record has neither a response body nor response columns", False)
+                    raise RequestFailure(
+                        F.IMPORT_INVALID, "record has neither a response body nor response columns", False
+                    )
             except RequestFailure as f:
                 error(item.sample_id, F.IMPORT_INVALID, f"{where}: {f}")
                 continue

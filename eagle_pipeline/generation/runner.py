@@ -18,9 +18,10 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -165,7 +166,9 @@ class _Sink:
 
     def _check(self) -> None:
         if self.write_error is not None:
-            raise RuntimeError(f"writing a shard failed: {type(self.write_error).__name__}: {self.write_error}") from self.write_error
+            raise RuntimeError(
+                f"writing a shard failed: {type(self.write_error).__name__}: {self.write_error}"
+            ) from self.write_error
 
     def _submit(self) -> list[concurrent.futures.Future]:
         futs = []
@@ -271,7 +274,13 @@ class _Run:
         if self.stop_reason is None:
             self.stop_reason = reason
             self._stop_event.set()
-            log.warning("[%s] stopping: %s%s (in flight: %d)", self.dataset, reason, f" ({detail})" if detail else "", self.inflight)
+            log.warning(
+                "[%s] stopping: %s%s (in flight: %d)",
+                self.dataset,
+                reason,
+                f" ({detail})" if detail else "",
+                self.inflight,
+            )
 
     def _budget_reached(self) -> bool:
         # Project the cost of requests already in flight so that 2,000 of them cannot overshoot blindly.
@@ -288,7 +297,7 @@ class _Run:
         try:
             await asyncio.wait_for(self._stop_event.wait(), timeout=delay)
             return False
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.stop_reason is None
 
     def _backoff(self, attempt: int, f: RequestFailure) -> float:
@@ -320,7 +329,9 @@ class _Run:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            if (len(self.sink.responses) or len(self.sink.errors)) and now - self.sink.last_commit >= self.commit_every_s:
+            if (
+                len(self.sink.responses) or len(self.sink.errors)
+            ) and now - self.sink.last_commit >= self.commit_every_s:
                 await self.sink.commit()
             if now - last_progress >= self.progress_every_s:
                 last_progress = now
@@ -373,14 +384,17 @@ class _Run:
         attempt = 0
         last: RequestFailure | None = None
         while True:
-            if self.pause_until > time.monotonic():
-                # A 429 with Retry-After pauses every worker: such limits are usually account-wide.
-                if not await self._sleep_or_stop(self.pause_until - time.monotonic()):
-                    return await self._fail(item, attempt, last, cancelled=True)
+            # A 429 with Retry-After pauses every worker: such limits are usually account-wide.
+            if self.pause_until > time.monotonic() and not await self._sleep_or_stop(
+                self.pause_until - time.monotonic()
+            ):
+                return await self._fail(item, attempt, last, cancelled=True)
             attempt += 1
             t_attempt = time.perf_counter()
             try:
-                status, raw, retry_after = await self.client.post(self.backend.url, self.backend.build_body(item, attempt))
+                status, raw, retry_after = await self.client.post(
+                    self.backend.url, self.backend.build_body(item, attempt)
+                )
                 text, parsed = self.backend.parse(status, raw, retry_after, item)
             except RequestFailure as f:
                 last = f
@@ -402,7 +416,9 @@ class _Run:
             await self._succeed(item, parsed, text, attempt, started_us, latency)
             return
 
-    async def _succeed(self, item: PromptItem, p: ParsedResponse, text: str, attempts: int, started_us: int, latency: float) -> None:
+    async def _succeed(
+        self, item: PromptItem, p: ParsedResponse, text: str, attempts: int, started_us: int, latency: float
+    ) -> None:
         self.consecutive_failures = 0
         self.c.completed += 1
         if p.cost_usd:
@@ -414,11 +430,34 @@ class _Run:
         # Values in RESPONSES_SCHEMA order (asserted in tests): one tuple per row, no per-row dict.
         self.sink.responses.append_values(
             (
-                item.sample_id, self.dataset, item.messages_json, item.tools_json, self.source, self.spec.name, self.endpoint,
-                p.model or self.model, p.provider, self.quantization, p.reasoning, p.content, p.tool_calls_json,
-                p.prompt_token_ids, p.output_token_ids, p.finish_reason, p.native_finish_reason, p.usage_prompt_tokens,
-                p.usage_completion_tokens, p.usage_reasoning_tokens, p.cost_usd, p.generation_id, self.sampling_json,
-                self.thinking, latency, attempts, started_us, _now_us(),
+                item.sample_id,
+                self.dataset,
+                item.messages_json,
+                item.tools_json,
+                self.source,
+                self.spec.name,
+                self.endpoint,
+                p.model or self.model,
+                p.provider,
+                self.quantization,
+                p.reasoning,
+                p.content,
+                p.tool_calls_json,
+                p.prompt_token_ids,
+                p.output_token_ids,
+                p.finish_reason,
+                p.native_finish_reason,
+                p.usage_prompt_tokens,
+                p.usage_completion_tokens,
+                p.usage_reasoning_tokens,
+                p.cost_usd,
+                p.generation_id,
+                self.sampling_json,
+                self.thinking,
+                latency,
+                attempts,
+                started_us,
+                _now_us(),
                 # A body that echoes the key (a misbehaving proxy) must not carry it into the dataset.
                 self.redact(text),
             )
@@ -426,10 +465,14 @@ class _Run:
         if len(self.sink.responses) >= self.commit_every_rows:
             await self.sink.commit()
 
-    async def _fail(self, item: PromptItem, attempts: int, f: RequestFailure | None, *, cancelled: bool = False) -> None:
+    async def _fail(
+        self, item: PromptItem, attempts: int, f: RequestFailure | None, *, cancelled: bool = False
+    ) -> None:
         if cancelled or f is None:
             cls = F.CANCELLED
-            message = f"run stopped ({self.stop_reason}) before " + (f"retrying; last failure: {f}" if f else "the first attempt")
+            message = f"run stopped ({self.stop_reason}) before " + (
+                f"retrying; last failure: {f}" if f else "the first attempt"
+            )
         else:
             cls = f.error_class
             message = f.message
@@ -531,8 +574,14 @@ async def agenerate_dataset(
             all_items, source_ids = _all_items(prompts, limit)
             try:
                 summary = import_responses(
-                    dataset=dataset, all_items=all_items, source_ids=source_ids, pending={it.sample_id for it in items},
-                    backend=backend, sampling=sampling, sink=sink, commit_every_rows=commit_every_rows,
+                    dataset=dataset,
+                    all_items=all_items,
+                    source_ids=source_ids,
+                    pending={it.sample_id for it in items},
+                    backend=backend,
+                    sampling=sampling,
+                    sink=sink,
+                    commit_every_rows=commit_every_rows,
                 )
             finally:
                 await sink.close()
@@ -579,11 +628,19 @@ async def agenerate_dataset(
                 n_flight = max(1, min(spec.effective_concurrency, len(items)))
                 log.info(
                     "[%s] %d prompts, %d already committed, %d to request from %s (%s, %d in flight)",
-                    dataset, total, already, len(items), spec.name, spec.kind, n_flight,
+                    dataset,
+                    total,
+                    already,
+                    len(items),
+                    spec.name,
+                    spec.kind,
+                    n_flight,
                 )
                 if items:
                     with _gc_tuned():
-                        async with HttpClient(concurrency=n_flight, timeout_s=spec.timeout_s, headers=headers) as client:
+                        async with HttpClient(
+                            concurrency=n_flight, timeout_s=spec.timeout_s, headers=headers
+                        ) as client:
                             await run.run(client)
             finally:
                 if server is not None:
@@ -697,8 +754,19 @@ def generate_dataset(
     budget or the circuit breaker commits everything done and is reported in `stopped_reason`.
     """
     kwargs = dict(
-        dataset=dataset, prompts=prompts, backend=backend, sampling=sampling, out_dir=out_dir, errors_dir=errors_dir,
-        render_prompt_ids=render_prompt_ids, budget_usd=budget_usd, run_budget=run_budget, commit_every_rows=commit_every_rows,
-        commit_every_s=commit_every_s, progress=progress, progress_every_s=progress_every_s, limit=limit,
+        dataset=dataset,
+        prompts=prompts,
+        backend=backend,
+        sampling=sampling,
+        out_dir=out_dir,
+        errors_dir=errors_dir,
+        render_prompt_ids=render_prompt_ids,
+        budget_usd=budget_usd,
+        run_budget=run_budget,
+        commit_every_rows=commit_every_rows,
+        commit_every_s=commit_every_s,
+        progress=progress,
+        progress_every_s=progress_every_s,
+        limit=limit,
     )
     return run_coroutine(lambda: agenerate_dataset(**kwargs))

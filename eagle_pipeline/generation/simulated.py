@@ -36,14 +36,25 @@ import socket
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 
 from eagle_pipeline.prompts import canonical_json
 
-TRANSIENT_FAULTS = ("http_429", "http_500", "http_502", "http_503", "timeout", "error_200", "no_choices", "cut_body", "bad_json")
+TRANSIENT_FAULTS = (
+    "http_429",
+    "http_500",
+    "http_502",
+    "http_503",
+    "timeout",
+    "error_200",
+    "no_choices",
+    "cut_body",
+    "bad_json",
+)
 STATUS_FAULTS = ("http_401", "http_402")
 QUALITY_FAULTS = ("length", "empty_content", "empty_reasoning", "billing_mismatch", "bad_tool_args", "prompt_mismatch")
 PROMPT_INJECTED_TOKENS = 37
@@ -101,10 +112,27 @@ def crude_prompt_tokens(messages: list, tools: list | None, thinking: bool = Tru
 # ---- deterministic answers ---------------------------------------------------------------------------------
 
 _WORD = re.compile(r"[A-Za-z][A-Za-z'\-]{3,}")
-_STOP = {"what", "that", "this", "with", "from", "have", "your", "about", "which", "would", "could", "should", "there", "their", "please", "explain"}
+_STOP = {
+    "what",
+    "that",
+    "this",
+    "with",
+    "from",
+    "have",
+    "your",
+    "about",
+    "which",
+    "would",
+    "could",
+    "should",
+    "there",
+    "their",
+    "please",
+    "explain",
+}
 
 _REASONING = (
-    "The user is asking: \"{snippet}\".",
+    'The user is asking: "{snippet}".',
     "The key terms are {w1} and {w2}, so the answer has to connect them.",
     "Let me work through {w3} step by step before writing anything.",
     "I should double-check the part about {w1}; it is easy to get wrong.",
@@ -159,7 +187,9 @@ def _value_for(schema: Any, name: str, rng: random.Random, words: list[str], dep
             return {}
         props = schema.get("properties") or {}
         required = set(schema.get("required") or [])
-        return {k: _value_for(v, k, rng, words, depth + 1) for k, v in props.items() if k in required or rng.random() < 0.5}
+        return {
+            k: _value_for(v, k, rng, words, depth + 1) for k, v in props.items() if k in required or rng.random() < 0.5
+        }
     return " ".join(rng.sample(words, k=min(len(words), rng.randint(1, 3))))
 
 
@@ -171,7 +201,9 @@ class Answer:
     finish_reason: str
 
 
-def synthesize(messages: list, tools: list | None, key: str, *, thinking: bool = True, tool_call_rate: float = 0.6) -> Answer:
+def synthesize(
+    messages: list, tools: list | None, key: str, *, thinking: bool = True, tool_call_rate: float = 0.6
+) -> Answer:
     """The deterministic answer to one request."""
     rng = random.Random(int(key, 16))
     snippet, words = _topic(messages)
@@ -185,7 +217,11 @@ def synthesize(messages: list, tools: list | None, key: str, *, thinking: bool =
     content = " ".join(fill(t) for t in rng.sample(_CONTENT, k=rng.randint(2, 5)))
     tool_calls: list[dict[str, Any]] = []
     last_role = messages[-1].get("role") if messages else None
-    usable = [t for t in (tools or []) if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")]
+    usable = [
+        t
+        for t in (tools or [])
+        if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
+    ]
     if usable and last_role != "tool" and rng.random() < tool_call_rate:
         prior = sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
         n = 2 if len(usable) > 1 and rng.random() < 0.2 else 1
@@ -237,7 +273,9 @@ class FaultPlan:
         faults = dict(faults or {})
         unknown = set(faults) - set(ALL_FAULTS) - set(_FAULT_OPTIONS)
         if unknown:
-            raise ValueError(f"unknown fault settings {sorted(unknown)}; known: {list(ALL_FAULTS) + list(_FAULT_OPTIONS)}")
+            raise ValueError(
+                f"unknown fault settings {sorted(unknown)}; known: {list(ALL_FAULTS) + list(_FAULT_OPTIONS)}"
+            )
         self.rates = {k: float(faults[k]) for k in ALL_FAULTS if k in faults}
         self.select = {k: set(v) for k, v in (faults.get("select") or {}).items()}
         self.after = {k: int(v) for k, v in (faults.get("after_requests") or {}).items()}
@@ -305,7 +343,7 @@ class _LoopbackServer:
         self.port: int | None = None
 
     # lifecycle
-    def start(self) -> "_LoopbackServer":
+    def start(self) -> _LoopbackServer:
         if self._thread is not None:
             return self
         self._thread = threading.Thread(target=self._serve, name=type(self).__name__, daemon=True)
@@ -422,20 +460,38 @@ class _LoopbackServer:
             await asyncio.sleep(p.timeout_sleep_s)
             return None
         if fault == "http_429":
-            return _err(429, "Rate limit exceeded", {"error_type": "rate_limit_exceeded", "provider_code": "rate_limited"},
-                        headers={"Retry-After": _fmt_retry_after(p.retry_after_s)})
+            return _err(
+                429,
+                "Rate limit exceeded",
+                {"error_type": "rate_limit_exceeded", "provider_code": "rate_limited"},
+                headers={"Retry-After": _fmt_retry_after(p.retry_after_s)},
+            )
         if fault in ("http_500", "http_502", "http_503"):
             code = int(fault[-3:])
             headers = {"Retry-After": _fmt_retry_after(p.retry_after_s)} if code == 503 else None
-            return _err(code, {500: "Internal Server Error", 502: "Provider returned error", 503: "No available providers"}[code], None, headers)
+            return _err(
+                code,
+                {500: "Internal Server Error", 502: "Provider returned error", 503: "No available providers"}[code],
+                None,
+                headers,
+            )
         if fault == "http_401":
             return _err(401, "No auth credentials found" + message_extra, {"error_type": "authentication"})
         if fault == "http_402":
-            return _err(402, "Insufficient credits. Add more using https://openrouter.ai/credits" + message_extra, {"error_type": "payment_required"})
+            return _err(
+                402,
+                "Insufficient credits. Add more using https://openrouter.ai/credits" + message_extra,
+                {"error_type": "payment_required"},
+            )
         if fault == "error_200":
             return web.json_response(
-                {"error": {"code": 502, "message": "Provider returned error" + message_extra,
-                           "metadata": {"provider_name": "Simulated", "error_type": "provider_unavailable"}}},
+                {
+                    "error": {
+                        "code": 502,
+                        "message": "Provider returned error" + message_extra,
+                        "metadata": {"provider_name": "Simulated", "error_type": "provider_unavailable"},
+                    }
+                },
                 status=200,
             )
         full = ok_body()
@@ -529,7 +585,12 @@ class SimulatedOpenRouterServer(_LoopbackServer):
                 return resp
         self._record(key, attempt, at, fault, 200)
         payload = ok()
-        return web.Response(body=payload, status=200, content_type="application/json", headers={"X-Generation-Id": _gen_id(key, attempt)})
+        return web.Response(
+            body=payload,
+            status=200,
+            content_type="application/json",
+            headers={"X-Generation-Id": _gen_id(key, attempt)},
+        )
 
     def answer(self, body: dict[str, Any], *, attempt: int = 1, n_seen: int = 0) -> dict[str, Any]:
         """The success body for a request (also used by tests to know what to expect)."""
@@ -570,8 +631,18 @@ class SimulatedOpenRouterServer(_LoopbackServer):
             "refusal": None,
             "reasoning": ans.reasoning or None,
             "reasoning_details": (
-                [{"type": "reasoning.text", "text": ans.reasoning, "signature": None, "id": None, "format": "unknown", "index": 0}]
-                if ans.reasoning else []
+                [
+                    {
+                        "type": "reasoning.text",
+                        "text": ans.reasoning,
+                        "signature": None,
+                        "id": None,
+                        "format": "unknown",
+                        "index": 0,
+                    }
+                ]
+                if ans.reasoning
+                else []
             ),
         }
         if ans.tool_calls:
@@ -584,7 +655,13 @@ class SimulatedOpenRouterServer(_LoopbackServer):
             "created": int(time.time()),
             "system_fingerprint": None,
             "choices": [
-                {"index": 0, "logprobs": None, "finish_reason": ans.finish_reason, "native_finish_reason": ans.finish_reason, "message": message}
+                {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": ans.finish_reason,
+                    "native_finish_reason": ans.finish_reason,
+                    "message": message,
+                }
             ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
@@ -676,7 +753,10 @@ class SimulatedVLLMServer(_IdServer):
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return web.json_response({"error": {"message": "messages required", "type": "BadRequestError", "param": None, "code": 400}}, status=400)
+            return web.json_response(
+                {"error": {"message": "messages required", "type": "BadRequestError", "param": None, "code": 400}},
+                status=400,
+            )
         seed = body.get("seed")
         key = request_key(messages, seed)
         attempt, n_seen = self._note(key, body, dict(request.headers))
@@ -702,19 +782,35 @@ class SimulatedVLLMServer(_IdServer):
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         if "length" in q:
             max_tokens = max(1, count(ans.reasoning, ans.content, ans.tool_calls) // 2)
-        ans, out_ids = self.generate(ans, thinking=thinking, max_tokens=max_tokens if isinstance(max_tokens, int) else None)
+        ans, out_ids = self.generate(
+            ans, thinking=thinking, max_tokens=max_tokens if isinstance(max_tokens, int) else None
+        )
         p_ids = self.prompt_ids(messages, tools)
-        message: dict[str, Any] = {"role": "assistant", "content": ans.content or None, self.reasoning_field: ans.reasoning or None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": ans.content or None,
+            self.reasoning_field: ans.reasoning or None,
+        }
         if ans.tool_calls:
             message["tool_calls"] = ans.tool_calls
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": ans.finish_reason, "stop_reason": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": ans.finish_reason,
+            "stop_reason": None,
+        }
         out: dict[str, Any] = {
             "id": f"chatcmpl-{key[:16]}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or "simulated",
             "choices": [choice],
-            "usage": {"prompt_tokens": len(p_ids), "completion_tokens": len(out_ids), "total_tokens": len(p_ids) + len(out_ids)},
+            "usage": {
+                "prompt_tokens": len(p_ids),
+                "completion_tokens": len(out_ids),
+                "total_tokens": len(p_ids) + len(out_ids),
+            },
         }
         if self.supports_token_ids and body.get("return_token_ids"):
             out["prompt_token_ids"] = p_ids
@@ -751,7 +847,9 @@ class SimulatedSGLangServer(_IdServer):
         if not isinstance(input_ids, list) or not input_ids or not all(isinstance(x, int) for x in input_ids):
             return web.json_response({"error": {"message": "input_ids (list[int]) is required"}}, status=400)
         if not isinstance(sp.get("max_new_tokens"), int):
-            return web.json_response({"error": {"message": "sampling_params.max_new_tokens must be set explicitly"}}, status=400)
+            return web.json_response(
+                {"error": {"message": "sampling_params.max_new_tokens must be set explicitly"}}, status=400
+            )
         key = ids_key(input_ids, sp.get("sampling_seed"))
         attempt, n_seen = self._note(key, body, dict(request.headers))
         fault = self.plan.status_fault(key, attempt, n_seen)
@@ -788,7 +886,9 @@ class SimulatedSGLangServer(_IdServer):
             if not sp.get("skip_special_tokens", True) and sp.get("no_stop_trim", False):
                 text += self.eos_text
         else:
-            text = f"{self.think_start_text}{ans.reasoning}" + (f"{self.think_end_text}{ans.content}" if ans.content else "")
+            text = f"{self.think_start_text}{ans.reasoning}" + (
+                f"{self.think_end_text}{ans.content}" if ans.content else ""
+            )
         fr = {"type": "stop", "matched": self.eos_id} if finished else {"type": "length", "length": len(out_ids)}
         rid = body.get("rid") or key
         return {

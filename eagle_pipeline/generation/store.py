@@ -47,7 +47,9 @@ def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
         try:
             t = pq.read_table(p, columns=["sample_id", "cost_usd"])
         except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
-            raise RuntimeError(f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows") from exc
+            raise RuntimeError(
+                f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows"
+            ) from exc
         done.update(t.column("sample_id").to_pylist())
         s = pc.sum(t.column("cost_usd")).as_py()
         spend += float(s or 0.0)
@@ -101,7 +103,7 @@ class DirLock:
         self.path = Path(directory) / LOCK_NAME
         self._fd: int | None = None
 
-    def __enter__(self) -> "DirLock":
+    def __enter__(self) -> DirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

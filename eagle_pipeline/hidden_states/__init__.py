@@ -33,13 +33,13 @@ from .plan import ExtractionPlan, plan_extraction, plan_for_model
 from .verify import CheckResult, verify_shard
 
 __all__ = [
-    "CheckResult",
-    "ExtractionPlan",
     "FORMAT_VERSION",
     "KIMI_K25_TEXT_CONFIG",
+    "TENSOR_NAMES",
+    "CheckResult",
+    "ExtractionPlan",
     "SampleLocation",
     "ShardSummary",
-    "TENSOR_NAMES",
     "aux_layer_to_hf_index",
     "aux_layer_to_vllm_id",
     "build_model_from_config",

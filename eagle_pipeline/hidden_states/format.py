@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -82,7 +83,9 @@ class StreamingSafetensorsWriter:
     (space-padded to 8 bytes), then the tensors' raw little-endian bytes back to back with no holes.
     """
 
-    def __init__(self, fh: BinaryIO, layout: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(
+        self, fh: BinaryIO, layout: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+    ):
         header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
         self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
         offset = 0

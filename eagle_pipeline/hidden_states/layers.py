@@ -10,7 +10,8 @@ is not in the tuple at all. `hf_hidden_states_convention` checks all of this aga
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -92,8 +93,12 @@ def count_params(config: Any) -> dict[str, int]:
         moe_common = n_shared * expert + n_routed * h  # shared experts + router weight
         n_moe = max(n_layers - k_dense, 0)
         n_dense = n_layers - n_moe
-        total_layers = n_layers * (attn + norms_per_layer) + n_dense * dense_mlp + n_moe * (moe_common + n_routed * expert)
-        active_layers = n_layers * (attn + norms_per_layer) + n_dense * dense_mlp + n_moe * (moe_common + top_k * expert)
+        total_layers = (
+            n_layers * (attn + norms_per_layer) + n_dense * dense_mlp + n_moe * (moe_common + n_routed * expert)
+        )
+        active_layers = (
+            n_layers * (attn + norms_per_layer) + n_dense * dense_mlp + n_moe * (moe_common + top_k * expert)
+        )
         is_moe = n_moe > 0
     else:
         n_kv = int(_get(config, "num_key_value_heads") or n_heads)

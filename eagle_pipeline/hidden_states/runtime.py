@@ -23,7 +23,9 @@ def resolve_device(device: str = "auto") -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"hidden_states.device is {device!r} but torch sees no CUDA device (torch {torch.__version__})")
+        raise RuntimeError(
+            f"hidden_states.device is {device!r} but torch sees no CUDA device (torch {torch.__version__})"
+        )
     if device.startswith("cuda:") and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
         raise RuntimeError(f"hidden_states.device is {device!r} but torch sees {torch.cuda.device_count()} GPU(s)")
     return device
@@ -71,7 +73,9 @@ def shard_device(
         return
     import fcntl
 
-    directory = Path(lease_dir or os.environ.get(GPU_LEASE_DIR_ENV) or Path(tempfile.gettempdir()) / "eagle_pipeline_gpu_leases")
+    directory = Path(
+        lease_dir or os.environ.get(GPU_LEASE_DIR_ENV) or Path(tempfile.gettempdir()) / "eagle_pipeline_gpu_leases"
+    )
     directory.mkdir(parents=True, exist_ok=True)
     preferred = [int(d.split(":", 1)[1]) for d in prefer if d.startswith("cuda:") and int(d.split(":", 1)[1]) < count]
     order = list(dict.fromkeys([*preferred, *((shard + k) % count for k in range(count))]))
@@ -79,7 +83,7 @@ def shard_device(
     deadline, next_log = time.monotonic() + wait, 0.0
     while True:
         for index in order:
-            handle = open(directory / _gpu_lease_name(index, n_gpus), "a")
+            handle = open(directory / _gpu_lease_name(index, n_gpus), "a")  # noqa: SIM115 (held while the caller runs)
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -113,7 +117,9 @@ def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int
         return build_tiny_model(vocab_size, family=family, seed=seed, device=device, dtype=dtype)
     path = Path(model)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"hidden_states.model: {path} is not a local transformers model directory (no config.json)")
+        raise FileNotFoundError(
+            f"hidden_states.model: {path} is not a local transformers model directory (no config.json)"
+        )
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
@@ -122,8 +128,13 @@ def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int
 
 def _facts(config: Any, name: str) -> dict[str, Any]:
     d = describe_model_config(config)
-    return {"name": name, "hidden_size": d["hidden_size"], "num_layers": d["num_layers"],
-            "total_params": d["params"], "active_params": d["matmul_active_params"]}
+    return {
+        "name": name,
+        "hidden_size": d["hidden_size"],
+        "num_layers": d["num_layers"],
+        "total_params": d["params"],
+        "active_params": d["matmul_active_params"],
+    }
 
 
 def plan_for_run(
@@ -142,7 +153,8 @@ def plan_for_run(
     'this_run' (the model configured for extraction here; the disk budget applies to it)."""
     budget = int(disk_budget_gb * 1e9) if disk_budget_gb is not None else None
     target = (
-        _facts(load_text_config(target_model_config), str(target_model_config)) if target_model_config
+        _facts(load_text_config(target_model_config), str(target_model_config))
+        if target_model_config
         else KIMI_K25_TEXT_CONFIG
     )
     if extraction_model == TINY_RANDOM:
@@ -154,5 +166,7 @@ def plan_for_run(
     common = dict(n_tokens=n_tokens, n_samples=n_samples, shard_size=shard_size)
     return {
         "target": plan_for_model(target, aux_layers=None, disk_budget_bytes=None, **common),
-        "this_run": plan_for_model(this_run, aux_layers=aux_layers, dtype_bytes=dtype_bytes, disk_budget_bytes=budget, **common),
+        "this_run": plan_for_model(
+            this_run, aux_layers=aux_layers, dtype_bytes=dtype_bytes, disk_budget_bytes=budget, **common
+        ),
     }

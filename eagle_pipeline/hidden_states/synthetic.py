@@ -9,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def synthetic_lengths(n: int, *, mean_tokens: float, max_tokens: int, min_tokens: int = 16, seed: int = 0) -> np.ndarray:
+def synthetic_lengths(
+    n: int, *, mean_tokens: float, max_tokens: int, min_tokens: int = 16, seed: int = 0
+) -> np.ndarray:
     """Log-normal lengths (sigma 0.8: chat data's long right tail), clipped to [min_tokens, max_tokens]."""
     rng = np.random.default_rng(seed)
     sigma = 0.8

@@ -94,7 +94,9 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
                 ids_match.record(sid, False, "sample_id not in the merged rows of this shard's range")
                 continue
             same = np.array_equal(tensors["input_ids"].numpy().astype(np.int64), merged.input_ids[row].astype(np.int64))
-            same_mask = np.array_equal(tensors["loss_mask"].numpy().astype(np.int64), merged.loss_mask[row].astype(np.int64))
+            same_mask = np.array_equal(
+                tensors["loss_mask"].numpy().astype(np.int64), merged.loss_mask[row].astype(np.int64)
+            )
             note = "" if same and same_mask else ("input_ids differ" if not same else "loss_mask differs")
             ids_match.record(sid, same and same_mask, note)
     return {c.name: c.result() for c in (shapes, finite, ids_match)}

@@ -62,7 +62,11 @@ def check_unique_sample_ids(out_dir: str | Path) -> CheckResult:
     extra = int(pc.sum(pc.subtract(vc.field("counts").filter(dup_mask), 1)).as_py() or 0)
     counts = {"rows": len(ids), "distinct": len(vc), "duplicated_ids": len(dups), "failing_rows": extra}
     return _result(
-        "unique_sample_ids", counts, sorted(dups), "all sample ids unique", f"{len(dups)} sample ids occur more than once"
+        "unique_sample_ids",
+        counts,
+        sorted(dups),
+        "all sample ids unique",
+        f"{len(dups)} sample ids occur more than once",
     )
 
 
@@ -70,7 +74,9 @@ def check_loss_mask_aligned(out_dir: str | Path) -> CheckResult:
     """loss_mask has the length of input_ids, n_tokens matches, and the mask holds only 0/1."""
     rows = misaligned = bad_n_tokens = non_binary = 0
     failing: list[str] = []
-    for t in iter_merged_shards(out_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens"], batch_rows=CHECK_BATCH_ROWS):
+    for t in iter_merged_shards(
+        out_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens"], batch_rows=CHECK_BATCH_ROWS
+    ):
         ids_len = np.asarray(pc.list_value_length(as_array(t["input_ids"])), dtype=np.int64)
         mask_len, mask_vals = list_parts(t["loss_mask"], pa.int8())
         bad_len = ids_len != mask_len

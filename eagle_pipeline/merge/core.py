@@ -7,9 +7,10 @@ buffers, when each output shard is assembled. Output: `part-NNNNN.parquet` shard
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -142,11 +143,11 @@ class MergeManifest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "MergeManifest":
+    def from_dict(cls, d: Mapping[str, Any]) -> MergeManifest:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
     @classmethod
-    def read(cls, out_dir: str | Path) -> "MergeManifest":
+    def read(cls, out_dir: str | Path) -> MergeManifest:
         return cls.from_dict(read_json(Path(out_dir) / MANIFEST_NAME))
 
 
@@ -193,7 +194,9 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         if inp.keep_mask is not None:
             keep = np.asarray(inp.keep_mask)
             if keep.dtype != np.bool_ or keep.shape != (n,):
-                raise ValueError(f"{inp.dataset}: keep_mask must be bool of shape ({n},), got {keep.dtype} {keep.shape}")
+                raise ValueError(
+                    f"{inp.dataset}: keep_mask must be bool of shape ({n},), got {keep.dtype} {keep.shape}"
+                )
             rows = rows[keep]
             excluded[inp.dataset]["audit"] = n - len(rows)
         sids = meta["sample_id"].take(pa.array(rows))
@@ -205,7 +208,9 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         g_row.append(rows)
         g_sid.append(np.asarray(sids.take(pa.array(order)).to_numpy(zero_copy_only=False), dtype=object))
         if "prompt_key" in meta.column_names:
-            g_key.append(np.asarray(meta["prompt_key"].take(pa.array(rows)).to_numpy(zero_copy_only=False), dtype=object))
+            g_key.append(
+                np.asarray(meta["prompt_key"].take(pa.array(rows)).to_numpy(zero_copy_only=False), dtype=object)
+            )
         else:
             g_key.append(np.full(len(rows), None, dtype=object))
     ds_idx = np.concatenate(g_ds) if g_ds else np.zeros(0, np.int32)
@@ -246,7 +251,7 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         ds = inp.dataset
         members = np.flatnonzero(alive & (ds_idx == d))
         n = len(members)
-        n_weighted = int(math.floor(n * float(settings.weights.get(ds, 1.0)) + 0.5))
+        n_weighted = math.floor(n * float(settings.weights.get(ds, 1.0)) + 0.5)
         n_keep = min(n_weighted, int(settings.caps.get(ds, n_weighted)))
         excluded[ds]["weight"] = n - n_weighted
         excluded[ds]["cap"] = n_weighted - n_keep

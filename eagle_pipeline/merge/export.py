@@ -24,9 +24,20 @@ EXPORT_BATCH_ROWS = 1024
 SPLITS = ("train", "eval")
 # The merged table's contract columns minus `split`, which becomes the train/ and eval/ folders.
 HF_SCHEMA = pa.schema(
-    [MERGED_SCHEMA.field(name) for name in (
-        "sample_id", "dataset", "input_ids", "loss_mask", "n_tokens", "n_prompt_tokens", "source", "backend", "provider",
-    )]
+    [
+        MERGED_SCHEMA.field(name)
+        for name in (
+            "sample_id",
+            "dataset",
+            "input_ids",
+            "loss_mask",
+            "n_tokens",
+            "n_prompt_tokens",
+            "source",
+            "backend",
+            "provider",
+        )
+    ]
 )
 HF_MANIFEST = "export_manifest.json"
 
@@ -124,7 +135,9 @@ class _ShardSink:
         head, rest = allrows.slice(0, n), allrows.slice(n)
         self.buf = [rest] if rest.num_rows else []
         self.buffered = rest.num_rows
-        path = write_parquet_atomic(head.combine_chunks(), self.dir / shard_name(len(self.paths)), row_group_size=ROW_GROUP_ROWS)
+        path = write_parquet_atomic(
+            head.combine_chunks(), self.dir / shard_name(len(self.paths)), row_group_size=ROW_GROUP_ROWS
+        )
         self.paths.append(path)
         n_tok = np.asarray(head["n_tokens"], dtype=np.int64)
         self.rows += head.num_rows

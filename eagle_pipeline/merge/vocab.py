@@ -45,7 +45,9 @@ class DraftVocabSummary:
         return asdict(self)
 
 
-def count_supervised_tokens(merged_dir: str | Path, target_vocab_size: int, splits: tuple[str, ...] = ("train",)) -> np.ndarray:
+def count_supervised_tokens(
+    merged_dir: str | Path, target_vocab_size: int, splits: tuple[str, ...] = ("train",)
+) -> np.ndarray:
     """int64 counts per target id over positions with loss_mask == 1, streamed batch by batch."""
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     for t in iter_merged_shards(merged_dir, ["input_ids", "loss_mask", "split"], batch_rows=VOCAB_BATCH_ROWS):
@@ -155,6 +157,6 @@ __all__ = [
     "DraftVocabSummary",
     "build_draft_vocab",
     "count_supervised_tokens",
-    "select_draft_vocab",
     "load_draft_vocab",
+    "select_draft_vocab",
 ]

@@ -46,7 +46,7 @@ class ModelProfile:
                 f"profile {self.name!r}: tool_format must be one of {TOOL_FORMATS}, got {self.tool_format!r}"
             )
 
-    def resolve(self, tokenizer: "TargetTokenizer") -> "ProfileIds":
+    def resolve(self, tokenizer: TargetTokenizer) -> ProfileIds:
         """Look the profile's token strings up in `tokenizer`; KeyError naming profile and tokenizer if one is missing.
 
         Tool tokens the tokenizer lacks resolve to None (reconstructing a tool call then fails clearly).

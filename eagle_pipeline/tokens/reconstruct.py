@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -79,7 +80,7 @@ Part = str | int
 
 
 class _Plan:
-    __slots__ = ("parts", "n_tool_calls")
+    __slots__ = ("n_tool_calls", "parts")
 
     def __init__(self) -> None:
         self.parts: list[Part] = []
@@ -100,7 +101,7 @@ class _Plan:
         self.parts.append(i)
 
 
-_resolved: "weakref.WeakKeyDictionary[TargetTokenizer, dict[ModelProfile, ProfileIds]]" = weakref.WeakKeyDictionary()
+_resolved: weakref.WeakKeyDictionary[TargetTokenizer, dict[ModelProfile, ProfileIds]] = weakref.WeakKeyDictionary()
 
 
 def _special_strings(pids: ProfileIds) -> dict[int, bytes]:
@@ -191,8 +192,13 @@ def _plan_output(
     if calls:
         plan.n_tool_calls = len(calls)
         if prof.tool_format == "kimi":
-            needed = (pids.tool_section_begin_id, pids.tool_section_end_id, pids.tool_call_begin_id,
-                      pids.tool_arg_begin_id, pids.tool_call_end_id)
+            needed = (
+                pids.tool_section_begin_id,
+                pids.tool_section_end_id,
+                pids.tool_call_begin_id,
+                pids.tool_arg_begin_id,
+                pids.tool_call_end_id,
+            )
             if any(v is None for v in needed):
                 raise ValueError(
                     f"{where}: tokenizer {tokenizer.name!r} lacks the Kimi tool-call tokens of profile {prof.name!r}"
@@ -270,8 +276,17 @@ def ids_contain_literal_special(tokenizer: TargetTokenizer, ids: Sequence[int] |
 
 _REQUIRED_COLUMNS = ("sample_id", "dataset", "source", "backend", "messages_json")
 _OPTIONAL_COLUMNS = (
-    "provider", "tools_json", "reasoning", "content", "tool_calls_json", "prompt_token_ids", "output_token_ids",
-    "finish_reason", "usage_completion_tokens", "usage_prompt_tokens", "thinking",
+    "provider",
+    "tools_json",
+    "reasoning",
+    "content",
+    "tool_calls_json",
+    "prompt_token_ids",
+    "output_token_ids",
+    "finish_reason",
+    "usage_completion_tokens",
+    "usage_prompt_tokens",
+    "thinking",
 )
 
 
@@ -355,7 +370,13 @@ def reconstruct_table(
         if calls is not None and not isinstance(calls, list):
             raise ValueError(f"sample {sid}: field tool_calls_json must be a JSON list")
         plan = _plan_output(
-            tokenizer, pids, col["reasoning"][i], col["content"][i], calls, thinking[i], f"sample {sid}: tool_calls_json"
+            tokenizer,
+            pids,
+            col["reasoning"][i],
+            col["content"][i],
+            calls,
+            thinking[i],
+            f"sample {sid}: tool_calls_json",
         )
         plans.append(plan)
         texts.extend(plan.texts())

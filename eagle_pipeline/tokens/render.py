@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -133,4 +134,6 @@ def render_prompt_ids(
     **template_kwargs: Any,
 ) -> list[int]:
     """`encode_with_specials(render_prompt(...))`: the prompt ids the target sees."""
-    return tokenizer.encode_with_specials(render_prompt(tokenizer, messages, tools, thinking=thinking, **template_kwargs))
+    return tokenizer.encode_with_specials(
+        render_prompt(tokenizer, messages, tools, thinking=thinking, **template_kwargs)
+    )

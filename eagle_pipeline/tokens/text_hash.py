@@ -90,7 +90,7 @@ class TokenHashTable:
         self.vocab_size = vocab
 
 
-_tables: "weakref.WeakKeyDictionary[Any, TokenHashTable]" = weakref.WeakKeyDictionary()
+_tables: weakref.WeakKeyDictionary[Any, TokenHashTable] = weakref.WeakKeyDictionary()
 _tables_lock = threading.Lock()
 
 

@@ -15,9 +15,10 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import regex
@@ -82,7 +83,7 @@ _WINDOW_CHARS = 400_000
 _MAX_RUN = 25_000
 # `re`'s \s on str patterns is exactly str.isspace (tested), which is what Kimi's splitter uses. The lookbehinds make
 # each run be tried only from its start, so the scan is linear.
-_LONG_RUN_RE = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (_MAX_RUN + 1, _MAX_RUN + 1))
+_LONG_RUN_RE = re.compile(rf"(?<!\S)\S{{{_MAX_RUN + 1}}}|(?<!\s)\s{{{_MAX_RUN + 1}}}")
 _RUN_END_S = re.compile(r"\s*")
 _RUN_END_NS = re.compile(r"\S*")
 
@@ -149,7 +150,7 @@ class TargetTokenizer:
         vocab_size: int,
         special_tokens: Mapping[str, int],
         chat_template: str | None,
-        backend: "_Backend",
+        backend: _Backend,
         template_vars: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
@@ -164,9 +165,7 @@ class TargetTokenizer:
         ids = np.array(sorted(self._id_to_special), dtype=np.int64)
         self.special_ids: np.ndarray = ids
         # A contiguous block of special ids (tiktoken layouts) allows a range test instead of np.isin.
-        self._special_range = (
-            (int(ids[0]), int(ids[-1]) + 1) if len(ids) and ids[-1] - ids[0] + 1 == len(ids) else None
-        )
+        self._special_range = (int(ids[0]), int(ids[-1]) + 1) if len(ids) and ids[-1] - ids[0] + 1 == len(ids) else None
         # Compiled up front: worker threads use it (see encode_ordinary_arrays_flagged).
         self._special_re: Any = regex.compile(literal_alternation(self.special_tokens))
         self._fingerprint: str | None = None

@@ -24,8 +24,9 @@ compact-JSON rendering, and `render_prompt` does the same.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 _INDENT = "  "
 _FIELD_SEP = ",\n"
@@ -37,8 +38,13 @@ _CONSTRAINT_KEYS = {
     "array": ("maxItems", "minItems"),
 }
 _UNION_NAMES = {
-    "string": "string", "number": "number", "integer": "number", "boolean": "boolean", "null": "null",
-    "object": "{}", "array": "Array<any>",
+    "string": "string",
+    "number": "number",
+    "integer": "number",
+    "boolean": "boolean",
+    "null": "null",
+    "object": "{}",
+    "array": "Array<any>",
 }
 _ENUM_TYPE_CHECKS = {
     "string": lambda v: isinstance(v, str),
@@ -74,7 +80,7 @@ class _Type:
     description: Any = ""
     constraints: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # scalar type name, or a ref's interface name
-    fields: list[tuple[str, "_Type", bool, Any]] = field(default_factory=list)  # (name, type, optional, default)
+    fields: list[tuple[str, _Type, bool, Any]] = field(default_factory=list)  # (name, type, optional, default)
     extra: Any = None  # object: additionalProperties (None, bool or _Type); array: item type
     options: list[Any] = field(default_factory=list)  # enum values, or any_of / union member types
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 
@@ -35,17 +36,27 @@ SENTENCES = [
     "Ends without punctuation",
     " leading space",
     "ALL CAPS HEADLINE WITH NUMBERS 2024",
-    "JSON inline: {\"key\": [1, 2, {\"nested\": null}]}",
+    'JSON inline: {"key": [1, 2, {"nested": null}]}',
 ]
 
 TOOL_NAMES = ["get_weather", "search", "run_code", "lookup_user", "翻译"]
 TOOLS = [
-    {"type": "function", "function": {
-        "name": name, "description": f"The {name} tool.",
-        "parameters": {"type": "object", "required": ["query"], "properties": {
-            "query": {"type": "string", "description": "What to look for."},
-            "n": {"type": "integer", "minimum": 0, "default": 10},
-            "flags": {"type": "array", "items": {}}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"The {name} tool.",
+            "parameters": {
+                "type": "object",
+                "required": ["query"],
+                "properties": {
+                    "query": {"type": "string", "description": "What to look for."},
+                    "n": {"type": "integer", "minimum": 0, "default": 10},
+                    "flags": {"type": "array", "items": {}},
+                },
+            },
+        },
+    }
     for name in TOOL_NAMES
 ]
 
@@ -116,7 +127,9 @@ def build_clean_table(tok: Any, pids: Any, n: int, seed: int = 0) -> pa.Table:
     return pa.table(rows, schema=TOKEN_SAMPLES_SCHEMA)
 
 
-def mutate(table: pa.Table, rows: list[int], fn: Callable[[list[int], int], list[int]], **columns: Callable[[Any, int], Any]) -> pa.Table:
+def mutate(
+    table: pa.Table, rows: list[int], fn: Callable[[list[int], int], list[int]], **columns: Callable[[Any, int], Any]
+) -> pa.Table:
     """A copy of `table` with output_ids of `rows` replaced by fn(ids, row) and other columns by columns[name](value, row)."""
     chosen = set(rows)
     data = table.to_pydict()

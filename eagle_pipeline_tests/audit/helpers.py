@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +12,9 @@ import pyarrow as pa
 from eagle_pipeline.audit import AuditReport, AuditSettings, run_audit
 
 
-def pick_rows(table: pa.Table, k: int, pred: Callable[[dict[str, Any]], bool] = lambda r: True, seed: int = 1) -> list[int]:
+def pick_rows(
+    table: pa.Table, k: int, pred: Callable[[dict[str, Any]], bool] = lambda r: True, seed: int = 1
+) -> list[int]:
     """k row indices (sorted) whose row satisfies `pred`, chosen with a fixed seed."""
     rows = [i for i, r in enumerate(table.to_pylist()) if pred(r)]
     assert len(rows) >= k, f"only {len(rows)} rows match, need {k}"

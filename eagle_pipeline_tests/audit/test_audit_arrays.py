@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, run_gate, tool_call_id_ok
-from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import KIMI_PAT_STR, TOKEN_SAMPLES_SCHEMA, get_profile, reconstruct_output
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens.tokenizer import tiktoken_tokenizer
 
 from .corpus import build_clean_table, mutate
@@ -55,13 +55,16 @@ def test_slices_and_chunks_match_contiguous(demo_table, demo_tok, demo_ids):
 def test_int64_ids_and_null_output(demo_table, demo_tok, demo_ids):
     full = _fails(run_audit(demo_table, demo_tok, demo_ids))
     wide = demo_table.set_column(
-        demo_table.schema.get_field_index("output_ids"), "output_ids",
+        demo_table.schema.get_field_index("output_ids"),
+        "output_ids",
         demo_table.column("output_ids").cast(pa.list_(pa.int64())),
     )
     assert _fails(run_audit(wide, demo_tok, demo_ids)) == full
     outs = demo_table.column("output_ids").to_pylist()
     outs[10] = None
-    nulled = demo_table.set_column(demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32())))
+    nulled = demo_table.set_column(
+        demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32()))
+    )
     got = _fails(run_audit(nulled, demo_tok, demo_ids))
     assert 10 in got["ends_with_eot"] and 10 in got["single_eot"]
 
@@ -85,10 +88,14 @@ def test_input_errors_name_the_column(demo_table, demo_tok, demo_ids):
         run_audit(bad, demo_tok, demo_ids)
     thinking = demo_table.column("thinking").to_pylist()
     thinking[0] = None
-    bad = demo_table.set_column(demo_table.schema.get_field_index("thinking"), "thinking", pa.array(thinking, pa.bool_()))
+    bad = demo_table.set_column(
+        demo_table.schema.get_field_index("thinking"), "thinking", pa.array(thinking, pa.bool_())
+    )
     with pytest.raises(AuditInputError, match="null"):
         run_audit(bad, demo_tok, demo_ids)
-    bad = demo_table.set_column(demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(["x"] * demo_table.num_rows))
+    bad = demo_table.set_column(
+        demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(["x"] * demo_table.num_rows)
+    )
     with pytest.raises(AuditInputError, match="list of integers"):
         run_audit(bad, demo_tok, demo_ids)
 
@@ -96,7 +103,8 @@ def test_input_errors_name_the_column(demo_table, demo_tok, demo_ids):
 # ---- the text digest column -------------------------------------------------------------------------------------------
 
 
-def _with_digests(table, digests, type_=pa.int64()):
+def _with_digests(table, digests, type_=None):
+    type_ = type_ or pa.int64()
     i = table.schema.get_field_index("output_text_hash")
     return table.set_column(i, pa.field("output_text_hash", type_), pa.array(digests, type_))
 
@@ -105,11 +113,15 @@ def test_text_agreement_without_digests_checks_nothing(demo_table, demo_tok, dem
     """Files written before the column existed, or tables whose digests are all null, are not text-checked."""
     res = run_gate("text_agreement", demo_table.drop_columns(["output_text_hash"]), demo_tok, demo_ids)
     assert res.checked == 0 and res.failing == 0 and res.details["digest_column"] == "absent"
-    for nulls in (_with_digests(demo_table, [None] * demo_table.num_rows),
-                  _with_digests(demo_table, [None] * demo_table.num_rows, pa.null())):
+    for nulls in (
+        _with_digests(demo_table, [None] * demo_table.num_rows),
+        _with_digests(demo_table, [None] * demo_table.num_rows, pa.null()),
+    ):
         res = run_gate("text_agreement", nulls, demo_tok, demo_ids)
         assert res.checked == 0 and res.details["rows_without_digest"] == demo_table.num_rows
-        assert res.details["rows_without_digest_reconstructed"] == demo_table.column("ids_origin").to_pylist().count("reconstructed")
+        assert res.details["rows_without_digest_reconstructed"] == demo_table.column("ids_origin").to_pylist().count(
+            "reconstructed"
+        )
 
 
 def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
@@ -121,7 +133,8 @@ def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
     outs[6] = [demo_tok.vocab_size + 3] + outs[6]  # cannot be decoded at all
     outs[7] = [-1] + outs[7]
     table = _with_digests(demo_table, digests).set_column(
-        demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32())))
+        demo_table.schema.get_field_index("output_ids"), "output_ids", pa.array(outs, pa.list_(pa.int32()))
+    )
     res = run_gate("text_agreement", table, demo_tok, demo_ids)
     assert np.flatnonzero(res.row_fail).tolist() == [2, 4, 6, 7]
     assert res.details["problems"] == {"digest_mismatch": 2, "undecodable": 2}
@@ -132,7 +145,9 @@ def test_text_agreement_problems(demo_table, demo_tok, demo_ids):
     chunked = pa.concat_tables([table.slice(0, 5), table.slice(5)])
     assert np.flatnonzero(run_gate("text_agreement", chunked, demo_tok, demo_ids).row_fail).tolist() == [2, 4, 6, 7]
     with pytest.raises(AuditInputError, match="output_text_hash"):
-        run_gate("text_agreement", _with_digests(demo_table, ["x"] * demo_table.num_rows, pa.string()), demo_tok, demo_ids)
+        run_gate(
+            "text_agreement", _with_digests(demo_table, ["x"] * demo_table.num_rows, pa.string()), demo_tok, demo_ids
+        )
 
 
 def test_text_agreement_with_an_ordinary_id_the_tokenizer_cannot_decode(demo_table, demo_tok, demo_ids):
@@ -174,7 +189,9 @@ def test_text_hash_from_ids_equals_hash_of_decoded_bytes(kimi_tok, demo_tok):
     texts = [b"", b"a", "abé".encode(), b"abe", bytes(range(256)) * 40]
     assert len({th.text_hash(t) for t in texts}) == len(texts)
     # The definition, written out: sum of R[byte] * B**position mod 2**64.
-    assert th.text_hash("abé".encode()) == sum(int(th.R[b]) * pow(th.B, i, 1 << 64) for i, b in enumerate("abé".encode())) % (1 << 64)
+    assert th.text_hash("abé".encode()) == sum(
+        int(th.R[b]) * pow(th.B, i, 1 << 64) for i, b in enumerate("abé".encode())
+    ) % (1 << 64)
 
 
 def test_literal_special_string_encoded_as_special_id(demo_tok, demo_ids):
@@ -185,11 +202,22 @@ def test_literal_special_string_encoded_as_special_id(demo_tok, demo_ids):
     assert wrong != rec.ids and demo_tok.decode_bytes(wrong) == demo_tok.decode_bytes(rec.ids)
     table = pa.table(
         {
-            "sample_id": ["ok", "wrong"], "dataset": ["D"] * 2, "source": ["x"] * 2, "backend": ["x"] * 2,
-            "provider": [None] * 2, "prompt_ids": [[]] * 2, "output_ids": [rec.ids, wrong],
-            "ids_origin": ["reconstructed"] * 2, "finish_reason": ["stop"] * 2,
-            "usage_completion_tokens": [None] * 2, "usage_prompt_tokens": [None] * 2, "thinking": [True] * 2, "dataset_has_tools": [False] * 2,
-            "n_tool_calls": [0] * 2, "literal_special": [True] * 2, "prompt_key": ["a", "b"],
+            "sample_id": ["ok", "wrong"],
+            "dataset": ["D"] * 2,
+            "source": ["x"] * 2,
+            "backend": ["x"] * 2,
+            "provider": [None] * 2,
+            "prompt_ids": [[]] * 2,
+            "output_ids": [rec.ids, wrong],
+            "ids_origin": ["reconstructed"] * 2,
+            "finish_reason": ["stop"] * 2,
+            "usage_completion_tokens": [None] * 2,
+            "usage_prompt_tokens": [None] * 2,
+            "thinking": [True] * 2,
+            "dataset_has_tools": [False] * 2,
+            "n_tool_calls": [0] * 2,
+            "literal_special": [True] * 2,
+            "prompt_key": ["a", "b"],
             "output_text_hash": [rec.text_hash] * 2,
         },
         schema=TOKEN_SAMPLES_SCHEMA,
@@ -208,15 +236,29 @@ def test_tool_call_id_rule():
 
 # ---- Qwen3 profile: the model writes <think> itself, tool calls are <tool_call> JSON </tool_call> ---------------------
 
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|reserved_special_token_0|>"]
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|reserved_special_token_0|>",
+]
 
 
 @pytest.fixture(scope="module")
 def qwen():
     # Single-byte ranks: every text encodes canonically, which is all these structural tests need.
     tok = tiktoken_tokenizer(
-        name="bytes-qwen", kind="test", source="test", ranks={bytes([i]): i for i in range(256)},
-        special_names=QWEN_SPECIALS, pat_str=KIMI_PAT_STR, chat_template=None,
+        name="bytes-qwen",
+        kind="test",
+        source="test",
+        ranks={bytes([i]): i for i in range(256)},
+        special_names=QWEN_SPECIALS,
+        pat_str=KIMI_PAT_STR,
+        chat_template=None,
     )
     ids = get_profile("qwen3").resolve(tok)
     rows = []
@@ -224,19 +266,39 @@ def qwen():
         thinking = i % 4 != 0
         calls = None
         if i % 3 == 0:
-            calls = [{"id": f"c{k}", "function": {"name": f"tool{k}", "arguments": json.dumps({"k": k})}} for k in range(1 + i % 2)]
+            calls = [
+                {"id": f"c{k}", "function": {"name": f"tool{k}", "arguments": json.dumps({"k": k})}}
+                for k in range(1 + i % 2)
+            ]
         content = "" if i % 5 == 0 else f"Answer {i}."
-        rec = reconstruct_output(tok, ids, reasoning=f"reason {i}" if thinking else None, content=content, tool_calls=calls, thinking=thinking)
+        rec = reconstruct_output(
+            tok,
+            ids,
+            reasoning=f"reason {i}" if thinking else None,
+            content=content,
+            tool_calls=calls,
+            thinking=thinking,
+        )
         rows.append((rec, thinking, bool(calls)))
     n = len(rows)
     table = pa.table(
         {
-            "sample_id": [f"q{i}" for i in range(n)], "dataset": ["Q"] * n, "source": ["vllm"] * n, "backend": ["vllm"] * n,
-            "provider": [None] * n, "prompt_ids": [[]] * n, "output_ids": [r.ids for r, _, _ in rows],
-            "ids_origin": ["reconstructed"] * n, "finish_reason": ["tool_calls" if c else "stop" for _, _, c in rows],
-            "usage_completion_tokens": [len(r.ids) for r, _, _ in rows], "usage_prompt_tokens": [None] * n, "thinking": [t for _, t, _ in rows],
-            "dataset_has_tools": [True] * n, "n_tool_calls": [r.n_tool_calls for r, _, _ in rows],
-            "literal_special": [False] * n, "prompt_key": ["k"] * n,
+            "sample_id": [f"q{i}" for i in range(n)],
+            "dataset": ["Q"] * n,
+            "source": ["vllm"] * n,
+            "backend": ["vllm"] * n,
+            "provider": [None] * n,
+            "prompt_ids": [[]] * n,
+            "output_ids": [r.ids for r, _, _ in rows],
+            "ids_origin": ["reconstructed"] * n,
+            "finish_reason": ["tool_calls" if c else "stop" for _, _, c in rows],
+            "usage_completion_tokens": [len(r.ids) for r, _, _ in rows],
+            "usage_prompt_tokens": [None] * n,
+            "thinking": [t for _, t, _ in rows],
+            "dataset_has_tools": [True] * n,
+            "n_tool_calls": [r.n_tool_calls for r, _, _ in rows],
+            "literal_special": [False] * n,
+            "prompt_key": ["k"] * n,
             "output_text_hash": [r.text_hash for r, _, _ in rows],
         },
         schema=TOKEN_SAMPLES_SCHEMA,
@@ -249,17 +311,31 @@ def test_qwen3_clean(qwen):
     report = run_audit(table, tok, ids)
     assert {r.name: r.failing for r in report.results} == dict.fromkeys(GATE_NAMES, 0)
     assert report.result("no_think_open").details["model_opens_think"] is True
-    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(table.column("n_tool_calls").to_pylist())
+    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(
+        table.column("n_tool_calls").to_pylist()
+    )
 
 
 def test_qwen3_missing_or_extra_think_open(qwen):
     tok, ids, table = qwen
     rows = pick_rows(table, 10, lambda r: r["thinking"])
-    assert_caught(mutate(table, rows, lambda o, r: o[1:]), rows, tok, ids, "no_think_open",
-                  allowed={"reasoning_nonempty", "text_agreement"})
+    assert_caught(
+        mutate(table, rows, lambda o, r: o[1:]),
+        rows,
+        tok,
+        ids,
+        "no_think_open",
+        allowed={"reasoning_nonempty", "text_agreement"},
+    )
     rows2 = pick_rows(table, 10, lambda r: not r["thinking"])
-    assert_caught(mutate(table, rows2, lambda o, r: [ids.think_open_id] + o), rows2, tok, ids, "no_think_open",
-                  allowed={"text_agreement"})
+    assert_caught(
+        mutate(table, rows2, lambda o, r: [ids.think_open_id] + o),
+        rows2,
+        tok,
+        ids,
+        "no_think_open",
+        allowed={"text_agreement"},
+    )
 
 
 def test_qwen3_empty_reasoning(qwen):
@@ -270,10 +346,25 @@ def test_qwen3_empty_reasoning(qwen):
         k = o.index(ids.think_close_id)
         return o[:1] + tok.encode_ordinary("\n\n") + o[k:]
 
-    assert_caught(mutate(table, rows, empty), rows, tok, ids, "reasoning_nonempty", allowed={"billing_agreement", "text_agreement"})
+    assert_caught(
+        mutate(table, rows, empty),
+        rows,
+        tok,
+        ids,
+        "reasoning_nonempty",
+        allowed={"billing_agreement", "text_agreement"},
+    )
 
 
-@pytest.mark.parametrize("kind, problem", [("bad_body", "bad_arguments"), ("no_name", "bad_arguments"), ("text_between", "stray_tokens"), ("unclosed", "unbalanced")])
+@pytest.mark.parametrize(
+    "kind, problem",
+    [
+        ("bad_body", "bad_arguments"),
+        ("no_name", "bad_arguments"),
+        ("text_between", "stray_tokens"),
+        ("unclosed", "unbalanced"),
+    ],
+)
 def test_qwen3_malformed_tool_calls(qwen, kind, problem):
     tok, ids, table = qwen
 
@@ -289,8 +380,14 @@ def test_qwen3_malformed_tool_calls(qwen, kind, problem):
         return o[:b] + o[b + 1 :]
 
     rows = pick_rows(table, 8, lambda r: r["n_tool_calls"] > 0)
-    report = assert_caught(mutate(table, rows, fn), rows, tok, ids, "tool_sections_well_formed",
-                           allowed={"billing_agreement", "text_agreement"})
+    report = assert_caught(
+        mutate(table, rows, fn),
+        rows,
+        tok,
+        ids,
+        "tool_sections_well_formed",
+        allowed={"billing_agreement", "text_agreement"},
+    )
     problems = report.result("tool_sections_well_formed").details["problems"]
     if kind == "text_between":
         # Text after the first call is "stray" when another call follows, "not_at_end" when the eot follows.

@@ -28,7 +28,11 @@ from .helpers import assert_caught, pick_rows
 def env(request):
     """(tokenizer, profile ids, clean table) for the real Kimi tokenizer and for the demo tokenizer."""
     if request.param == "kimi":
-        return request.getfixturevalue("kimi_tok"), request.getfixturevalue("kimi_ids"), request.getfixturevalue("kimi_clean")
+        return (
+            request.getfixturevalue("kimi_tok"),
+            request.getfixturevalue("kimi_ids"),
+            request.getfixturevalue("kimi_clean"),
+        )
     tok, ids = request.getfixturevalue("demo_tok"), request.getfixturevalue("demo_ids")
     return tok, ids, build_clean_table(tok, ids, 1200, seed=7)
 
@@ -64,7 +68,9 @@ def test_clean_rows_pass_every_gate(env):
     assert any(r["n_tool_calls"] > 1 for r in rows)
     assert any(not r["thinking"] for r in rows)
     assert {r["ids_origin"] for r in rows} == {"reconstructed", "returned"}
-    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(r["n_tool_calls"] for r in rows)
+    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(
+        r["n_tool_calls"] for r in rows
+    )
     assert report.result("round_trip").checked == table.num_rows
     # Every reconstructed row carries its text digest and agrees with it, literal special strings included.
     text = report.result(TEXT)
@@ -109,7 +115,9 @@ def test_dropped_eot(env):
     tok, ids, table = env
     rows = pick_rows(table, 60)
     bad = mutate(table, rows, lambda o, r: o[:-1])
-    report = assert_caught(bad, rows, tok, ids, "ends_with_eot", allowed={"single_eot", "tool_sections_well_formed", TEXT})
+    report = assert_caught(
+        bad, rows, tok, ids, "ends_with_eot", allowed={"single_eot", "tool_sections_well_formed", TEXT}
+    )
     assert report.result("single_eot").failing == 60  # a complete row without eot also has zero of them
     assert set(report.blocking_failed) >= {"ends_with_eot", "single_eot"}
 
@@ -117,7 +125,9 @@ def test_dropped_eot(env):
 def test_doubled_eot(env):
     tok, ids, table = env
     rows = pick_rows(table, 60)
-    report = assert_caught(mutate(table, rows, lambda o, r: o + [ids.eot_id]), rows, tok, ids, "single_eot", allowed={TEXT})
+    report = assert_caught(
+        mutate(table, rows, lambda o, r: o + [ids.eot_id]), rows, tok, ids, "single_eot", allowed={TEXT}
+    )
     assert report.result("single_eot").details["rows_with_several"] == 60
 
 
@@ -135,8 +145,11 @@ def test_empty_reasoning(env):
     bad = mutate(table, rows, lambda o, r: o[o.index(ids.think_close_id) :])
     report = assert_caught(bad, rows, tok, ids, "reasoning_nonempty", allowed={"billing_agreement", TEXT})
     res = report.result("reasoning_nonempty")
-    assert res.action == "filter" and not res.blocking and res.excluded == 60 and report.passed == (
-        not report.result("billing_agreement").blocking
+    assert (
+        res.action == "filter"
+        and not res.blocking
+        and res.excluded == 60
+        and report.passed == (not report.result("billing_agreement").blocking)
     )
 
 
@@ -159,8 +172,19 @@ def test_cut_tail(env):
     bad = mutate(table, rows, lambda o, r: o[: -rng.randint(2, 10)])
     # What else fires depends on what the cut removed: </think>, a tool section's end, part of a BPE run, tokens billed.
     assert_caught(
-        bad, rows, tok, ids, "ends_with_eot",
-        allowed={"single_eot", "single_think_close", "tool_sections_well_formed", "round_trip", "billing_agreement", TEXT},
+        bad,
+        rows,
+        tok,
+        ids,
+        "ends_with_eot",
+        allowed={
+            "single_eot",
+            "single_think_close",
+            "tool_sections_well_formed",
+            "round_trip",
+            "billing_agreement",
+            TEXT,
+        },
     )
 
 
@@ -256,7 +280,9 @@ def test_whole_row_shifted_by_one(env):
     low = _lowest_special(tok)
     rows = pick_rows(table, 300)
     shifted = mutate(table, rows, lambda o, r: [x + 1 if x < low - 1 else x for x in o])
-    report = assert_caught(shifted, rows, tok, ids, "round_trip", exact=False, allowed={"tool_sections_well_formed", TEXT})
+    report = assert_caught(
+        shifted, rows, tok, ids, "round_trip", exact=False, allowed={"tool_sections_well_formed", TEXT}
+    )
     assert report.result("round_trip").failing >= 0.95 * len(rows)
     origins = np.array(table.column("ids_origin").to_pylist())
     assert report.result(TEXT).row_fail[rows].tolist() == (origins[rows] == "reconstructed").tolist()
@@ -283,12 +309,22 @@ def test_id_not_in_vocab(env, kind):
     rows = pick_rows(table, 40)
     # The bad id splits an ordinary run in two; each half may not be canonical alone, or may break tool JSON.
     report = assert_caught(
-        mutate(table, rows, replace), rows, tok, ids, "ids_in_vocab",
+        mutate(table, rows, replace),
+        rows,
+        tok,
+        ids,
+        "ids_in_vocab",
         allowed={"round_trip", "tool_sections_well_formed", TEXT},
     )
     details = report.result("ids_in_vocab").details
-    key = {"past_vocab": "out_of_range", "far_past_vocab": "out_of_range", "negative": "out_of_range",
-           "reserved": "reserved_or_unassigned", "pad": "non_output_special", "im_user": "non_output_special"}[kind]
+    key = {
+        "past_vocab": "out_of_range",
+        "far_past_vocab": "out_of_range",
+        "negative": "out_of_range",
+        "reserved": "reserved_or_unassigned",
+        "pad": "non_output_special",
+        "im_user": "non_output_special",
+    }[kind]
     assert details[key] == 40
     example = report.result("ids_in_vocab").examples[0]["excerpt"]
     assert ("⟦<?" in example) if key == "out_of_range" else ("⟦<|" in example or "⟦[PAD]⟧" in example)
@@ -335,8 +371,11 @@ def test_billing_shows_a_systematic_one_token_offset_per_source(env):
     """One token per row is within every tolerance, yet systematic: a provider that also counts a token our ids
     lack (say, a newline it stripped from the text). The per-source median makes it visible."""
     tok, ids, table = env
-    rows = [i for i, r in enumerate(table.to_pylist())
-            if r["usage_completion_tokens"] is not None and r["provider"] == "Moonshot"]
+    rows = [
+        i
+        for i, r in enumerate(table.to_pylist())
+        if r["usage_completion_tokens"] is not None and r["provider"] == "Moonshot"
+    ]
     lengths = [len(o) for o in table.column("output_ids").to_pylist()]
     bad = mutate(table, rows, lambda o, r: o, usage_completion_tokens=lambda u, r: lengths[r] + 1)
     res = run_gate("billing_agreement", bad, tok, ids, AuditSettings(billing_aggregate_bound=0.05))
@@ -350,7 +389,11 @@ def test_prompt_mismatch_from_an_injected_system_prompt(env):
     """A provider that prepends its own system prompt bills a longer prompt than the one we rendered; the gate
     names the rows, warns without blocking or excluding, and the split by source shows a constant offset."""
     tok, ids, table = env
-    rows = [i for i, r in enumerate(table.to_pylist()) if r["usage_prompt_tokens"] is not None and r["provider"] == "Together"]
+    rows = [
+        i
+        for i, r in enumerate(table.to_pylist())
+        if r["usage_prompt_tokens"] is not None and r["provider"] == "Together"
+    ]
     assert len(rows) > 50
     bad = mutate(table, rows, lambda o, r: o, usage_prompt_tokens=lambda u, r: u + 37)
     report = assert_caught(bad, rows, tok, ids, "prompt_agreement")
@@ -377,8 +420,7 @@ def test_prompt_mismatch_from_json_instead_of_typescript_tools(env):
     def as_json(prompt, r):
         user = text_of[r].split("<|im_user|>user<|im_middle|>", 1)[1].split("<|im_end|>", 1)[0]
         thinking = text_of[r].endswith("<think>")
-        return render_prompt_ids(tok, [{"role": "user", "content": user}], TOOLS, thinking=thinking,
-                                 tools_ts_str=None)
+        return render_prompt_ids(tok, [{"role": "user", "content": user}], TOOLS, thinking=thinking, tools_ts_str=None)
 
     bad = mutate(table, rows, lambda o, r: o, prompt_ids=as_json)
     report = assert_caught(bad, rows, tok, ids, "prompt_agreement")
@@ -402,16 +444,35 @@ def test_prompt_agreement_tolerance_and_unknown_prompts(env):
 
 
 @pytest.mark.parametrize(
-    "kind", ["drop_section_end", "drop_call_end", "bad_json", "args_not_object", "id_with_space", "empty_id",
-             "id_without_index", "two_sections", "section_inside_reasoning", "count_mismatch", "text_after_section"]
+    "kind",
+    [
+        "drop_section_end",
+        "drop_call_end",
+        "bad_json",
+        "args_not_object",
+        "id_with_space",
+        "empty_id",
+        "id_without_index",
+        "two_sections",
+        "section_inside_reasoning",
+        "count_mismatch",
+        "text_after_section",
+    ],
 )
 def test_malformed_tool_section(env, kind):
     tok, ids, table = env
     expected_problem = {
-        "drop_section_end": "unbalanced", "drop_call_end": "unbalanced", "bad_json": "bad_arguments",
-        "args_not_object": "bad_arguments", "id_with_space": "bad_id", "empty_id": "bad_id",
-        "id_without_index": "bad_id", "two_sections": "multiple_sections", "section_inside_reasoning": "before_think_close",
-        "count_mismatch": "count_mismatch", "text_after_section": "not_at_end",
+        "drop_section_end": "unbalanced",
+        "drop_call_end": "unbalanced",
+        "bad_json": "bad_arguments",
+        "args_not_object": "bad_arguments",
+        "id_with_space": "bad_id",
+        "empty_id": "bad_id",
+        "id_without_index": "bad_id",
+        "two_sections": "multiple_sections",
+        "section_inside_reasoning": "before_think_close",
+        "count_mismatch": "count_mismatch",
+        "text_after_section": "not_at_end",
     }[kind]
 
     def replace_span(o, lo_marker, hi_marker, text):
@@ -446,7 +507,11 @@ def test_malformed_tool_section(env, kind):
             o = o[:-1] + tok.encode_ordinary(" trailing") + o[-1:]
         return o
 
-    pred = (lambda r: r["n_tool_calls"] > 0 and r["thinking"]) if kind == "section_inside_reasoning" else (lambda r: r["n_tool_calls"] > 0)
+    pred = (
+        (lambda r: r["n_tool_calls"] > 0 and r["thinking"])
+        if kind == "section_inside_reasoning"
+        else (lambda r: r["n_tool_calls"] > 0)
+    )
     rows = pick_rows(table, 30, pred)
     extra = {"n_tool_calls": lambda v, r: v + 1} if kind == "count_mismatch" else {}
     bad = mutate(table, rows, fn if kind != "count_mismatch" else (lambda o, r: o), **extra)
@@ -483,7 +548,9 @@ def test_truncated_rows_are_filtered_and_nothing_else_fires(env):
     # A reconstructed cut row's digest is that of its (cut) text, i.e. of the bytes its ids decode to.
     cut_digest = {r: text_hash_int64(tok.decode_bytes(outputs[r][: -cuts[r]])) for r in cut_rows}
     bad = mutate(
-        table, cut_rows, lambda o, r: o[: -cuts[r]],
+        table,
+        cut_rows,
+        lambda o, r: o[: -cuts[r]],
         finish_reason=lambda v, r: reasons[r % len(reasons)],
         usage_completion_tokens=lambda u, r: None if u is None else u - cuts[r],
         output_text_hash=lambda v, r: None if v is None else cut_digest[r],

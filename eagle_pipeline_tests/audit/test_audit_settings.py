@@ -20,9 +20,20 @@ from eagle_pipeline.audit import (
 from eagle_pipeline.tokens import TOKEN_SAMPLES_SCHEMA, reconstruct_output
 
 EXPECTED_GATES = {
-    "ends_with_eot", "single_eot", "single_think_close", "think_close_before_eot", "no_think_open", "round_trip",
-    "reasoning_nonempty", "billing_agreement", "tool_tokens_declared", "tool_sections_well_formed", "ids_in_vocab",
-    "not_truncated", "text_agreement", "prompt_agreement",
+    "ends_with_eot",
+    "single_eot",
+    "single_think_close",
+    "think_close_before_eot",
+    "no_think_open",
+    "round_trip",
+    "reasoning_nonempty",
+    "billing_agreement",
+    "tool_tokens_declared",
+    "tool_sections_well_formed",
+    "ids_in_vocab",
+    "not_truncated",
+    "text_agreement",
+    "prompt_agreement",
 }
 
 
@@ -32,11 +43,15 @@ def test_catalogue():
         assert g.default_action in ACTIONS and set(g.origin_defaults.values()) <= set(ACTIONS)
         assert g.title and len(g.description) > 40
     by_name = {g.name: g for g in GATES}
-    assert by_name["round_trip"].default_action == "block" and by_name["round_trip"].origin_defaults["returned"] == "warn"
+    assert (
+        by_name["round_trip"].default_action == "block" and by_name["round_trip"].origin_defaults["returned"] == "warn"
+    )
     assert by_name["not_truncated"].default_action == "filter"
     assert by_name["text_agreement"].default_action == "block" and not by_name["text_agreement"].origin_defaults
     assert AuditSettings().action_for("text_agreement", "reconstructed") == "block"
-    assert "text_agreement" not in AuditSettings().row_filter_gates()  # block only: a passed audit implies no failing row
+    assert (
+        "text_agreement" not in AuditSettings().row_filter_gates()
+    )  # block only: a passed audit implies no failing row
 
 
 def test_settings_defaults_and_resolution_order():
@@ -52,7 +67,9 @@ def test_settings_defaults_and_resolution_order():
 
 
 def test_from_dict_accepts_plain_data():
-    s = AuditSettings.from_dict({"actions": {"not_truncated": "warn"}, "billing_row_abs_tolerance": 0, "billing_aggregate_bound": 0.01})
+    s = AuditSettings.from_dict(
+        {"actions": {"not_truncated": "warn"}, "billing_row_abs_tolerance": 0, "billing_aggregate_bound": 0.01}
+    )
     assert s.action_for("not_truncated") == "warn" and s.billing_row_abs_tolerance == 0
     assert AuditSettings.from_dict(None) == AuditSettings()
     assert AuditSettings.from_dict({"actions": None}) == AuditSettings()
@@ -93,7 +110,9 @@ def test_every_problem_listed_at_once():
 
 def _table(tok, ids):
     def out(reasoning, content, calls=None, thinking=True):
-        return reconstruct_output(tok, ids, reasoning=reasoning, content=content, tool_calls=calls, thinking=thinking).ids
+        return reconstruct_output(
+            tok, ids, reasoning=reasoning, content=content, tool_calls=calls, thinking=thinking
+        ).ids
 
     good = out("Thinking about it.", "The answer is 42.")
     rows = [
@@ -136,9 +155,16 @@ def test_default_actions_and_filter_mask(demo_tok, demo_ids):
     assert report.filter_mask.tolist() == [True, False, False, True, False]
     assert report.excluded_counts == {"ends_with_eot": 1, "single_eot": 2, "not_truncated": 1}
     ends = report.result("ends_with_eot")
-    assert ends.checked == 4 and ends.failing_sample_ids == ["no_eot"] and ends.by_source == {
-        "vllm/-": {"checked": 2, "failing": 1}, "or/P": {"checked": 1, "failing": 0}, "or/Q": {"checked": 1, "failing": 0}
-    }
+    assert (
+        ends.checked == 4
+        and ends.failing_sample_ids == ["no_eot"]
+        and ends.by_source
+        == {
+            "vllm/-": {"checked": 2, "failing": 1},
+            "or/P": {"checked": 1, "failing": 0},
+            "or/Q": {"checked": 1, "failing": 0},
+        }
+    )
     # The marked token is the row's last one, and the end of turn is indeed missing.
     assert ends.examples[0]["excerpt"].endswith("⟧") and "<|im_end|>" not in ends.examples[0]["excerpt"]
 
@@ -148,9 +174,13 @@ def test_action_overrides(demo_tok, demo_ids):
     warn = run_audit(table, demo_tok, demo_ids, AuditSettings(actions={"ends_with_eot": "warn", "single_eot": "warn"}))
     assert warn.passed and warn.filter_mask.tolist() == [True, True, False, True, True]
     assert warn.result("ends_with_eot").failing == 1 and not warn.result("ends_with_eot").passed
-    filt = run_audit(table, demo_tok, demo_ids, AuditSettings(actions={"ends_with_eot": "filter", "single_eot": "filter"}))
+    filt = run_audit(
+        table, demo_tok, demo_ids, AuditSettings(actions={"ends_with_eot": "filter", "single_eot": "filter"})
+    )
     assert filt.passed and filt.filter_mask.tolist() == [True, False, False, True, False]
-    strict = run_audit(table, demo_tok, demo_ids, AuditSettings(actions={"not_truncated": "block", "single_eot": "filter"}))
+    strict = run_audit(
+        table, demo_tok, demo_ids, AuditSettings(actions={"not_truncated": "block", "single_eot": "filter"})
+    )
     assert strict.blocking_failed == ["ends_with_eot", "not_truncated"]
     per_origin = run_audit(table, demo_tok, demo_ids, AuditSettings(actions={"single_eot@returned": "warn"}))
     single = per_origin.result("single_eot")
@@ -175,7 +205,11 @@ def test_report_json(demo_tok, demo_ids, tmp_path):
 def test_run_gate_and_subsets(demo_tok, demo_ids):
     table = _table(demo_tok, demo_ids)
     r = run_gate("not_truncated", table, demo_tok, demo_ids)
-    assert r.failing == 1 and r.details["finish_reasons"] == {"length": 1} and r.examples[0]["problem"] == "finish_reason='length'"
+    assert (
+        r.failing == 1
+        and r.details["finish_reasons"] == {"length": 1}
+        and r.examples[0]["problem"] == "finish_reason='length'"
+    )
     report = run_audit(table, demo_tok, demo_ids, gates=["not_truncated", "ids_in_vocab"])
     assert [x.name for x in report.results] == ["not_truncated", "ids_in_vocab"]
     with pytest.raises(AuditSettingsError, match="unknown gate"):
@@ -186,7 +220,11 @@ def test_run_gate_and_subsets(demo_tok, demo_ids):
 
 def test_row_filter_gates():
     assert AuditSettings().row_filter_gates() == [
-        "reasoning_nonempty", "tool_tokens_declared", "tool_sections_well_formed", "billing_agreement", "not_truncated"
+        "reasoning_nonempty",
+        "tool_tokens_declared",
+        "tool_sections_well_formed",
+        "billing_agreement",
+        "not_truncated",
     ]
     s = AuditSettings(actions={"round_trip@returned": "filter", "billing_agreement": "warn"})
     assert "round_trip" in s.row_filter_gates() and "billing_agreement" not in s.row_filter_gates()
@@ -194,7 +232,9 @@ def test_row_filter_gates():
 
 def test_filter_pass_equals_full_audit_mask_when_nothing_blocks(demo_tok, demo_ids):
     table = _table(demo_tok, demo_ids)
-    settings = AuditSettings(actions={"ends_with_eot": "filter", "single_eot@reconstructed": "filter", "single_eot@returned": "warn"})
+    settings = AuditSettings(
+        actions={"ends_with_eot": "filter", "single_eot@reconstructed": "filter", "single_eot@returned": "warn"}
+    )
     full = run_audit(table, demo_tok, demo_ids, settings)
     assert full.passed
     partial = run_audit(table, demo_tok, demo_ids, settings, gates=settings.row_filter_gates())

@@ -59,7 +59,9 @@ def test_merge_automation_waits_for_every_dataset_audit(pipeline_config, instanc
     merged = dg.AssetKey("merged_dataset")
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
     job = defs.resolve_job_def("dataset_job")
-    outcomes = {ds: job.execute_in_process(instance=instance, partition_key=ds, raise_on_error=False).success for ds in names}
+    outcomes = {
+        ds: job.execute_in_process(instance=instance, partition_key=ds, raise_on_error=False).success for ds in names
+    }
     assert outcomes == {ds: ds != "B6" for ds in names}
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     assert tick.get_num_requested(merged) == 0  # seven datasets passed, one failed: the merge waits

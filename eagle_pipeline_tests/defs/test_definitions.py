@@ -12,8 +12,14 @@ from eagle_pipeline.definitions import defs
 REPO = Path(__file__).resolve().parents[2]
 
 EXPECTED_ASSETS = {
-    "prompts", "responses", "token_samples", "merged_dataset", "draft_vocab",
-    "hidden_state_plan", "hidden_states", "trainer_exports",
+    "prompts",
+    "responses",
+    "token_samples",
+    "merged_dataset",
+    "draft_vocab",
+    "hidden_state_plan",
+    "hidden_states",
+    "trainer_exports",
 }
 
 
@@ -25,7 +31,9 @@ def test_every_asset_is_present_with_its_upstreams():
     graph = _graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
     assert keys == EXPECTED_ASSETS
-    parents = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()}
+    parents = {
+        k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys} for k in graph.get_all_asset_keys()
+    }
     assert parents["responses"] == {"prompts"}
     assert parents["token_samples"] == {"responses"}
     assert parents["merged_dataset"] == {"token_samples"}
@@ -58,8 +66,10 @@ def test_every_audit_gate_is_its_own_blocking_check():
     assert token_checks == gate_names
     merged_checks = {name for (asset, name) in specs if asset == "merged_dataset"}
     assert merged_checks == {
-        "merged_row_count_matches_admitted", "merged_sample_ids_unique",
-        "merged_loss_mask_aligned", "merged_spans_end_with_eot",
+        "merged_row_count_matches_admitted",
+        "merged_sample_ids_unique",
+        "merged_loss_mask_aligned",
+        "merged_spans_end_with_eot",
     }
     state_checks = {name for (asset, name) in specs if asset == "hidden_states"}
     assert state_checks == {"shapes_match_token_counts", "no_nan_or_inf", "ids_match_merged"}
@@ -92,7 +102,10 @@ def test_gpu_step_carries_a_gpu_request_for_the_k8s_executor():
 def test_dagster_definitions_validate_passes():
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-w", "workspace.yaml"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Validation successful" in proc.stdout + proc.stderr

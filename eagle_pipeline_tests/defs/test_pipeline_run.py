@@ -9,19 +9,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.definitions import build_defs
-from eagle_pipeline.generation import read_responses
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
 from eagle_pipeline.defs.tokens import token_samples
+from eagle_pipeline.generation import read_responses
 from eagle_pipeline.storage import DataRoot
 
 pytestmark = pytest.mark.slow
 
 
 def _run(defs, job, instance, partition_key=None):
-    return defs.resolve_job_def(job).execute_in_process(instance=instance, partition_key=partition_key, raise_on_error=False)
+    return defs.resolve_job_def(job).execute_in_process(
+        instance=instance, partition_key=partition_key, raise_on_error=False
+    )
 
 
 def _check_evaluations(result):
@@ -60,9 +62,18 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
     assert any(m.asset_materialization.metadata["simulated"].value is True for m in mats)
 
     # Dashboards: histograms as inline images, and the per-dataset overview table on the merge.
-    tokens_meta = instance.fetch_materializations(dg.AssetKey("token_samples"), limit=1).records[0].asset_materialization.metadata
-    assert tokens_meta["token_lengths"].value.startswith("![") and "data:image/png;base64," in tokens_meta["token_lengths"].value
-    merged_meta = instance.fetch_materializations(dg.AssetKey("merged_dataset"), limit=1).records[0].asset_materialization.metadata
+    tokens_meta = (
+        instance.fetch_materializations(dg.AssetKey("token_samples"), limit=1).records[0].asset_materialization.metadata
+    )
+    assert (
+        tokens_meta["token_lengths"].value.startswith("![")
+        and "data:image/png;base64," in tokens_meta["token_lengths"].value
+    )
+    merged_meta = (
+        instance.fetch_materializations(dg.AssetKey("merged_dataset"), limit=1)
+        .records[0]
+        .asset_materialization.metadata
+    )
     overview = {r.data["dataset"]: r.data for r in merged_meta["per_dataset_overview"].value.records}
     assert set(overview) == {"B1", "B6"}
     assert all(r["responses"] == 6 and r["token_samples"] == 6 and r["audit"] == "pass" for r in overview.values())
@@ -74,7 +85,9 @@ def _probe_defs():
     """One job holding a dataset's whole path to the merge, so blocking is observed inside a single run."""
     probe = dg.define_asset_job(
         "probe_job",
-        selection=dg.AssetSelection.assets(prompts, responses, token_samples, merged_dataset, draft_vocab, hidden_state_plan),
+        selection=dg.AssetSelection.assets(
+            prompts, responses, token_samples, merged_dataset, draft_vocab, hidden_state_plan
+        ),
     )
     base = build_defs()
     return dg.Definitions.merge(base, dg.Definitions(jobs=[probe]))

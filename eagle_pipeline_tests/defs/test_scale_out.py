@@ -52,12 +52,18 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
 
     root = DataRoot(tmp_path / "data")
     vocab = PipelineResource().tokenizer().vocab_size
-    _, tokens = write_synthetic_merged(root.merged_dir, n_rows, vocab_size=vocab, mean_tokens=40, max_tokens=96, rows_per_part=3)
+    _, tokens = write_synthetic_merged(
+        root.merged_dir, n_rows, vocab_size=vocab, mean_tokens=40, max_tokens=96, rows_per_part=3
+    )
     fields = MergeManifest.__dataclass_fields__
-    manifest = MergeManifest(**{k: ({} if "dict" in str(f.type) else [] if "list" in str(f.type) else 0) for k, f in fields.items()})
+    manifest = MergeManifest(
+        **{k: ({} if "dict" in str(f.type) else [] if "list" in str(f.type) else 0) for k, f in fields.items()}
+    )
     manifest.rows_total, manifest.tokens_total, manifest.datasets = n_rows, tokens, ["B1"]
     write_json_atomic(manifest.to_dict(), root.merged_dir / MANIFEST_NAME)
-    instance.add_dynamic_partitions(SHARD_PARTITIONS_NAME, [shard_key(i) for i in range(num_shards(n_rows, SHARD_SIZE))])
+    instance.add_dynamic_partitions(
+        SHARD_PARTITIONS_NAME, [shard_key(i) for i in range(num_shards(n_rows, SHARD_SIZE))]
+    )
     assert dg.materialize([hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}).success
     return root
 
@@ -76,7 +82,9 @@ def _run_shard(instance, key, defs=None):
 def _k8s_job():
     from eagle_pipeline.defs.jobs import scale_out_jobs
 
-    return dg.Definitions.merge(build_defs(), dg.Definitions(jobs=scale_out_jobs)).resolve_job_def("hidden_states_k8s_job")
+    return dg.Definitions.merge(build_defs(), dg.Definitions(jobs=scale_out_jobs)).resolve_job_def(
+        "hidden_states_k8s_job"
+    )
 
 
 def hidden_states_k8s_job_for_reconstruction():
@@ -123,21 +131,34 @@ def _launched_k8s_jobs(tmp_path: Path, step_keys: list[str]) -> dict:
     production_client = DagsterKubernetesClient.production_client
     patched = lambda **kw: production_client(batch_api_override=batch_api, core_api_override=mock.MagicMock())  # noqa: E731
     (tmp_path / "k8s_home").mkdir()
-    with dg.instance_for_test(overrides={"run_launcher": launcher}, temp_dir=str(tmp_path / "k8s_home")) as instance, \
-            mock.patch.object(DagsterKubernetesClient, "production_client", staticmethod(patched)):
+    with (
+        dg.instance_for_test(overrides={"run_launcher": launcher}, temp_dir=str(tmp_path / "k8s_home")) as instance,
+        mock.patch.object(DagsterKubernetesClient, "production_client", staticmethod(patched)),
+    ):
         executor = k8s_job_executor.executor_creation_fn(
             InitExecutorContext(
-                job=recon, executor_def=k8s_job_executor, executor_config=resolved["execution"]["k8s"], instance=instance
+                job=recon,
+                executor_def=k8s_job_executor,
+                executor_config=resolved["execution"]["k8s"],
+                instance=instance,
             )
         )
         run = create_run_for_test(
-            instance, job_name="hidden_states_k8s_job", job_code_origin=recon.get_python_origin(),
+            instance,
+            job_name="hidden_states_k8s_job",
+            job_code_origin=recon.get_python_origin(),
             tags={"dagster/partition": "00001"},
         )
         plan = create_execution_plan(recon, tags=run.tags)
         plan_context = PlanOrchestrationContext(
-            plan_data=PlanData(job=recon, dagster_run=run, instance=instance, execution_plan=plan,
-                               raise_on_error=True, retry_mode=RetryMode.DISABLED),
+            plan_data=PlanData(
+                job=recon,
+                dagster_run=run,
+                instance=instance,
+                execution_plan=plan,
+                raise_on_error=True,
+                retry_mode=RetryMode.DISABLED,
+            ),
             log_manager=create_context_free_log_manager(instance, run),
             executor=executor,
             output_capture=None,
@@ -146,9 +167,10 @@ def _launched_k8s_jobs(tmp_path: Path, step_keys: list[str]) -> dict:
         for step_key in step_keys:
             batch_api.reset_mock()
             args = ExecuteStepArgs(recon.get_python_origin(), run.run_id, [step_key])
-            context = StepHandlerContext(instance=instance, plan_context=plan_context, steps=plan.steps,
-                                         execute_step_args=args, dagster_run=run)
-            list(executor._step_handler.launch_step(context))  # noqa: SLF001 - the executor's own code path
+            context = StepHandlerContext(
+                instance=instance, plan_context=plan_context, steps=plan.steps, execute_step_args=args, dagster_run=run
+            )
+            list(executor._step_handler.launch_step(context))
             (call,) = [c for c in batch_api.method_calls if c[0] == "create_namespaced_job"]
             assert call.kwargs["namespace"] == "eagle"
             bodies[step_key] = call.kwargs["body"]
@@ -205,7 +227,10 @@ def test_code_location_with_the_k8s_job_loads_and_validates_without_a_cluster(tm
     step = job.graph.node_named("hidden_states")
     assert "nvidia.com/gpu" in str(step.tags["dagster-k8s/config"])
     assert {n.name for n in job.nodes} == {
-        "hidden_states", "hidden_states_ids_match_merged", "hidden_states_no_nan_or_inf", "hidden_states_shapes_match_token_counts",
+        "hidden_states",
+        "hidden_states_ids_match_merged",
+        "hidden_states_no_nan_or_inf",
+        "hidden_states_shapes_match_token_counts",
     }
     location = tmp_path / "location_with_k8s.py"
     location.write_text(
@@ -217,7 +242,11 @@ def test_code_location_with_the_k8s_job_loads_and_validates_without_a_cluster(tm
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "no-such-kubeconfig")}  # no cluster anywhere
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-f", str(location)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
@@ -258,9 +287,24 @@ def test_shards_extract_in_parallel_runs_within_the_gpu_pool(tmp_path, monkeypat
         dagster = str(Path(sys.executable).parent / "dagster")
         procs = {
             key: subprocess.Popen(
-                [dagster, "job", "execute", "-m", "eagle_pipeline.definitions", "-j", "hidden_states_job",
-                 "-o", "hidden_states", "--tags", json.dumps({"dagster/partition": key})],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [
+                    dagster,
+                    "job",
+                    "execute",
+                    "-m",
+                    "eagle_pipeline.definitions",
+                    "-j",
+                    "hidden_states_job",
+                    "-o",
+                    "hidden_states",
+                    "--tags",
+                    json.dumps({"dagster/partition": key}),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for key in keys
         }
@@ -300,7 +344,7 @@ def test_shards_lease_distinct_gpus_and_prefer_shard_modulo(tmp_path):
             assert d1 == "cuda:2" and d9 == "cuda:3"  # cuda:1 is held: the next free ones
             with shard_device("auto", 0, **lease) as d0:
                 assert d0 == "cuda:0"
-                with pytest.raises(RuntimeError, match="no free GPU for shard 7 .*'gpu' pool limit"):
+                with pytest.raises(RuntimeError, match=r"no free GPU for shard 7 .*'gpu' pool limit"):
                     with shard_device("auto", 7, **lease):
                         pass
     with shard_device("auto", 5, **lease) as again:
@@ -372,7 +416,9 @@ def test_disk_budget_refuses_extraction_and_the_plan_shows_both_plans(tmp_path, 
     _config(tmp_path, monkeypatch, budget_gb=1e-6)  # 1,000 bytes
     root = _merged(tmp_path, instance)
 
-    plan_mat = instance.fetch_materializations(dg.AssetKey("hidden_state_plan"), limit=1).records[0].asset_materialization
+    plan_mat = (
+        instance.fetch_materializations(dg.AssetKey("hidden_state_plan"), limit=1).records[0].asset_materialization
+    )
     md = {k: v.value for k, v in plan_mat.metadata.items()}
     assert "| hidden size / layers | 7168 / 61 |" in md["target_plan"]  # Kimi-K2.5, what production costs
     assert md["target_bytes_on_disk"] > 10**6 and md["target_gpu_hours"] >= 0

@@ -20,8 +20,15 @@ KEY = "sk-or-v1-CANARY-7f3a9c21e4b8d6055aa1"
 def _point_at_openrouter(path: Path, url: str, **extra) -> None:
     raw = yaml.safe_load(path.read_text())
     raw["backends"]["or"] = {
-        "kind": "openrouter", "endpoint": url, "model": "moonshotai/kimi-k2.5", "api_key_env": "EAGLE_TEST_OR_KEY",
-        "concurrency": 8, "max_retries": 4, "backoff_base_s": 0.01, "backoff_max_s": 0.05, **extra,
+        "kind": "openrouter",
+        "endpoint": url,
+        "model": "moonshotai/kimi-k2.5",
+        "api_key_env": "EAGLE_TEST_OR_KEY",
+        "concurrency": 8,
+        "max_retries": 4,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.05,
+        **extra,
     }
     for d in raw["datasets"]:
         d["backend"] = "or"
@@ -40,7 +47,9 @@ def test_api_key_never_reaches_data_logs_or_dagster_storage(pipeline_config, ins
     monkeypatch.setenv("EAGLE_TEST_OR_KEY", KEY)
     # A hostile server: it demands the key and echoes the Authorization header back in its transient errors.
     faults = {"http_500": 0.5, "echo_auth": True}
-    with SimulatedOpenRouterServer(api_key=KEY, faults=faults, count_completion_tokens=completion, count_prompt_tokens=prompt) as srv:
+    with SimulatedOpenRouterServer(
+        api_key=KEY, faults=faults, count_completion_tokens=completion, count_prompt_tokens=prompt
+    ) as srv:
         _point_at_openrouter(path, srv.url)
         result = build_defs().resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1")
         assert result.success
@@ -63,7 +72,9 @@ def test_pipeline_budget_stops_new_requests_and_keeps_committed_rows(pipeline_co
     raw["backends"]["simulated"]["concurrency"] = 1
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     defs = build_defs()
-    result = defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1", raise_on_error=False)
+    result = defs.resolve_job_def("dataset_job").execute_in_process(
+        instance=instance, partition_key="B1", raise_on_error=False
+    )
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure)
     assert failure.step_key == "responses" and "stopped early (budget)" in failure.event_specific_data.error.message
@@ -72,6 +83,8 @@ def test_pipeline_budget_stops_new_requests_and_keeps_committed_rows(pipeline_co
     assert 0 < table.num_rows < 24
     assert sum(table.column("cost_usd").to_pylist()) <= 0.002 + max(table.column("cost_usd").to_pylist())
     # Rerun under the same cap: nothing more is requested, nothing committed is lost.
-    again = defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1", raise_on_error=False)
+    again = defs.resolve_job_def("dataset_job").execute_in_process(
+        instance=instance, partition_key="B1", raise_on_error=False
+    )
     assert not again.success
     assert read_responses(root.responses_dir("B1")).num_rows == table.num_rows

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
 from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset
 from eagle_pipeline.prompts import Prompt, prompts_table
 
@@ -39,34 +40,70 @@ SEARCH_TOOL = {
     },
 }
 
-_TOPICS = ["photosynthesis", "binary search", "glacier formation", "compound interest", "the French revolution",
-           "TCP congestion control", "protein folding", "tidal forces", "Bayesian inference", "sourdough fermentation"]
+_TOPICS = [
+    "photosynthesis",
+    "binary search",
+    "glacier formation",
+    "compound interest",
+    "the French revolution",
+    "TCP congestion control",
+    "protein folding",
+    "tidal forces",
+    "Bayesian inference",
+    "sourdough fermentation",
+]
 
 
-def make_prompts(n: int, *, dataset: str = "B1", sampling: SamplingSpec = SAMPLING, tools_every: int = 0, start: int = 0) -> pa.Table:
+def make_prompts(
+    n: int, *, dataset: str = "B1", sampling: SamplingSpec = SAMPLING, tools_every: int = 0, start: int = 0
+) -> pa.Table:
     """n distinct prompts; every `tools_every`-th offers tools."""
     prompts = []
     for i in range(start, start + n):
         topic = _TOPICS[i % len(_TOPICS)]
         tools = [WEATHER_TOOL, SEARCH_TOOL] if tools_every and i % tools_every == 0 else None
-        msgs = [{"role": "system", "content": "You are concise."}, {"role": "user", "content": f"Question {i}: explain {topic} with an example."}]
+        msgs = [
+            {"role": "system", "content": "You are concise."},
+            {"role": "user", "content": f"Question {i}: explain {topic} with an example."},
+        ]
         prompts.append(Prompt(source_id=f"{dataset.lower()}-{i:04d}", messages=msgs, tools=tools))
     return prompts_table(dataset, prompts, sampling.to_dict())
 
 
 def sim_backend(url: str | None, **kw: Any) -> BackendSpec:
     base: dict[str, Any] = dict(
-        name="sim", kind="simulated", endpoint=url, model="moonshotai/kimi-k2.5", concurrency=4, timeout_s=10.0,
-        max_retries=4, backoff_base_s=0.01, backoff_max_s=0.05, circuit_breaker_failures=1000,
+        name="sim",
+        kind="simulated",
+        endpoint=url,
+        model="moonshotai/kimi-k2.5",
+        concurrency=4,
+        timeout_s=10.0,
+        max_retries=4,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        circuit_breaker_failures=1000,
     )
     base.update(kw)
     return BackendSpec(**base)
 
 
-def run(prompts: pa.Table, backend: BackendSpec, root: Path, *, sampling: SamplingSpec = SAMPLING, dataset: str = "B1", **kw: Any):
+def run(
+    prompts: pa.Table,
+    backend: BackendSpec,
+    root: Path,
+    *,
+    sampling: SamplingSpec = SAMPLING,
+    dataset: str = "B1",
+    **kw: Any,
+):
     return generate_dataset(
-        dataset=dataset, prompts=prompts, backend=backend, sampling=sampling, out_dir=root / "responses" / dataset,
-        errors_dir=root / "responses" / dataset / "errors", **kw,
+        dataset=dataset,
+        prompts=prompts,
+        backend=backend,
+        sampling=sampling,
+        out_dir=root / "responses" / dataset,
+        errors_dir=root / "responses" / dataset / "errors",
+        **kw,
     )
 
 

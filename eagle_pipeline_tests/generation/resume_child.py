@@ -1,6 +1,6 @@
 """Child process of the kill -9 resume test: one generate_dataset run against a server owned by the test.
 
-    python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT
+python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT
 """
 
 from __future__ import annotations
@@ -18,11 +18,28 @@ from .generation_helpers import SAMPLING
 
 def main() -> None:
     prompts_path, url, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    backend = BackendSpec(name="sim", kind="simulated", endpoint=url, model="moonshotai/kimi-k2.5", concurrency=8,
-                          timeout_s=10.0, max_retries=5, backoff_base_s=0.01, backoff_max_s=0.05)
-    s = generate_dataset(dataset="B1", prompts=pq.read_table(prompts_path), backend=backend, sampling=SAMPLING,
-                         out_dir=root / "responses" / "B1", errors_dir=root / "responses" / "B1" / "errors",
-                         commit_every_rows=4, commit_every_s=0.05, progress_every_s=3600)
+    backend = BackendSpec(
+        name="sim",
+        kind="simulated",
+        endpoint=url,
+        model="moonshotai/kimi-k2.5",
+        concurrency=8,
+        timeout_s=10.0,
+        max_retries=5,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+    )
+    s = generate_dataset(
+        dataset="B1",
+        prompts=pq.read_table(prompts_path),
+        backend=backend,
+        sampling=SAMPLING,
+        out_dir=root / "responses" / "B1",
+        errors_dir=root / "responses" / "B1" / "errors",
+        commit_every_rows=4,
+        commit_every_s=0.05,
+        progress_every_s=3600,
+    )
     print(json.dumps(s.to_dict()))
 
 

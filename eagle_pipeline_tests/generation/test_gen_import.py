@@ -17,9 +17,20 @@ def _body(content: str, **extra) -> dict:
         "model": "moonshotai/kimi-k2.5",
         "provider": "Moonshot AI",
         "created": 1767225600,
-        "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
-                     "message": {"role": "assistant", "content": content, "reasoning": f"thinking about {content}"}}],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 22, "completion_tokens_details": {"reasoning_tokens": 5}, "cost": 0.001},
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "native_finish_reason": "stop",
+                "message": {"role": "assistant", "content": content, "reasoning": f"thinking about {content}"},
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 11,
+            "completion_tokens": 22,
+            "completion_tokens_details": {"reasoning_tokens": 5},
+            "cost": 0.001,
+        },
         **extra,
     }
 
@@ -35,10 +46,20 @@ def test_jsonl_import_matching_and_coexistence_with_live_rows(tmp_path):
         # A bare chat-completion body carrying the prompt's messages beside `choices`.
         {**_body("bare body"), "messages": json.loads(rows[3]["messages_json"])},
         # vLLM body with ids: kept.
-        {"sample_id": rows[4]["sample_id"],
-         "response": {**_body("with ids", prompt_token_ids=[1, 2, 3]),
-                      "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [7, 8, 9],
-                                   "message": {"role": "assistant", "content": "with ids", "reasoning": "r"}}]}},
+        {
+            "sample_id": rows[4]["sample_id"],
+            "response": {
+                **_body("with ids", prompt_token_ids=[1, 2, 3]),
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "token_ids": [7, 8, 9],
+                        "message": {"role": "assistant", "content": "with ids", "reasoning": "r"},
+                    }
+                ],
+            },
+        },
         {"sample_id": rows[0]["sample_id"], "response": _body("duplicate of the first")},
         {"sample_id": "B1-nosuchprompt", "response": _body("unmatched")},
         {"sample_id": rows[5]["sample_id"], "response": {"error": {"code": 502, "message": "upstream"}}},
@@ -51,10 +72,25 @@ def test_jsonl_import_matching_and_coexistence_with_live_rows(tmp_path):
     out, err = out_dirs(tmp_path)
     t = read_responses(out)
     got = {r["sample_id"]: r for r in t.to_pylist()}
-    assert {got[rows[i]["sample_id"]]["content"] for i in range(5)} == {"by sample id", "by source id", "by messages", "bare body", "with ids"}
+    assert {got[rows[i]["sample_id"]]["content"] for i in range(5)} == {
+        "by sample id",
+        "by source id",
+        "by messages",
+        "bare body",
+        "with ids",
+    }
     r0 = got[rows[0]["sample_id"]]
-    assert r0["source"] == "import" and r0["backend"] == "legacy" and r0["provider"] == "Moonshot AI" and r0["attempts"] == 0
-    assert r0["reasoning"] == "thinking about by sample id" and r0["usage_completion_tokens"] == 22 and r0["cost_usd"] == 0.001
+    assert (
+        r0["source"] == "import"
+        and r0["backend"] == "legacy"
+        and r0["provider"] == "Moonshot AI"
+        and r0["attempts"] == 0
+    )
+    assert (
+        r0["reasoning"] == "thinking about by sample id"
+        and r0["usage_completion_tokens"] == 22
+        and r0["cost_usd"] == 0.001
+    )
     assert r0["messages_json"] == rows[0]["messages_json"] and json.loads(r0["sampling_json"]) == SAMPLING.to_dict()
     r4 = got[rows[4]["sample_id"]]
     assert r4["prompt_token_ids"] == [1, 2, 3] and r4["output_token_ids"] == [7, 8, 9]
@@ -89,6 +125,17 @@ def test_parquet_import_of_an_earlier_run(tmp_path):
     for r in t.to_pylist():
         b = before[r["sample_id"]]
         assert r["source"] == "import" and r["backend"] == "pq"
-        for col in ("content", "reasoning", "tool_calls_json", "generation_id", "usage_completion_tokens", "raw_response_json", "finished_at",
-                    "endpoint", "attempts", "provider", "latency_s"):
+        for col in (
+            "content",
+            "reasoning",
+            "tool_calls_json",
+            "generation_id",
+            "usage_completion_tokens",
+            "raw_response_json",
+            "finished_at",
+            "endpoint",
+            "attempts",
+            "provider",
+            "latency_s",
+        ):
             assert r[col] == b[col], col

@@ -35,7 +35,10 @@ def _committed(out: Path) -> tuple[list[str], int]:
 def _child(prompts_path: Path, url: str, root: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), url, str(root)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -46,11 +49,14 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
     prompts = make_prompts(n)
     prompts_path = tmp_path / "prompts.parquet"
     pq.write_table(prompts, prompts_path)
-    key_of = {sid: request_key(mj, SAMPLING.seed) for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())}
+    key_of = {
+        sid: request_key(mj, SAMPLING.seed)
+        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
+    }
     out, _ = out_dirs(tmp_path)
     committed_after_kill = []
     with SimulatedOpenRouterServer(latency_s=0.03, faults={"http_500": 0.1, "cut_body": 0.05}) as srv:
-        for attempt in range(4):
+        for _attempt in range(4):
             before_ids, _ = _committed(out)
             before_keys = {key_of[s] for s in before_ids}
             log_start = len(srv.request_log())

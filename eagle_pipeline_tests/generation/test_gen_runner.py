@@ -27,14 +27,21 @@ from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backe
 
 def _keys(prompts) -> dict[str, str]:
     """sample_id -> the simulated server's request key."""
-    return {sid: request_key(mj, SAMPLING.seed) for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())}
+    return {
+        sid: request_key(mj, SAMPLING.seed)
+        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
+    }
 
 
 def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_TEST_OR_KEY", "sk-or-v1-testkey-0123456789")
     prompts = make_prompts(24, tools_every=2)
     with SimulatedOpenRouterServer(api_key="sk-or-v1-testkey-0123456789") as srv:
-        be = sim_backend(srv.url, api_key_env="EAGLE_TEST_OR_KEY", provider={"only": ["moonshotai"], "allow_fallbacks": False, "quantizations": ["int4"]})
+        be = sim_backend(
+            srv.url,
+            api_key_env="EAGLE_TEST_OR_KEY",
+            provider={"only": ["moonshotai"], "allow_fallbacks": False, "quantizations": ["int4"]},
+        )
         s = run(prompts, be, tmp_path, commit_every_rows=10)
         headers = srv.headers_seen()
         keys = _keys(prompts)
@@ -68,7 +75,9 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
             n_tool_rows += 1
             assert p["tools_json"] is not None and r["finish_reason"] == "tool_calls"
             tcs = json.loads(r["tool_calls_json"])
-            assert tcs == msg["tool_calls"] and all(tc["id"].startswith(f"functions.{tc['function']['name']}:") for tc in tcs)
+            assert tcs == msg["tool_calls"] and all(
+                tc["id"].startswith(f"functions.{tc['function']['name']}:") for tc in tcs
+            )
         else:
             assert r["finish_reason"] == "stop" and r["native_finish_reason"] == "stop"
         body = bodies[p["sample_id"]]
@@ -117,7 +126,9 @@ def test_429_storm_waits_for_retry_after(tmp_path):
         assert all(b.at - a.at >= 0.99 for a, b in zip(recs, recs[1:]))
 
 
-@pytest.mark.parametrize("fault", ["http_500", "http_502", "http_503", "error_200", "no_choices", "cut_body", "bad_json", "timeout"])
+@pytest.mark.parametrize(
+    "fault", ["http_500", "http_502", "http_503", "error_200", "no_choices", "cut_body", "bad_json", "timeout"]
+)
 def test_transient_fault_is_retried_then_succeeds(tmp_path, fault):
     prompts = make_prompts(5)
     with SimulatedOpenRouterServer(faults={fault: 1.0, "retry_after_s": 0.05}) as srv:
@@ -134,8 +145,14 @@ def test_transient_fault_is_retried_then_succeeds(tmp_path, fault):
 
 @pytest.mark.parametrize(
     "fault,error_class,status",
-    [("http_500", "server_error", 500), ("error_200", "provider_error", 200), ("cut_body", "connection", None), ("bad_json", "malformed_body", 200),
-     ("no_choices", "no_choices", 200), ("http_429", "rate_limit", 429)],
+    [
+        ("http_500", "server_error", 500),
+        ("error_200", "provider_error", 200),
+        ("cut_body", "connection", None),
+        ("bad_json", "malformed_body", 200),
+        ("no_choices", "no_choices", 200),
+        ("http_429", "rate_limit", 429),
+    ],
 )
 def test_exhausted_retries_are_recorded(tmp_path, fault, error_class, status):
     prompts = make_prompts(8)
@@ -158,7 +175,13 @@ def test_exhausted_retries_are_recorded(tmp_path, fault, error_class, status):
 
 def test_quality_outcomes_are_responses_not_errors(tmp_path):
     prompts = make_prompts(40, tools_every=1)
-    faults = {"length": 0.25, "empty_content": 0.25, "billing_mismatch": 0.25, "bad_tool_args": 0.25, "empty_reasoning": 0.25}
+    faults = {
+        "length": 0.25,
+        "empty_content": 0.25,
+        "billing_mismatch": 0.25,
+        "bad_tool_args": 0.25,
+        "empty_reasoning": 0.25,
+    }
     with SimulatedOpenRouterServer(faults=faults) as srv:
         s = run(prompts, sim_backend(srv.url), tmp_path)
         plan = srv.plan
@@ -241,7 +264,9 @@ def test_circuit_breaker_stops_after_consecutive_failures(tmp_path):
 def test_budget_stops_new_requests(tmp_path):
     prompts = make_prompts(80)
     with SimulatedOpenRouterServer(price_per_m_prompt=100.0, price_per_m_completion=100.0) as srv:
-        one = srv.answer({"model": "m", "messages": json.loads(prompts.column("messages_json")[0].as_py()), "seed": 7})["usage"]["cost"]
+        one = srv.answer({"model": "m", "messages": json.loads(prompts.column("messages_json")[0].as_py()), "seed": 7})[
+            "usage"
+        ]["cost"]
         budget = 10 * one
         s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, budget_usd=budget)
         seen = srv.total_requests
@@ -351,10 +376,20 @@ def test_api_key_never_reaches_outputs_or_logs(tmp_path, monkeypatch, caplog):
     faults = {"echo_auth": True, "error_200": 0.3, "fail_first_n_attempts": 100, "retry_after_s": 0.01}
     with caplog.at_level(logging.DEBUG):
         with SimulatedOpenRouterServer(api_key=secret, faults=faults) as srv:
-            s = run(prompts, sim_backend(srv.url, api_key_env="EAGLE_TEST_LEAK_KEY", max_retries=1), tmp_path, commit_every_rows=7)
+            s = run(
+                prompts,
+                sim_backend(srv.url, api_key_env="EAGLE_TEST_LEAK_KEY", max_retries=1),
+                tmp_path,
+                commit_every_rows=7,
+            )
             assert all(h.get("Authorization") == f"Bearer {secret}" for h in srv.headers_seen())  # the key was used
         with SimulatedOpenRouterServer(faults={"after_requests": {"http_401": 0}, "echo_auth": True}) as srv:
-            s401 = run(make_prompts(5, dataset="B9"), sim_backend(srv.url, api_key_env="EAGLE_TEST_LEAK_KEY"), tmp_path, dataset="B9")
+            s401 = run(
+                make_prompts(5, dataset="B9"),
+                sim_backend(srv.url, api_key_env="EAGLE_TEST_LEAK_KEY"),
+                tmp_path,
+                dataset="B9",
+            )
     assert s.failed > 0 and s.completed > 0 and s401.stopped_reason == "auth"
     e = read_errors(out_dirs(tmp_path)[1])
     assert any("Bearer ***" in m for m in e.column("message").to_pylist())  # the echo happened, redacted
@@ -410,5 +445,9 @@ def test_stop_cancels_pending_retries(tmp_path):
     assert s.errors_by_class.get("cancelled") == 1 and s.errors_by_class.get("auth", 0) >= 1
     e = {r["sample_id"]: r for r in read_errors(out_dirs(tmp_path)[1]).to_pylist()}
     first = prompts.column("sample_id")[0].as_py()
-    assert e[first]["error_class"] == "cancelled" and "auth" in e[first]["message"] and "server_error" in e[first]["message"]
+    assert (
+        e[first]["error_class"] == "cancelled"
+        and "auth" in e[first]["message"]
+        and "server_error" in e[first]["message"]
+    )
     assert s.requested == s.completed + s.failed

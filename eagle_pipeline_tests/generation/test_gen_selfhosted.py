@@ -40,20 +40,44 @@ def render(messages, tools) -> list[int]:
 
 
 def vllm_backend(url: str, **kw) -> BackendSpec:
-    base = dict(name="vllm-local", kind="vllm", endpoint=url, model="moonshotai/Kimi-K2.5", concurrency=4, max_retries=3,
-                backoff_base_s=0.01, backoff_max_s=0.02, price_per_m_prompt=0.1, price_per_m_completion=0.4)
+    base = dict(
+        name="vllm-local",
+        kind="vllm",
+        endpoint=url,
+        model="moonshotai/Kimi-K2.5",
+        concurrency=4,
+        max_retries=3,
+        backoff_base_s=0.01,
+        backoff_max_s=0.02,
+        price_per_m_prompt=0.1,
+        price_per_m_completion=0.4,
+    )
     return BackendSpec(**{**base, **kw})
 
 
 def sglang_backend(url: str, **kw) -> BackendSpec:
-    base = dict(name="sglang-local", kind="sglang", endpoint=url, model="moonshotai/Kimi-K2.5", concurrency=4, max_retries=3,
-                backoff_base_s=0.01, backoff_max_s=0.02)
+    base = dict(
+        name="sglang-local",
+        kind="sglang",
+        endpoint=url,
+        model="moonshotai/Kimi-K2.5",
+        concurrency=4,
+        max_retries=3,
+        backoff_base_s=0.01,
+        backoff_max_s=0.02,
+    )
     return BackendSpec(**{**base, **kw})
 
 
 def test_vllm_ids_as_returned(tmp_path):
     prompts = make_prompts(12, tools_every=3)
-    with SimulatedVLLMServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, faults={"http_503": 0.3, "retry_after_s": 0.01}) as srv:
+    with SimulatedVLLMServer(
+        encode=encode,
+        think_start_id=THINK,
+        think_end_id=END_THINK,
+        eos_id=EOS,
+        faults={"http_503": 0.3, "retry_after_s": 0.01},
+    ) as srv:
         s = run(prompts, vllm_backend(srv.url), tmp_path)
         expected = {}
         for p in prompts.to_pylist():
@@ -66,11 +90,19 @@ def test_vllm_ids_as_returned(tmp_path):
     for r in t.to_pylist():
         exp = expected[r["sample_id"]]
         assert r["source"] == "vllm" and r["backend"] == "vllm-local" and r["provider"] is None
-        assert r["prompt_token_ids"] == exp["prompt_token_ids"] and r["output_token_ids"] == exp["choices"][0]["token_ids"]
-        assert r["output_token_ids"][0] == THINK and r["output_token_ids"][-1] == EOS and END_THINK in r["output_token_ids"]
+        assert (
+            r["prompt_token_ids"] == exp["prompt_token_ids"] and r["output_token_ids"] == exp["choices"][0]["token_ids"]
+        )
+        assert (
+            r["output_token_ids"][0] == THINK
+            and r["output_token_ids"][-1] == EOS
+            and END_THINK in r["output_token_ids"]
+        )
         assert r["reasoning"] == exp["choices"][0]["message"]["reasoning"] and r["reasoning"]
         assert r["usage_completion_tokens"] == len(r["output_token_ids"])
-        assert r["cost_usd"] == pytest.approx((r["usage_prompt_tokens"] * 0.1 + r["usage_completion_tokens"] * 0.4) / 1e6)
+        assert r["cost_usd"] == pytest.approx(
+            (r["usage_prompt_tokens"] * 0.1 + r["usage_completion_tokens"] * 0.4) / 1e6
+        )
         if r["tool_calls_json"]:
             assert r["finish_reason"] == "tool_calls"
 
@@ -78,14 +110,18 @@ def test_vllm_ids_as_returned(tmp_path):
 def test_vllm_reasoning_content_fallback_and_thinking_off(tmp_path):
     off = SamplingSpec(seed=1, max_tokens=512, thinking=False)
     prompts = make_prompts(3, sampling=off)
-    with SimulatedVLLMServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, reasoning_field="reasoning_content") as srv:
+    with SimulatedVLLMServer(
+        encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, reasoning_field="reasoning_content"
+    ) as srv:
         run(prompts, vllm_backend(srv.url), tmp_path, sampling=off)
         body = srv.body_for(request_key(prompts.column("messages_json")[0].as_py(), 1))
     assert body["chat_template_kwargs"] == {"thinking": False}
     t = read_responses(out_dirs(tmp_path)[0])
     assert set(t.column("reasoning").to_pylist()) == {None} and set(t.column("thinking").to_pylist()) == {False}
     assert all(THINK not in ids for ids in t.column("output_token_ids").to_pylist())
-    with SimulatedVLLMServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, reasoning_field="reasoning_content") as srv:
+    with SimulatedVLLMServer(
+        encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, reasoning_field="reasoning_content"
+    ) as srv:
         run(make_prompts(2), vllm_backend(srv.url), tmp_path / "on")
     t = read_responses(out_dirs(tmp_path / "on")[0])
     assert all(x for x in t.column("reasoning").to_pylist())  # taken from reasoning_content
@@ -93,7 +129,9 @@ def test_vllm_reasoning_content_fallback_and_thinking_off(tmp_path):
 
 def test_vllm_without_token_ids_is_a_classified_error(tmp_path):
     prompts = make_prompts(6)
-    with SimulatedVLLMServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, supports_token_ids=False) as srv:
+    with SimulatedVLLMServer(
+        encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, supports_token_ids=False
+    ) as srv:
         s = run(prompts, vllm_backend(srv.url, circuit_breaker_failures=4), tmp_path)
         assert srv.total_requests == s.requested  # not retried: an old server stays old
     out, err = out_dirs(tmp_path)
@@ -101,13 +139,22 @@ def test_vllm_without_token_ids_is_a_classified_error(tmp_path):
     assert s.stopped_reason == "circuit_breaker" and s.failed >= 4
     assert read_responses(out).num_rows == 0
     e = read_errors(err)
-    assert set(e.column("error_class").to_pylist()) == {"missing_token_ids"} and "return_token_ids" in e.column("message")[0].as_py()
+    assert (
+        set(e.column("error_class").to_pylist()) == {"missing_token_ids"}
+        and "return_token_ids" in e.column("message")[0].as_py()
+    )
 
 
 def test_sglang_generate_request_and_ids(tmp_path):
     prompts = make_prompts(10)
-    with SimulatedSGLangServer(encode=encode, decode=decode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS,
-                               faults={"http_500": 0.3, "error_200": 0.3}) as srv:
+    with SimulatedSGLangServer(
+        encode=encode,
+        decode=decode,
+        think_start_id=THINK,
+        think_end_id=END_THINK,
+        eos_id=EOS,
+        faults={"http_500": 0.3, "error_200": 0.3},
+    ) as srv:
         s = run(prompts, sglang_backend(srv.url), tmp_path, render_prompt_ids=render)
         expected = {}
         for p in prompts.to_pylist():
@@ -115,8 +162,14 @@ def test_sglang_generate_request_and_ids(tmp_path):
             body = srv.body_for(ids_key(ids, SAMPLING.seed))
             assert body is not None and body["input_ids"] == ids
             sp = body["sampling_params"]
-            assert sp == {"max_new_tokens": 2048, "temperature": 1.0, "top_p": 0.95, "skip_special_tokens": False, "no_stop_trim": True,
-                          "sampling_seed": 7}
+            assert sp == {
+                "max_new_tokens": 2048,
+                "temperature": 1.0,
+                "top_p": 0.95,
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+                "sampling_seed": 7,
+            }
             assert body["rid"].startswith(p["sample_id"] + ":")
             expected[p["sample_id"]] = (ids, srv.answer(body))
     assert (s.completed, s.failed) == (10, 0)
@@ -124,7 +177,10 @@ def test_sglang_generate_request_and_ids(tmp_path):
     for r in t.to_pylist():
         ids, exp = expected[r["sample_id"]]
         assert r["source"] == "sglang" and r["prompt_token_ids"] == ids and r["output_token_ids"] == exp["output_ids"]
-        assert r["finish_reason"] == "stop" and json.loads(r["native_finish_reason"]) == {"type": "stop", "matched": EOS}
+        assert r["finish_reason"] == "stop" and json.loads(r["native_finish_reason"]) == {
+            "type": "stop",
+            "matched": EOS,
+        }
         assert r["content"] == exp["text"] and r["content"].endswith("<|im_end|>") and r["reasoning"] is None
         assert r["usage_prompt_tokens"] == len(ids) and r["usage_completion_tokens"] == len(r["output_token_ids"])
         assert r["generation_id"] == r["sample_id"] + f":{r['attempts']}"
@@ -134,8 +190,13 @@ def test_sglang_generate_request_and_ids(tmp_path):
 def test_sglang_length_and_abort(tmp_path):
     small = SamplingSpec(seed=3, max_tokens=16)
     prompts = make_prompts(4, sampling=small)
-    with SimulatedSGLangServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS,
-                               faults={"error_200": 1.0, "fail_first_n_attempts": 100}) as srv:
+    with SimulatedSGLangServer(
+        encode=encode,
+        think_start_id=THINK,
+        think_end_id=END_THINK,
+        eos_id=EOS,
+        faults={"error_200": 1.0, "fail_first_n_attempts": 100},
+    ) as srv:
         s = run(prompts, sglang_backend(srv.url, max_retries=1), tmp_path, sampling=small, render_prompt_ids=render)
     assert s.completed == 0 and s.errors_by_class == {"provider_error": 4}  # abort finish -> retried, then recorded
     with SimulatedSGLangServer(encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS) as srv:

@@ -18,7 +18,9 @@ from .generation_helpers import SEARCH_TOOL, WEATHER_TOOL
 
 
 def test_backend_spec_validation_and_defaults():
-    assert BackendSpec(name="or", kind="openrouter", endpoint="https://openrouter.ai/api/v1").effective_concurrency == 2000
+    assert (
+        BackendSpec(name="or", kind="openrouter", endpoint="https://openrouter.ai/api/v1").effective_concurrency == 2000
+    )
     assert BackendSpec(name="v", kind="vllm", endpoint="http://h:8000/v1").effective_concurrency == 256
     assert BackendSpec(name="v", kind="vllm", endpoint="http://h:8000/v1", concurrency=7).effective_concurrency == 7
     with pytest.raises(ValueError, match="kind"):
@@ -29,7 +31,13 @@ def test_backend_spec_validation_and_defaults():
         BackendSpec(name="x", kind="import")
     d = BackendSpec(name="s", kind="simulated", simulated={"count_completion_tokens": len}).to_dict()
     json.dumps(d)  # callables in `simulated` must not break serialisation
-    assert SamplingSpec(seed=3).to_dict() == {"temperature": 1.0, "top_p": 0.95, "seed": 3, "max_tokens": 16384, "thinking": True}
+    assert SamplingSpec(seed=3).to_dict() == {
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "seed": 3,
+        "max_tokens": 16384,
+        "thinking": True,
+    }
     with pytest.raises(ValueError):
         SamplingSpec(max_tokens=0)
 
@@ -50,12 +58,18 @@ def test_classify_status():
     for s in (500, 502, 503, 504):
         f = classify_status(s, "x")
         assert f.error_class == F.SERVER_ERROR and f.retryable and f.stop_reason is None
-    assert classify_status(408, "x").retryable and classify_status(409, "x").retryable and classify_status(425, "x").retryable
+    assert (
+        classify_status(408, "x").retryable
+        and classify_status(409, "x").retryable
+        and classify_status(425, "x").retryable
+    )
     a = classify_status(401, "x")
     assert a.stop_reason == F.STOP_AUTH and not a.retryable
     assert classify_status(403, "x").stop_reason == F.STOP_AUTH
     # OpenRouter's moderation 403 concerns one prompt: recorded, not a run stop.
-    m = classify_status(403, "flagged", error_obj={"code": 403, "metadata": {"reasons": ["violence"], "flagged_input": "..."}})
+    m = classify_status(
+        403, "flagged", error_obj={"code": 403, "metadata": {"reasons": ["violence"], "flagged_input": "..."}}
+    )
     assert m.error_class == F.MODERATION and m.stop_reason is None
     c = classify_status(402, "x")
     assert c.stop_reason == F.STOP_CREDITS
@@ -66,7 +80,10 @@ def test_classify_status():
 
 
 def test_parse_chat_checks_error_before_choices():
-    body = {"error": {"code": 429, "message": "Rate limit exceeded"}, "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}
+    body = {
+        "error": {"code": 429, "message": "Rate limit exceeded"},
+        "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}],
+    }
     with pytest.raises(RequestFailure) as ei:
         parse_chat_completion(body, 200, want_ids=False)
     assert ei.value.error_class == F.RATE_LIMIT and ei.value.retryable and ei.value.http_status == 200
@@ -80,7 +97,9 @@ def test_parse_chat_checks_error_before_choices():
         parse_chat_completion({"id": "gen-1", "choices": []}, 200, want_ids=False)
     assert ei.value.error_class == F.NO_CHOICES and ei.value.retryable
     with pytest.raises(RequestFailure) as ei:
-        parse_chat_completion({"choices": [{"message": {"content": "partial"}, "finish_reason": "error"}]}, 200, want_ids=False)
+        parse_chat_completion(
+            {"choices": [{"message": {"content": "partial"}, "finish_reason": "error"}]}, 200, want_ids=False
+        )
     assert ei.value.error_class == F.PROVIDER_ERROR
     with pytest.raises(RequestFailure) as ei:
         parse_chat_completion({"choices": [{"message": {"content": None}, "finish_reason": None}]}, 200, want_ids=False)
@@ -89,29 +108,54 @@ def test_parse_chat_checks_error_before_choices():
 
 def test_parse_chat_fields_and_fallbacks():
     body = {
-        "id": "gen-9", "model": "m", "provider": "P",
-        "choices": [{"finish_reason": "stop", "native_finish_reason": "end_turn",
-                     "message": {"role": "assistant", "content": "", "reasoning_content": "thinking..."}}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 9, "completion_tokens_details": {"reasoning_tokens": 4}, "cost": 0.5},
+        "id": "gen-9",
+        "model": "m",
+        "provider": "P",
+        "choices": [
+            {
+                "finish_reason": "stop",
+                "native_finish_reason": "end_turn",
+                "message": {"role": "assistant", "content": "", "reasoning_content": "thinking..."},
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 9,
+            "completion_tokens_details": {"reasoning_tokens": 4},
+            "cost": 0.5,
+        },
     }
     p = parse_chat_completion(body, 200, want_ids=False)
     # Empty content is a sample-quality outcome, not an error.
-    assert p.content == "" and p.reasoning == "thinking..." and p.finish_reason == "stop" and p.native_finish_reason == "end_turn"
+    assert (
+        p.content == ""
+        and p.reasoning == "thinking..."
+        and p.finish_reason == "stop"
+        and p.native_finish_reason == "end_turn"
+    )
     assert (p.usage_prompt_tokens, p.usage_completion_tokens, p.usage_reasoning_tokens, p.cost_usd) == (5, 9, 4, 0.5)
     assert p.generation_id == "gen-9" and p.provider == "P"
     with pytest.raises(RequestFailure) as ei:
         parse_chat_completion(body, 200, want_ids=True)
     assert ei.value.error_class == F.MISSING_TOKEN_IDS and not ei.value.retryable
-    spec = BackendSpec(name="v", kind="vllm", endpoint="http://h/v1", price_per_m_prompt=1.0, price_per_m_completion=2.0)
+    spec = BackendSpec(
+        name="v", kind="vllm", endpoint="http://h/v1", price_per_m_prompt=1.0, price_per_m_completion=2.0
+    )
     body2 = dict(body, usage={"prompt_tokens": 1_000_000, "completion_tokens": 500_000})
     assert parse_chat_completion(body2, 200, want_ids=False, spec=spec).cost_usd == pytest.approx(2.0)
 
 
 def test_openrouter_body_is_valid_json_with_settings():
-    spec = BackendSpec(name="or", kind="openrouter", endpoint="https://openrouter.ai/api/v1", model="moonshotai/kimi-k2.5",
-                       provider={"only": ["moonshotai"], "allow_fallbacks": False}, extra_body={"provider": {"require_parameters": True}})
+    spec = BackendSpec(
+        name="or",
+        kind="openrouter",
+        endpoint="https://openrouter.ai/api/v1",
+        model="moonshotai/kimi-k2.5",
+        provider={"only": ["moonshotai"], "allow_fallbacks": False},
+        extra_body={"provider": {"require_parameters": True}},
+    )
     be = OpenRouterBackend(spec, SamplingSpec(seed=5, max_tokens=100, thinking=False))
-    msgs = json.dumps([{"role": "user", "content": "hi \"there\" é"}], ensure_ascii=False)
+    msgs = json.dumps([{"role": "user", "content": 'hi "there" é'}], ensure_ascii=False)
     body = json.loads(be.build_body(PromptItem("s", msgs, json.dumps([WEATHER_TOOL])), 1))
     assert body["messages"][0]["content"] == 'hi "there" é' and body["tools"][0]["function"]["name"] == "get_weather"
     assert body["provider"] == {"only": ["moonshotai"], "allow_fallbacks": False, "require_parameters": True}
@@ -158,10 +202,21 @@ def test_synthesize_tool_calls_follow_schema():
                 assert isinstance(args["query"], str)
     assert 20 <= n_calls <= 50  # ~60% of prompts that offer tools
     # After a tool result the model answers instead of calling again.
-    msgs = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-                                                                 "function": {"name": "get_weather", "arguments": "{}"}}]},
-            {"role": "tool", "content": "sunny", "tool_call_id": "functions.get_weather:0"}]
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "functions.get_weather:0"},
+    ]
     assert not synthesize(msgs, [WEATHER_TOOL], request_key(msgs, 0)).tool_calls
 
 
@@ -179,7 +234,11 @@ def test_fault_plan_selection():
     with pytest.raises(ValueError, match="unknown"):
         FaultPlan({"http_999": 1.0})
     p = FaultPlan({"http_500": 1.0, "fail_first_n_attempts": 2})
-    assert p.status_fault("k", 1, 1) == "http_500" and p.status_fault("k", 2, 2) == "http_500" and p.status_fault("k", 3, 3) is None
+    assert (
+        p.status_fault("k", 1, 1) == "http_500"
+        and p.status_fault("k", 2, 2) == "http_500"
+        and p.status_fault("k", 3, 3) is None
+    )
     p = FaultPlan({"select": {"http_502": ["a"]}, "after_requests": {"http_401": 5}})
     assert p.status_fault("a", 1, 1) == "http_502" and p.status_fault("b", 1, 1) is None
     assert p.status_fault("b", 9, 6) == "http_401"
@@ -188,9 +247,18 @@ def test_fault_plan_selection():
 
 
 def test_simulated_usage_uses_given_counters():
-    srv = SimulatedOpenRouterServer(count_completion_tokens=lambda r, c, t: 1000 + len(r) + len(c), count_prompt_tokens=lambda m, t, th: 77,
-                                    price_per_m_prompt=1.0, price_per_m_completion=2.0)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello there world"}], "seed": 1, "max_tokens": 100000}
+    srv = SimulatedOpenRouterServer(
+        count_completion_tokens=lambda r, c, t: 1000 + len(r) + len(c),
+        count_prompt_tokens=lambda m, t, th: 77,
+        price_per_m_prompt=1.0,
+        price_per_m_completion=2.0,
+    )
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello there world"}],
+        "seed": 1,
+        "max_tokens": 100000,
+    }
     out = srv.answer(body)
     msg = out["choices"][0]["message"]
     u = out["usage"]
@@ -199,7 +267,10 @@ def test_simulated_usage_uses_given_counters():
     assert u["completion_tokens_details"]["reasoning_tokens"] == 1000 + len(msg["reasoning"])
     assert u["cost"] == pytest.approx((77 * 1.0 + u["completion_tokens"] * 2.0) / 1e6)
     assert out["id"].startswith("gen-") and out["provider"] == "Simulated"
-    assert msg["reasoning_details"][0]["type"] == "reasoning.text" and msg["reasoning_details"][0]["text"] == msg["reasoning"]
+    assert (
+        msg["reasoning_details"][0]["type"] == "reasoning.text"
+        and msg["reasoning_details"][0]["text"] == msg["reasoning"]
+    )
     # max_tokens below the answer's size: finish 'length', usage within the cap.
     out = srv.answer(dict(body, max_tokens=1010))
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] <= 1010

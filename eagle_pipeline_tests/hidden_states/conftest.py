@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +61,9 @@ def write_merged(merged_dir: Path, rows: list[dict], part_sizes: list[int], row_
     merged_dir.mkdir(parents=True, exist_ok=True)
     start = 0
     for k, size in enumerate(part_sizes):
-        pq.write_table(rows_table(rows[start : start + size]), merged_dir / f"part-{k:05d}.parquet", row_group_size=row_group_size)
+        pq.write_table(
+            rows_table(rows[start : start + size]), merged_dir / f"part-{k:05d}.parquet", row_group_size=row_group_size
+        )
         start += size
     return merged_dir
 

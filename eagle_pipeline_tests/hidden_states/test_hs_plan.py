@@ -26,7 +26,9 @@ def test_kimi_k25_disk_and_gpu_hours_follow_the_formulas():
     assert p.bytes_per_shard == pytest.approx(p.bytes_on_disk * 256 / KIMI_SAMPLES)
     assert not p.exceeds_budget
     assert p.min_gpus_for_weights == -(-int(1.04e12 * 2) // int(0.9 * 141e9))  # bf16 weights: 17 H200s
-    int4 = plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=KIMI_TOKENS, n_samples=KIMI_SAMPLES, weight_bytes_per_param=0.55)
+    int4 = plan_for_model(
+        KIMI_K25_TEXT_CONFIG, n_tokens=KIMI_TOKENS, n_samples=KIMI_SAMPLES, weight_bytes_per_param=0.55
+    )
     assert int4.min_gpus_for_weights == 5 and int4.gpu_hours == p.gpu_hours
 
 

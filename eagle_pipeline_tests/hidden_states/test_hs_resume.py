@@ -37,7 +37,7 @@ def test_done_shard_is_skipped_untouched(tiny_ds, merged, tmp_path):
 def test_partial_shard_from_killed_writer_is_redone(tiny_ds, merged, tmp_path):
     out = tmp_path / "hs"
     out.mkdir()
-    st, idx = shard_paths(out, 2)
+    st, _ = shard_paths(out, 2)
     st.write_bytes(b"half a file")  # safetensors without an index
     (out / ".shard-00002.safetensors.abc123.tmp").write_bytes(b"junk")  # atomic_path leftover
     assert shard_status(out, 2) == "partial"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -23,9 +23,10 @@ def token_table(
     id_prefix: str | None = None,
     vocab: int = 500,
     eot: int = EOT,
-    id_type: pa.DataType = pa.int32(),
+    id_type: pa.DataType | None = None,
 ) -> pa.Table:
     """A token-samples table (contract columns) with random lengths, some empty prompts, outputs ending in eot."""
+    id_type = id_type or pa.int32()
     rng = np.random.default_rng(seed)
     prompts, outputs = [], []
     for i in range(n):

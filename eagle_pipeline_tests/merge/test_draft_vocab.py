@@ -43,7 +43,9 @@ def merged(tmp_path, write_tokens) -> Path:
     pa_path, _ = write_tokens("A", 80, seed=21, vocab=3000)
     pb_path, _ = write_tokens("B", 60, seed=22, vocab=300)
     out = tmp_path / "m"
-    merge_datasets([MergeInput("A", pa_path), MergeInput("B", pb_path)], out, MergeSettings(rows_per_shard=50, eval_fraction=0.2))
+    merge_datasets(
+        [MergeInput("A", pa_path), MergeInput("B", pb_path)], out, MergeSettings(rows_per_shard=50, eval_fraction=0.2)
+    )
     return out
 
 
@@ -91,15 +93,31 @@ def test_fewer_seen_ids_than_k_pads_with_lowest_unused(tmp_path):
     # Supervised tokens {5, 9, 9}; prompt token 2 must not count.
     t = pa.Table.from_pylist(
         [
-            dict(sample_id="s1", dataset="A", input_ids=[2, 9, 9], loss_mask=[0, 1, 1], n_tokens=3, n_prompt_tokens=1, split="train"),
-            dict(sample_id="s2", dataset="A", input_ids=[2, 5], loss_mask=[0, 1], n_tokens=2, n_prompt_tokens=1, split="train"),
+            dict(
+                sample_id="s1",
+                dataset="A",
+                input_ids=[2, 9, 9],
+                loss_mask=[0, 1, 1],
+                n_tokens=3,
+                n_prompt_tokens=1,
+                split="train",
+            ),
+            dict(
+                sample_id="s2",
+                dataset="A",
+                input_ids=[2, 5],
+                loss_mask=[0, 1],
+                n_tokens=2,
+                n_prompt_tokens=1,
+                split="train",
+            ),
         ],
         schema=MERGED_SCHEMA,
     )
     (tmp_path / "m").mkdir()
     pq.write_table(t, tmp_path / "m" / "part-00000.parquet")
     s = build_draft_vocab(tmp_path / "m", 20, tmp_path / "v", k=5)
-    d2t, t2d = load_draft_vocab(tmp_path / "v")
+    d2t, _ = load_draft_vocab(tmp_path / "v")
     # 9 and 5 by count, then the lowest unseen ids 0, 1, 2 (prompt-only token 2 has count 0 like any unseen id).
     assert (np.arange(5) + d2t).tolist() == [0, 1, 2, 5, 9]
     assert np.load(tmp_path / "v" / "token_counts.npy")[[2, 5, 9]].tolist() == [0, 1, 2]

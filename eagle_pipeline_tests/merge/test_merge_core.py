@@ -29,7 +29,9 @@ def test_input_ids_and_loss_mask_match_naive_reference(tmp_path, write_tokens):
     # Multiple row groups (chunked reads), int64 ids in one input, empty prompts: all must come out right.
     pa_path, a = write_tokens("A", 60, seed=1, row_group_size=7)
     pb_path, b = write_tokens("B", 45, seed=2, id_type=pa.int64())
-    merge_datasets([MergeInput("A", pa_path), MergeInput("B", pb_path)], tmp_path / "m", MergeSettings(rows_per_shard=16))
+    merge_datasets(
+        [MergeInput("A", pa_path), MergeInput("B", pb_path)], tmp_path / "m", MergeSettings(rows_per_shard=16)
+    )
     merged = read_merged(tmp_path / "m")
     assert merged.schema == MERGED_SCHEMA
     assert merged.num_rows == 105
@@ -79,7 +81,9 @@ def test_keep_mask_and_manifest_counts(tmp_path, write_tokens):
     keep_a = np.ones(30, dtype=bool)
     keep_a[[0, 5, 17]] = False
     inputs = [
-        MergeInput("A", pa_path, keep_mask=keep_a, excluded_by_gate={"truncated": 2, "empty": 1}, upstream_version="va"),
+        MergeInput(
+            "A", pa_path, keep_mask=keep_a, excluded_by_gate={"truncated": 2, "empty": 1}, upstream_version="va"
+        ),
         MergeInput("B", pb_path, upstream_version="vb"),
     ]
     m = merge_datasets(inputs, tmp_path / "m", MergeSettings(rows_per_shard=8), config_hash="cfg123")
@@ -222,7 +226,11 @@ def test_remerge_with_fewer_shards_removes_stale_ones(tmp_path, write_tokens):
     assert len(list(out.glob("part-*.parquet"))) == 5
     (out / ".part-00009.parquet.abc.tmp").write_bytes(b"junk from a killed writer")
     m = merge_datasets([MergeInput("A", path)], out, MergeSettings(rows_per_shard=20))
-    assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == [
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
+    ]
     assert not list(out.glob("*.tmp"))
     assert read_merged(out).num_rows == 50 == m.rows_total
 

@@ -24,7 +24,9 @@ def merged(tmp_path, write_tokens) -> Path:
     pa_path, _ = write_tokens("A", 70, seed=31)
     pb_path, _ = write_tokens("B", 50, seed=32)
     out = tmp_path / "m"
-    merge_datasets([MergeInput("A", pa_path), MergeInput("B", pb_path)], out, MergeSettings(rows_per_shard=40, eval_fraction=0.25))
+    merge_datasets(
+        [MergeInput("A", pa_path), MergeInput("B", pb_path)], out, MergeSettings(rows_per_shard=40, eval_fraction=0.25)
+    )
     return out
 
 

@@ -76,24 +76,48 @@ CONVERSATIONS = [
                 "content": "",
                 "reasoning_content": "need tool",
                 "tool_calls": [
-                    {"id": "functions.get_weather:0", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+                    {
+                        "id": "functions.get_weather:0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18C sunny"},
         ],
-        [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Weather <now> & later",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
     ),
     (
         [
             {"role": "user", "content": "first"},
             {"role": "assistant", "content": "answer one", "reasoning_content": "dropped in history"},
-            {"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "image_url", "image_url": {"url": "x"}},
-                                         {"type": "video", "video": "v"}, {"type": "text", "text": "done"}]},
-            {"role": "assistant", "content": "calling", "reasoning_content": "kept in suffix",
-             "tool_calls": [{"id": "call_1", "function": {"name": "f", "arguments": {"a": [1, 2], "b": "é"}}},
-                            {"id": "call_2", "function": {"name": "g", "arguments": "{}"}}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look "},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "video", "video": "v"},
+                    {"type": "text", "text": "done"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": "calling",
+                "reasoning_content": "kept in suffix",
+                "tool_calls": [
+                    {"id": "call_1", "function": {"name": "f", "arguments": {"a": [1, 2], "b": "é"}}},
+                    {"id": "call_2", "function": {"name": "g", "arguments": "{}"}},
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "name": "f", "content": "r1"},
             {"role": "tool", "tool_call_id": "call_2", "content": "r2"},
         ],
@@ -103,8 +127,11 @@ CONVERSATIONS = [
         [
             {"role": "system", "name": "policy", "content": "Be brief."},
             {"role": "user", "name": "alice", "content": "hello\n\n  world  "},
-            {"role": "assistant", "content": None,
-             "tool_calls": [{"id": "functions.search:0", "function": {"name": "search", "arguments": "{\"q\":\"x\"}"}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "functions.search:0", "function": {"name": "search", "arguments": '{"q":"x"}'}}],
+            },
             {"role": "tool", "tool_call_id": "functions.search:0", "content": ""},
         ],
         None,

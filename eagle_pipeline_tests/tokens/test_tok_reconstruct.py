@@ -8,7 +8,6 @@ import pyarrow as pa
 import pytest
 
 from eagle_pipeline.prompts import normalized_prompt_key
-from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens import (
     IDS_RECONSTRUCTED,
     IDS_RETURNED,
@@ -19,6 +18,7 @@ from eagle_pipeline.tokens import (
     render_prompt,
     render_prompt_ids,
 )
+from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens.tokenizer import TargetTokenizer
 
 
@@ -68,8 +68,15 @@ def test_thinking_off_and_empty(tok):
 
 def test_kimi_tool_section(tok):
     calls = [
-        {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        {"type": "function", "function": {"name": "lookup", "arguments": {"q": "café", "n": [1, 2]}}},  # no id, dict args
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {
+            "type": "function",
+            "function": {"name": "lookup", "arguments": {"q": "café", "n": [1, 2]}},
+        },  # no id, dict args
     ]
     rec = reconstruct_output(tok, "kimi-k2.5", reasoning="need tools", content="", tool_calls=calls)
     expected_text = (
@@ -93,7 +100,10 @@ ADVERSARIAL = {
     "cjk": ("让我想想。日本語もある。한국어", "答案是四十二。"),
     "emoji": ("thinking 🤔👨‍👩‍👧 🇫🇷", "done ✅ ❤️‍🔥"),
     "long_whitespace": (" " * 30_000 + "x\n\n\n\t\t " + "\n" * 5000, "a" + " " * 40_000 + "b"),
-    "literal_specials": ("I should write <think> and </think> literally", "The template ends turns with <|im_end|> and [EOS]."),
+    "literal_specials": (
+        "I should write <think> and </think> literally",
+        "The template ends turns with <|im_end|> and [EOS].",
+    ),
     "empty_content": ("reasoning only", ""),
     "whitespace_content": ("r", " \n\t  \n"),
     "combining": ("e\u0301 n\u0303 \u200b zero\u200dwidth", "ǅ ʰ ٣٤٥ ５"),
@@ -127,8 +137,9 @@ def test_literal_special_strings_agree_with_the_digest(tok):
     so the ids still agree with the text digest (which holds the literal string's UTF-8)."""
     literal = "<|im_end|>"
     content = f"Chat templates end a turn with {literal}; reasoning closes with </think>; also [EOS] and <think>."
-    rec = reconstruct_output(tok, "kimi-k2.5", reasoning="Quote </think> and <|tool_call_begin|> as text.",
-                             content=content, tool_calls=None)
+    rec = reconstruct_output(
+        tok, "kimi-k2.5", reasoning="Quote </think> and <|tool_call_begin|> as text.", content=content, tool_calls=None
+    )
     assert rec.literal_special
     close, eot = sp(tok, "</think>"), sp(tok, "<|im_end|>")
     assert int(tok.is_special_id(rec.ids).sum()) == 2 and rec.ids.count(close) == 1 and rec.ids[-1] == eot
@@ -159,23 +170,51 @@ def test_literal_special_in_tool_text(tok):
 # -- consistency with the chat template ------------------------------------------------------------------------------------
 
 TURNS = [
-    ("thinking, tool calls", True, {
-        "reasoning_content": "I need the weather. Then the time.",
-        "content": "Let me check.",
-        "tool_calls": [
-            {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "ü"}}},
-        ],
-    }),
-    ("thinking, tool call, no content", True, {
-        "reasoning_content": "中文推理 🙂",
-        "content": "",
-        "tool_calls": [{"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": '{"q": "x y"}'}}],
-    }),
-    ("no thinking, tool call", False, {
-        "content": "Calling.",
-        "tool_calls": [{"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": "{}"}}],
-    }),
+    (
+        "thinking, tool calls",
+        True,
+        {
+            "reasoning_content": "I need the weather. Then the time.",
+            "content": "Let me check.",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {
+                    "id": "functions.get_time:1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "ü"}},
+                },
+            ],
+        },
+    ),
+    (
+        "thinking, tool call, no content",
+        True,
+        {
+            "reasoning_content": "中文推理 🙂",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.search:0",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "x y"}'},
+                }
+            ],
+        },
+    ),
+    (
+        "no thinking, tool call",
+        False,
+        {
+            "content": "Calling.",
+            "tool_calls": [
+                {"id": "functions.search:0", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+            ],
+        },
+    ),
     ("answer without reasoning", True, {"content": "Plain answer.\n\nWith paragraphs."}),
     ("answer, thinking off", False, {"content": "Short."}),
 ]
@@ -185,28 +224,48 @@ TURNS = [
 def test_reconstruction_matches_template_rendering(tok, label, thinking, turn):
     """Render [user, assistant turn] with the template; the turn's ids after the generation prompt are ours."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    history = [{"role": "system", "content": "You are Kimi."}, {"role": "user", "content": "Weather and time in Paris?"}]
+    history = [
+        {"role": "system", "content": "You are Kimi."},
+        {"role": "user", "content": "Weather and time in Paris?"},
+    ]
     prompt = render_prompt(tok, history, tools, thinking=thinking)
-    full = render_prompt(tok, history + [{"role": "assistant", **turn}], tools, thinking=thinking, add_generation_prompt=False)
+    full = render_prompt(
+        tok, history + [{"role": "assistant", **turn}], tools, thinking=thinking, add_generation_prompt=False
+    )
     assert full.startswith(prompt)
-    rec = reconstruct_output(tok, "kimi-k2.5", reasoning=turn.get("reasoning_content"), content=turn.get("content"),
-                             tool_calls=turn.get("tool_calls"), thinking=thinking)
+    rec = reconstruct_output(
+        tok,
+        "kimi-k2.5",
+        reasoning=turn.get("reasoning_content"),
+        content=turn.get("content"),
+        tool_calls=turn.get("tool_calls"),
+        thinking=thinking,
+    )
     assert tok.encode_with_specials(full) == render_prompt_ids(tok, history, tools, thinking=thinking) + rec.ids
     assert rec.n_tool_calls == len(turn.get("tool_calls", []))
 
 
 # -- the token-samples table -------------------------------------------------------------------------------------------------
 
+
 def _responses(tok: TargetTokenizer) -> pa.Table:
     msgs = json.dumps([{"role": "user", "content": "Weather in  PARIS?"}])
     msgs2 = json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     tools = json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
-    calls = json.dumps([{"id": "functions.get_weather:0", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}])
+    calls = json.dumps(
+        [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ]
+    )
     returned_out = tok.encode_with_specials("think</think>Hi there<|im_end|>")
     returned_tool = tok.encode_with_specials(
         "t</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
-        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+    )
     literal_out = tok.encode_ordinary("say <|im_end|>") + [sp(tok, "</think>"), sp(tok, "<|im_end|>")]
     rows = [
         # sample_id, messages, tools, reasoning, content, tool_calls, prompt_ids, output_ids, thinking
@@ -219,24 +278,26 @@ def _responses(tok: TargetTokenizer) -> pa.Table:
     ]
     cols = list(zip(*rows))
     n = len(rows)
-    return pa.table({
-        "sample_id": pa.array(cols[0]),
-        "dataset": pa.array(["B1"] * n),
-        "messages_json": pa.array(cols[1]),
-        "tools_json": pa.array(cols[2], pa.string()),
-        "source": pa.array(["openrouter", "openrouter", "simulated", "vllm", "sglang", "vllm"]),
-        "backend": pa.array(["or", "or", "sim", "v", "s", "v"]),
-        "provider": pa.array(["moonshotai", None, None, None, None, None], pa.string()),
-        "reasoning": pa.array(cols[3], pa.string()),
-        "content": pa.array(cols[4], pa.string()),
-        "tool_calls_json": pa.array(cols[5], pa.string()),
-        "prompt_token_ids": pa.array(cols[6], pa.list_(pa.int32())),
-        "output_token_ids": pa.array(cols[7], pa.list_(pa.int32())),
-        "finish_reason": pa.array(["stop", "tool_calls", "stop", "stop", "tool_calls", None], pa.string()),
-        "usage_completion_tokens": pa.array([8, None, 3, 5, 9, 1], pa.int64()),
-        "thinking": pa.array(cols[8]),
-        "raw_response_json": pa.array(["{}"] * n),  # ignored
-    })
+    return pa.table(
+        {
+            "sample_id": pa.array(cols[0]),
+            "dataset": pa.array(["B1"] * n),
+            "messages_json": pa.array(cols[1]),
+            "tools_json": pa.array(cols[2], pa.string()),
+            "source": pa.array(["openrouter", "openrouter", "simulated", "vllm", "sglang", "vllm"]),
+            "backend": pa.array(["or", "or", "sim", "v", "s", "v"]),
+            "provider": pa.array(["moonshotai", None, None, None, None, None], pa.string()),
+            "reasoning": pa.array(cols[3], pa.string()),
+            "content": pa.array(cols[4], pa.string()),
+            "tool_calls_json": pa.array(cols[5], pa.string()),
+            "prompt_token_ids": pa.array(cols[6], pa.list_(pa.int32())),
+            "output_token_ids": pa.array(cols[7], pa.list_(pa.int32())),
+            "finish_reason": pa.array(["stop", "tool_calls", "stop", "stop", "tool_calls", None], pa.string()),
+            "usage_completion_tokens": pa.array([8, None, 3, 5, 9, 1], pa.int64()),
+            "thinking": pa.array(cols[8]),
+            "raw_response_json": pa.array(["{}"] * n),  # ignored
+        }
+    )
 
 
 def test_reconstruct_table(tok):
@@ -251,20 +312,36 @@ def test_reconstruct_table(tok):
         messages = json.loads(s["messages_json"])
         assert row["prompt_key"] == normalized_prompt_key(messages)
         assert row["dataset_has_tools"] is True
-        assert row["finish_reason"] == s["finish_reason"] and row["usage_completion_tokens"] == s["usage_completion_tokens"]
-        assert (row["dataset"], row["source"], row["backend"], row["provider"]) == (s["dataset"], s["source"], s["backend"], s["provider"])
+        assert (
+            row["finish_reason"] == s["finish_reason"]
+            and row["usage_completion_tokens"] == s["usage_completion_tokens"]
+        )
+        assert (row["dataset"], row["source"], row["backend"], row["provider"]) == (
+            s["dataset"],
+            s["source"],
+            s["backend"],
+            s["provider"],
+        )
         if s["prompt_token_ids"] is not None:
             assert row["prompt_ids"] == s["prompt_token_ids"]
         else:
-            assert row["prompt_ids"] == render_prompt_ids(tok, messages, json.loads(s["tools_json"] or "null"), thinking=s["thinking"])
+            assert row["prompt_ids"] == render_prompt_ids(
+                tok, messages, json.loads(s["tools_json"] or "null"), thinking=s["thinking"]
+            )
         if s["output_token_ids"] is not None:
             assert row["ids_origin"] == IDS_RETURNED and row["output_ids"] == s["output_token_ids"]
             # The server's text fields are not the exact decoding of its ids: no digest.
             assert row["output_text_hash"] is None
         else:
             calls = json.loads(s["tool_calls_json"]) if s["tool_calls_json"] else None
-            rec = reconstruct_output(tok, "kimi-k2.5", reasoning=s["reasoning"], content=s["content"], tool_calls=calls,
-                                     thinking=s["thinking"])
+            rec = reconstruct_output(
+                tok,
+                "kimi-k2.5",
+                reasoning=s["reasoning"],
+                content=s["content"],
+                tool_calls=calls,
+                thinking=s["thinking"],
+            )
             assert row["ids_origin"] == IDS_RECONSTRUCTED and row["output_ids"] == rec.ids
             assert row["literal_special"] == rec.literal_special and row["n_tool_calls"] == rec.n_tool_calls
             assert row["output_text_hash"] == rec.text_hash == sha(tok.decode_bytes(row["output_ids"]))
@@ -281,12 +358,18 @@ def test_reconstruct_table(tok):
 
 def test_reconstruct_table_reports_bad_rows(tok):
     resp = _responses(tok)
-    bad = resp.set_column(resp.schema.get_field_index("tool_calls_json"), "tool_calls_json",
-                          pa.array(["[not json", None, None, None, None, None], pa.string()))
+    bad = resp.set_column(
+        resp.schema.get_field_index("tool_calls_json"),
+        "tool_calls_json",
+        pa.array(["[not json", None, None, None, None, None], pa.string()),
+    )
     with pytest.raises(ValueError, match=r"s-recon.*tool_calls_json"):
         reconstruct_table(bad, tok, "kimi-k2.5", dataset_has_tools=False)
-    bad = resp.set_column(resp.schema.get_field_index("messages_json"), "messages_json",
-                          pa.array(["{}"] + resp.column("messages_json").to_pylist()[1:]))
+    bad = resp.set_column(
+        resp.schema.get_field_index("messages_json"),
+        "messages_json",
+        pa.array(["{}"] + resp.column("messages_json").to_pylist()[1:]),
+    )
     with pytest.raises(ValueError, match=r"s-recon.*messages_json"):
         reconstruct_table(bad, tok, "kimi-k2.5", dataset_has_tools=False)
     with pytest.raises(ValueError, match="lacks column"):

@@ -21,8 +21,11 @@ TOOL_TURN = [
         "content": None,
         "reasoning_content": "need tool",
         "tool_calls": [
-            {"id": "functions.get_weather:0", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
         ],
     },
     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18C sunny"},
@@ -65,10 +68,20 @@ def test_thinking_off(tok):
 
 def test_tools_are_declared_in_typescript_with_keys_sorted(tok):
     # `z` before `a`, required `z`: Moonshot's tokenizer sorts the keys first, so the root interface lists `a` first.
-    tools = [{"type": "function", "function": {
-        "name": "nest", "description": "a < b & 'c' → é",
-        "parameters": {"type": "object", "required": ["z"],
-                       "properties": {"z": {"type": "string"}, "a": {"$ref": "#"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "nest",
+                "description": "a < b & 'c' → é",
+                "parameters": {
+                    "type": "object",
+                    "required": ["z"],
+                    "properties": {"z": {"type": "string"}, "a": {"$ref": "#"}},
+                },
+            },
+        }
+    ]
     text = render_prompt(tok, SYSTEM_HI, tools)
     assert text.startswith(
         "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
@@ -80,8 +93,16 @@ def test_tools_are_declared_in_typescript_with_keys_sorted(tok):
 def test_tools_outside_the_typescript_format_fall_back_to_sorted_compact_json(tok, caplog):
     # A property schema without a type: Moonshot's tokenizer gives up on TypeScript and the template renders JSON
     # (of the key-sorted tools, without HTML escaping).
-    tools = [{"type": "function", "function": {"name": "f", "description": "a < b & 'c' → é",
-                                               "parameters": {"type": "object", "properties": {"x": {"title": "X"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "description": "a < b & 'c' → é",
+                "parameters": {"type": "object", "properties": {"x": {"title": "X"}}},
+            },
+        }
+    ]
     with caplog.at_level("WARNING"):
         text = render_prompt(tok, SYSTEM_HI, tools)
     assert text.startswith(
@@ -96,9 +117,15 @@ def test_tools_outside_the_typescript_format_fall_back_to_sorted_compact_json(to
 
 def test_reasoning_alias_and_none_keys(tok):
     base = [{"role": "user", "content": "q"}]
-    via_reasoning = base + [{"role": "assistant", "content": "", "reasoning": "R",
-                             "tool_calls": [{"id": "x:0", "function": {"name": "f", "arguments": "{}"}}]},
-                            {"role": "tool", "tool_call_id": "x:0", "content": "ok"}]
+    via_reasoning = base + [
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "R",
+            "tool_calls": [{"id": "x:0", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "x:0", "content": "ok"},
+    ]
     text = render_prompt(tok, via_reasoning)
     assert "<think>R</think>" in text
     via_none = [dict(via_reasoning[1], reasoning=None, reasoning_content=None)]
@@ -110,8 +137,16 @@ def _template_tok(template: str) -> TargetTokenizer:
     from eagle_pipeline.tokens import build_demo_tokenizer
 
     d = build_demo_tokenizer()
-    return TargetTokenizer(name="t", kind="demo", source="test", vocab_size=d.vocab_size, special_tokens=d.special_tokens,
-                           chat_template=template, backend=d._backend, template_vars=d.template_vars)
+    return TargetTokenizer(
+        name="t",
+        kind="demo",
+        source="test",
+        vocab_size=d.vocab_size,
+        special_tokens=d.special_tokens,
+        chat_template=template,
+        backend=d._backend,
+        template_vars=d.template_vars,
+    )
 
 
 def test_jinja_setup_like_transformers():
@@ -125,8 +160,11 @@ def test_jinja_setup_like_transformers():
     text = render_prompt(_template_tok(tpl), msgs, thinking=False)
     # trim_blocks + lstrip_blocks drop the block lines' whitespace; tojson keeps '<' and '&'; break works.
     assert text == (
-        "  " + json.dumps(msgs[0], indent=2, ensure_ascii=False) + "|"
-        + json.dumps(msgs[0], separators=(",", ":"), sort_keys=True) + "\n01[BOS]FalseFalse"
+        "  "
+        + json.dumps(msgs[0], indent=2, ensure_ascii=False)
+        + "|"
+        + json.dumps(msgs[0], separators=(",", ":"), sort_keys=True)
+        + "\n01[BOS]FalseFalse"
     )
 
 

@@ -24,9 +24,23 @@ def fn(name: str, parameters=None, description=None) -> dict:
 
 def test_nested_object():
     # The shape of a public example rendered by Moonshot's tokenizer.
-    tools = [fn("create_user", {"type": "object", "required": ["user"], "properties": {"user": {
-        "type": "object", "required": ["name"],
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}}}, "Create a new user record.")]
+    tools = [
+        fn(
+            "create_user",
+            {
+                "type": "object",
+                "required": ["user"],
+                "properties": {
+                    "user": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                    }
+                },
+            },
+            "Create a new user record.",
+        )
+    ]
     assert typescript_tool_declarations(tools) == (
         HEAD + "// Create a new user record.\ntype create_user = (_: {\n  user: {\n    name: string,\n"
         "    age?: number\n  }\n}) => any;\n}\n"
@@ -71,17 +85,32 @@ def test_field_order_comments_constraints_defaults_and_types():
 
 
 def test_defs_become_interfaces_and_self_reference_names_the_parameters():
-    tree = fn("tree", {
-        "type": "object", "required": ["root"],
-        "$defs": {"Node": {"type": "object", "description": "A node.", "required": ["value"], "properties": {
-            "value": {"type": "number"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
-        "properties": {"root": {"$ref": "#/$defs/Node", "description": "The root"}},
-    })
-    nest = fn("nest", {"type": "object", "required": ["z"],
-                       "properties": {"z": {"type": "string"}, "a": {"$ref": "#"}}}, "Nested.")
+    tree = fn(
+        "tree",
+        {
+            "type": "object",
+            "required": ["root"],
+            "$defs": {
+                "Node": {
+                    "type": "object",
+                    "description": "A node.",
+                    "required": ["value"],
+                    "properties": {
+                        "value": {"type": "number"},
+                        "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+                    },
+                }
+            },
+            "properties": {"root": {"$ref": "#/$defs/Node", "description": "The root"}},
+        },
+    )
+    nest = fn(
+        "nest",
+        {"type": "object", "required": ["z"], "properties": {"z": {"type": "string"}, "a": {"$ref": "#"}}},
+        "Nested.",
+    )
     assert typescript_tool_declarations([tree, nest]) == (
-        HEAD
-        + "// A node.\ninterface Node {\n  value: number,\n  children?: Array<Node>\n}\n"
+        HEAD + "// A node.\ninterface Node {\n  value: number,\n  children?: Array<Node>\n}\n"
         "type tree = (_: {\n  // The root\n  root: Node\n}) => any;\n"
         # The root interface keeps the given field order.
         "interface parameters {\n  z: string,\n  a?: parameters\n}\n// Nested.\ntype nest = (_: parameters) => any;\n"
@@ -90,9 +119,16 @@ def test_defs_become_interfaces_and_self_reference_names_the_parameters():
 
 
 def test_additional_properties_flags_and_boolean_schemas():
-    params = {"type": "object", "additionalProperties": False, "properties": {
-        "anything": True, "nothing": False, "free": {"type": "object", "additionalProperties": True},
-        "n": {"type": "number", "enum": [1, 2.5, None]}}}
+    params = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "anything": True,
+            "nothing": False,
+            "free": {"type": "object", "additionalProperties": True},
+            "n": {"type": "number", "enum": [1, 2.5, None]},
+        },
+    }
     assert typescript_tool_declarations([fn("f", params)]) == (
         HEAD + "type f = (_: {\n  anything?: any,\n  free?: {\n    [k: string]: any\n  },\n  n?: 1 | 2.5 | None,\n"
         "  nothing?: null,\n  [k: string]: never\n}) => any;\n}\n"
@@ -133,8 +169,10 @@ def test_sort_keys_deep():
         # An array item with a non-string type and a comment: Moonshot's tokenizer cannot join it.
         {"type": "object", "properties": {"a": {"type": "array", "items": {"type": 5, "description": "d"}}}},
         # A $ref to a definition that is not an object.
-        {"type": "object", "$defs": {"A": {"type": "object", "$defs": {"B": True},
-                                           "properties": {"x": {"$ref": "#/$defs/B"}}}}},
+        {
+            "type": "object",
+            "$defs": {"A": {"type": "object", "$defs": {"B": True}, "properties": {"x": {"$ref": "#/$defs/B"}}}},
+        },
     ],
 )
 def test_edge_schemas_that_make_the_tokenizer_fall_back(params):
@@ -151,8 +189,11 @@ def test_deep_nesting_falls_back_instead_of_crashing():
 
 
 def test_definition_marked_self_ref_names_the_parameters():
-    params = {"type": "object", "$defs": {"X": {"type": "string", "$self_ref": True}},
-              "properties": {"a": {"$ref": "#/$defs/X"}}}
+    params = {
+        "type": "object",
+        "$defs": {"X": {"type": "string", "$self_ref": True}},
+        "properties": {"a": {"$ref": "#/$defs/X"}},
+    }
     assert typescript_tool_declarations([fn("f", params)]) == (
         HEAD + "interface X string\ntype f = (_: {\n  a?: parameters\n}) => any;\n}\n"
     )

@@ -67,10 +67,16 @@ def qwen_dir(tmp_path_factory):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     core.train_from_iterator(CORPUS * 20, trainer=trainer)
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>", "<think>", "</think>")])
+    core.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    )
+    core.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>", "<think>", "</think>")]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = QWEN_STYLE_TEMPLATE
     d = tmp_path_factory.mktemp("tiny-qwen3")
@@ -108,7 +114,9 @@ def test_qwen3_profile_resolution(qwen, demo):
     assert ids.tool_section_begin_id is None and ids.tool_arg_begin_id is None
     assert ids.tool_call_begin_id == qwen.special_tokens["<tool_call>"]
     assert ids.think_open_id == qwen.special_tokens["<think>"] and ids.eot_id == qwen.special_tokens["<|im_end|>"]
-    assert set(ids.structural_ids) == {qwen.special_tokens[t] for t in ("<think>", "</think>", "<|im_end|>", "<tool_call>", "</tool_call>")}
+    assert set(ids.structural_ids) == {
+        qwen.special_tokens[t] for t in ("<think>", "</think>", "<|im_end|>", "<tool_call>", "</tool_call>")
+    }
     # The Kimi profile resolves (think/eot exist) but has no tool tokens here: tool calls then fail clearly.
     kimi_on_qwen = get_profile("kimi-k2.5").resolve(qwen)
     assert kimi_on_qwen.tool_section_begin_id is None and kimi_on_qwen.eot_id == ids.eot_id
@@ -123,17 +131,27 @@ def test_qwen3_profile_resolution(qwen, demo):
 
 TURNS = [
     ("reasoning+content", True, {"reasoning_content": "weather first", "content": "It is sunny."}),
-    ("reasoning+tools", True, {
-        "reasoning_content": "call it", "content": "Checking.",
-        "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET"}}},
-        ],
-    }),
-    ("tools, no content", True, {
-        "reasoning_content": "", "content": "",
-        "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
-    }),
+    (
+        "reasoning+tools",
+        True,
+        {
+            "reasoning_content": "call it",
+            "content": "Checking.",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "CET"}}},
+            ],
+        },
+    ),
+    (
+        "tools, no content",
+        True,
+        {
+            "reasoning_content": "",
+            "content": "",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        },
+    ),
     ("thinking off", False, {"content": "Sunny."}),
 ]
 
@@ -143,16 +161,29 @@ def test_qwen3_reconstruction_matches_template(qwen, label, thinking, turn):
     history = [{"role": "user", "content": "Weather in Paris?"}]
     prompt = render_prompt(qwen, history, thinking=thinking)
     assert not prompt.endswith("<think>")
-    full = render_prompt(qwen, history + [{"role": "assistant", **turn}], add_generation_prompt=False, thinking=thinking)
+    full = render_prompt(
+        qwen, history + [{"role": "assistant", **turn}], add_generation_prompt=False, thinking=thinking
+    )
     if not thinking:
         # The template only writes the empty think block in the generation prompt; put the turn after it.
-        full = prompt + full[len(render_prompt(qwen, history, add_generation_prompt=False)) + len("<|im_start|>assistant\n"):]
+        full = (
+            prompt
+            + full[len(render_prompt(qwen, history, add_generation_prompt=False)) + len("<|im_start|>assistant\n") :]
+        )
     assert full.startswith(prompt)
-    rec = reconstruct_output(qwen, "qwen3", reasoning=turn.get("reasoning_content"), content=turn.get("content"),
-                             tool_calls=turn.get("tool_calls"), thinking=thinking)
+    rec = reconstruct_output(
+        qwen,
+        "qwen3",
+        reasoning=turn.get("reasoning_content"),
+        content=turn.get("content"),
+        tool_calls=turn.get("tool_calls"),
+        thinking=thinking,
+    )
     assert rec.n_tool_calls == len(turn.get("tool_calls", []))
     # The rendered turn ends with "<|im_end|>\n": the model stops at <|im_end|>, the "\n" belongs to the template.
-    assert qwen.encode_with_specials(full) == render_prompt_ids(qwen, history, thinking=thinking) + rec.ids + qwen.encode_ordinary("\n")
+    assert qwen.encode_with_specials(full) == render_prompt_ids(
+        qwen, history, thinking=thinking
+    ) + rec.ids + qwen.encode_ordinary("\n")
     # The text digest is the rendered turn's text (without the template's trailing "\n"), and the ids decode to it.
     turn_text = full[len(prompt) : -1]
     assert rec.text_hash == text_hash_int64(turn_text)
@@ -165,12 +196,20 @@ def test_qwen3_table(qwen):
     import pyarrow as pa
 
     calls = json.dumps([{"id": "a", "function": {"name": "get_weather", "arguments": "{}"}}])
-    table = pa.table({
-        "sample_id": ["q1", "q2"], "dataset": ["B2", "B2"], "source": ["openrouter"] * 2, "backend": ["or"] * 2,
-        "messages_json": [json.dumps([{"role": "user", "content": "hi"}])] * 2, "tools_json": pa.array([None, None], pa.string()),
-        "reasoning": ["r", None], "content": ["c", ""], "tool_calls_json": pa.array([None, calls], pa.string()),
-        "thinking": [True, False],
-    })
+    table = pa.table(
+        {
+            "sample_id": ["q1", "q2"],
+            "dataset": ["B2", "B2"],
+            "source": ["openrouter"] * 2,
+            "backend": ["or"] * 2,
+            "messages_json": [json.dumps([{"role": "user", "content": "hi"}])] * 2,
+            "tools_json": pa.array([None, None], pa.string()),
+            "reasoning": ["r", None],
+            "content": ["c", ""],
+            "tool_calls_json": pa.array([None, calls], pa.string()),
+            "thinking": [True, False],
+        }
+    )
     out = reconstruct_table(table, qwen, "qwen3", dataset_has_tools=True).to_pylist()
     assert out[0]["output_ids"] == reconstruct_output(qwen, "qwen3", reasoning="r", content="c", tool_calls=None).ids
     assert out[1]["n_tool_calls"] == 1 and out[1]["output_ids"][0] == qwen.special_tokens["<tool_call>"]

@@ -55,7 +55,7 @@ class Tab:
 
         try:
             return await asyncio.wait_for(reply(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise CDPError(f"no answer to {method} within {timeout}s") from None
 
     async def evaluate(self, expression: str):
@@ -122,14 +122,28 @@ async def chromium_tab(chromium: str, profile: Path, width: int, height: int) ->
     profile.mkdir(parents=True, exist_ok=True)
     log = profile.parent / f"{profile.name}.log"
     cmd = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-        "--no-proxy-server", "--hide-scrollbars", "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
-        f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank",
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--no-proxy-server",
+        "--hide-scrollbars",
+        "--remote-debugging-port=0",
+        "--remote-debugging-address=127.0.0.1",
+        f"--user-data-dir={profile}",
+        f"--window-size={width},{height}",
+        "about:blank",
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         port = await _devtools_port(profile, proc, log)
         async with aiohttp.ClientSession(trust_env=False) as session:
@@ -139,11 +153,14 @@ async def chromium_tab(chromium: str, profile: Path, width: int, height: int) ->
             pages = [t for t in targets if t.get("type") == "page" and t.get("webSocketDebuggerUrl")]
             if not pages:
                 raise CDPError(f"no page target in /json/list: {targets}")
-            async with session.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=0,
-                                          timeout=aiohttp.ClientWSTimeout(ws_close=5)) as ws:
+            async with session.ws_connect(
+                pages[0]["webSocketDebuggerUrl"], max_msg_size=0, timeout=aiohttp.ClientWSTimeout(ws_close=5)
+            ) as ws:
                 tab = Tab(ws)
-                await tab.send("Emulation.setDeviceMetricsOverride",
-                               {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+                await tab.send(
+                    "Emulation.setDeviceMetricsOverride",
+                    {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+                )
                 yield tab
     finally:
         _kill(proc)

@@ -247,8 +247,14 @@ def dagster_ui(tmp_path_factory) -> DagsterUI:
     cmd = [sys.executable, "-m", "dagster", "dev", "-w", workspace, "-h", "127.0.0.1", "-p", str(port)]
     with open(ui.log, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_reset_sigint,
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_reset_sigint,
         )
     try:
         _wait_for_location(ui, proc)

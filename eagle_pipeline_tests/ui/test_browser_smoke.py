@@ -34,7 +34,13 @@ VIRTUAL_TIME_BUDGET_MS = 15000
 CHROMIUM_TIMEOUT_S = 120
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ASSETS = (
-    "prompts", "responses", "token_samples", "merged_dataset", "draft_vocab", "hidden_state_plan", "hidden_states",
+    "prompts",
+    "responses",
+    "token_samples",
+    "merged_dataset",
+    "draft_vocab",
+    "hidden_state_plan",
+    "hidden_states",
     "trainer_exports",
 )
 GROUPS = ("generation", "tokens", "merge", "hidden_states", "exports")
@@ -78,25 +84,59 @@ _EXPANDED = ",".join(f"global@global:{g}" for g in GROUPS)
 _N = len(GATES)
 
 PAGES = (
-    Page("asset_graph", f"/asset-groups?expanded={quote(_EXPANDED, safe=',')}",
-         ("Global asset lineage", *(f">{a}<" for a in ASSETS))),
-    Page("token_samples_lineage", "/assets/token_samples?view=lineage&lineageScope=upstream&lineageDepth=2",
-         (">prompts<", ">responses<", ">token_samples<", f"{_N - 1} / {_N} Passed", "2 partitions")),
+    Page(
+        "asset_graph",
+        f"/asset-groups?expanded={quote(_EXPANDED, safe=',')}",
+        ("Global asset lineage", *(f">{a}<" for a in ASSETS)),
+    ),
+    Page(
+        "token_samples_lineage",
+        "/assets/token_samples?view=lineage&lineageScope=upstream&lineageDepth=2",
+        (">prompts<", ">responses<", ">token_samples<", f"{_N - 1} / {_N} Passed", "2 partitions"),
+    ),
     # The checks tab: every gate, billing_agreement failed, and its latest evaluation (B6, launched last).
-    Page("token_samples_checks", "/assets/token_samples?view=checks",
-         (*(f">{g.name}<" for g in GATES), ">Failed<", "FAIL (blocks)", "rows_failing", f">{FAILING}<")),
-    Page("check_billing_agreement", "/assets/token_samples?view=checks&checkDetail=billing_agreement",
-         ("billing_agreement", "blocking", "FAIL (blocks)", "failure_examples", "Plots"), height=1600),
-    Page("failed_run", "/runs/{failed_run}",
-         (f"partition: {FAILING}", "DagsterAssetCheckFailedError", "billing_agreement", ">Failure<")),
+    Page(
+        "token_samples_checks",
+        "/assets/token_samples?view=checks",
+        (*(f">{g.name}<" for g in GATES), ">Failed<", "FAIL (blocks)", "rows_failing", f">{FAILING}<"),
+    ),
+    Page(
+        "check_billing_agreement",
+        "/assets/token_samples?view=checks&checkDetail=billing_agreement",
+        ("billing_agreement", "blocking", "FAIL (blocks)", "failure_examples", "Plots"),
+        height=1600,
+    ),
+    Page(
+        "failed_run",
+        "/runs/{failed_run}",
+        (f"partition: {FAILING}", "DagsterAssetCheckFailedError", "billing_agreement", ">Failure<"),
+    ),
     # Partition status: both datasets materialised (a failed audit does not unmaterialise), B1's latest shown.
-    Page("token_samples_partitions", f"/assets/token_samples?view=partitions&partition={PASSING}",
-         ("Materialized (2)", "Missing (0)", "Failed (0)", f">{PASSING}<", f">{FAILING}<", ">Materialized<",
-          "Latest materialization", "dataset_job")),
+    Page(
+        "token_samples_partitions",
+        f"/assets/token_samples?view=partitions&partition={PASSING}",
+        (
+            "Materialized (2)",
+            "Missing (0)",
+            "Failed (0)",
+            f">{PASSING}<",
+            f">{FAILING}<",
+            ">Materialized<",
+            "Latest materialization",
+            "dataset_job",
+        ),
+    ),
     # The schedule and the declarative-automation sensor the daemon evaluates (both stopped by default).
-    Page("automation", "/automation",
-         ("resume_incomplete_datasets", "default_automation_condition_sensor", "Automation condition sensor",
-          "every 6 hours")),
+    Page(
+        "automation",
+        "/automation",
+        (
+            "resume_incomplete_datasets",
+            "default_automation_condition_sensor",
+            "Automation condition sensor",
+            "every 6 hours",
+        ),
+    ),
 )
 
 
@@ -118,10 +158,24 @@ def _assert_not_blank(path: Path) -> None:
 
 def _render(chromium: str, url: str, png: Path, profile: Path, height: int) -> str:
     cmd = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-        "--no-proxy-server", "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={WIDTH},{height}",
-        f"--virtual-time-budget={VIRTUAL_TIME_BUDGET_MS}", f"--screenshot={png}", "--dump-dom", url,
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--no-proxy-server",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        f"--window-size={WIDTH},{height}",
+        f"--virtual-time-budget={VIRTUAL_TIME_BUDGET_MS}",
+        f"--screenshot={png}",
+        "--dump-dom",
+        url,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHROMIUM_TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"chromium exited {done.returncode}:\n{done.stderr[-3000:]}"
@@ -176,13 +230,17 @@ async def _open_histogram(chromium: str, url: str, png: Path, profile: Path) -> 
 
     async with chromium_tab(chromium, profile, WIDTH, HEIGHT) as tab:
         await tab.navigate(url)
-        await tab.wait_for(f"!!{_SHOW_MARKDOWN}", timeout=PAGE_TIMEOUT_S,
-                           what="the [Show Markdown] link in the token_lengths metadata row")
+        await tab.wait_for(
+            f"!!{_SHOW_MARKDOWN}",
+            timeout=PAGE_TIMEOUT_S,
+            what="the [Show Markdown] link in the token_lengths metadata row",
+        )
         partition = await tab.evaluate("document.body.innerText")
         assert f"Partition {PASSING} materialized" in partition, f"{url} does not show {PASSING}'s materialization"
         await tab.evaluate(f"{_SHOW_MARKDOWN}.click()")
-        image = await tab.wait_for(_DIALOG_IMAGE, timeout=PAGE_TIMEOUT_S,
-                                   what="a data:image/png <img> shown in the token_lengths dialog")
+        image = await tab.wait_for(
+            _DIALOG_IMAGE, timeout=PAGE_TIMEOUT_S, what="a data:image/png <img> shown in the token_lengths dialog"
+        )
         await asyncio.sleep(0.5)  # the dialog's opening transition
         await tab.screenshot(png)
         return image, await tab.dom()
@@ -219,8 +277,9 @@ def test_ui_token_lengths_histogram(chromium, ui_without_welcome, screenshot_dir
     png.unlink(missing_ok=True)
 
     async def run() -> tuple[dict, str]:
-        return await asyncio.wait_for(_open_histogram(chromium, url, png, tmp_path / "chromium-profile"),
-                                      HISTOGRAM_TIMEOUT_S)
+        return await asyncio.wait_for(
+            _open_histogram(chromium, url, png, tmp_path / "chromium-profile"), HISTOGRAM_TIMEOUT_S
+        )
 
     image, dom = asyncio.run(run())
     (tmp_path / "ui_token_lengths_histogram.html").write_text(dom)
