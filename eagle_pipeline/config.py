@@ -1,40 +1,63 @@
 """The pipeline configuration: one YAML file naming datasets, backends, target tokenizer and model, data root.
 
 `load_config()` reads `$EAGLE_PIPELINE_CONFIG` or the repository's `pipeline.yaml`, validates everything at once and
-raises one `ConfigError` that lists every problem with its path in the file (e.g. `datasets[2].backend`).
-Relative paths resolve against the directory of the config file. API keys are never in the file: a backend names
-the environment variable that holds its key.
+raises one `ConfigError` that lists every problem with its path in the file and its line (e.g.
+`datasets[2].backend: unknown backend 'nope'; ... (line 14)`). Relative paths resolve against the directory of the
+config file. API keys are never in the file: a backend names the environment variable that holds its key.
+
+Every section is a typed settings class (`eagle_pipeline.spec_model`); the backends and the sampling are the very
+classes of the Python API (`BackendSpec`, `SamplingSpec`), and the audit section is the audit's own `AuditSettings`,
+so each setting has one type, one check and one default whichever way it is given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BeforeValidator, Field, PlainValidator, TypeAdapter, ValidationError, ValidationInfo
+from pydantic import field_validator as _field_validator
+from pydantic.dataclasses import dataclass
 
-from eagle_pipeline.generation.spec import BACKEND_KINDS, BackendSpec, SamplingSpec
+from eagle_pipeline.audit.spec import AuditSettings, AuditSettingsError
+from eagle_pipeline.generation.spec import (
+    DEFAULT_MAX_TOKENS,
+    BackendKind,
+    BackendSpec,
+    SamplingOptions,
+    SamplingSpec,
+)
+from eagle_pipeline.merge.core import MergeSettings
+from eagle_pipeline.spec_model import (
+    BASE_DIR,
+    NULL_IS_DEFAULT,
+    SPEC_CONFIG,
+    Bool,
+    Float,
+    Int,
+    Loc,
+    Problem,
+    RuleProblems,
+    SpecBase,
+    Str,
+    resolve_path,
+)
+from eagle_pipeline.tokens.profiles import PROFILES
 
 CONFIG_ENV = "EAGLE_PIPELINE_CONFIG"
 DATA_ROOT_ENV = "EAGLE_DATA_ROOT"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml"
 
-GATE_ACTIONS = ("block", "filter", "warn")
-PROVIDER_KEYS = (
-    "order",
-    "only",
-    "ignore",
-    "allow_fallbacks",
-    "quantizations",
-    "require_parameters",
-    "data_collection",
-    "sort",
-)
+_MERGE_DEFAULTS = MergeSettings()
 
 
 class ConfigError(ValueError):
@@ -47,91 +70,238 @@ class ConfigError(ValueError):
         super().__init__(f"{source}: {len(problems)} problem(s) in the pipeline configuration:\n{lines}")
 
 
-@dataclass(frozen=True)
-class DatasetConfig:
-    name: str
-    prompts: Path
-    domain: str
-    tools: bool
-    backend: str
-    limit: int | None
-    sampling: SamplingSpec
-    budget_usd: float | None = None
+def _resolved(value: Any, info: ValidationInfo) -> Any:
+    return resolve_path(value, info) if isinstance(value, (str, os.PathLike)) else value
 
 
-@dataclass(frozen=True)
-class TargetConfig:
-    tokenizer: str
-    profile: str = "kimi-k2.5"
-    model_config: str | None = None  # config.json of the target, for the extraction plan
+ResolvedPath = Annotated[Path, BeforeValidator(_resolved)]
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    budget_usd: float | None = None
-    commit_every_rows: int = 500
-    commit_every_s: float = 10.0
-    progress_every_s: float = 5.0
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class TargetConfig(SpecBase):
+    """The target model: its tokenizer, its response layout (profile) and its shape for the extraction plan."""
+
+    label = "target"
+
+    tokenizer: Str
+    profile: Str = "kimi-k2.5"
+    model_config: Str | None = None  # config.json of the target, for the extraction plan; None: built-in Kimi-K2.5
+
+    @_field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        if value not in PROFILES:
+            raise ValueError(f"unknown model profile {value!r}; known: {sorted(PROFILES)}")
+        return value
+
+    @_field_validator("model_config")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else str(resolve_path(value, info))
 
 
-@dataclass(frozen=True)
-class AuditConfig:
-    actions: dict[str, str] = field(default_factory=dict)
-    billing_aggregate_bound: float = 0.005
-    billing_row_abs_tolerance: int | None = None
-    billing_row_rel_tolerance: float | None = None
-    prompt_row_abs_tolerance: int | None = None
-    max_examples: int = 5
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class DatasetConfig(SpecBase):
+    """One prompt dataset (one Dagster partition) and how its responses are sampled."""
+
+    label = "dataset"
+
+    name: Str
+    prompts: ResolvedPath
+    domain: Str
+    backend: Str
+    tools: Bool = False
+    limit: Annotated[Int, Field(ge=1)] | None = None  # None: every prompt
+    max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS
+    sampling_options: SamplingOptions = Field(default_factory=SamplingOptions, alias="sampling")
+    budget_usd: Annotated[Float, Field(ge=0)] | None = None
+
+    @_field_validator("name")
+    @classmethod
+    def _name_chars(cls, value: str) -> str:
+        if not value.replace("_", "").replace("-", "").isalnum():
+            raise ValueError("use letters, digits, '-' and '_' only (it becomes a partition key and a file name)")
+        return value
+
+    @_field_validator("prompts")
+    @classmethod
+    def _prompts_exist(cls, value: Path) -> Path:
+        if not value.is_file():
+            raise ValueError(f"file not found: {value}")
+        return value
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        """The sampling sent with every request and hashed into the sample ids."""
+        return SamplingSpec(**dataclasses.asdict(self.sampling_options), max_tokens=self.max_tokens)
 
 
-@dataclass(frozen=True)
-class MergeConfig:
-    seed: int = 0
-    weights: dict[str, float] = field(default_factory=dict)
-    caps: dict[str, int] = field(default_factory=dict)
-    dedup: bool = True
-    eval_fraction: float = 0.0
-    rows_per_shard: int = 10_000
-    draft_vocab_size: int = 32_000
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class GenerationSettings(SpecBase):
+    """Run-wide generation settings: commit cadence, progress, the budget of all datasets together."""
+
+    label = "generation"
+
+    budget_usd: Annotated[Float, Field(ge=0)] | None = None
+    commit_every_rows: Annotated[Int, Field(ge=1)] = 500
+    commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
+    progress_every_s: Annotated[Float, Field(ge=0)] = 5.0
 
 
-@dataclass(frozen=True)
-class HiddenStatesConfig:
-    model: str = "tiny-random"  # or a local transformers model directory
-    family: str = "deepseek_v3"
-    seed: int = 0
-    shard_size: int = 256
-    aux_layers: tuple[int, ...] | None = None
-    max_tokens_per_batch: int = 8192
-    device: str = "auto"
-    disk_budget_gb: float | None = None
-    max_shards: int = 64
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class MergeConfig(SpecBase):
+    """The merge (defaults: `eagle_pipeline.merge.MergeSettings`) and the draft vocabulary."""
+
+    label = "merge"
+
+    seed: Int = _MERGE_DEFAULTS.seed
+    weights: dict[Str, Float] = dataclasses.field(default_factory=dict)
+    caps: dict[Str, Int] = dataclasses.field(default_factory=dict)
+    dedup: Bool = _MERGE_DEFAULTS.dedup
+    eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = _MERGE_DEFAULTS.eval_fraction
+    rows_per_shard: Annotated[Int, Field(ge=1)] = _MERGE_DEFAULTS.rows_per_shard
+    draft_vocab_size: Annotated[Int, Field(ge=1)] = 32_000
+
+    def settings(self) -> MergeSettings:
+        """The settings `merge_datasets` takes."""
+        return MergeSettings(
+            seed=self.seed,
+            weights=dict(self.weights),
+            caps=dict(self.caps),
+            dedup=self.dedup,
+            eval_fraction=self.eval_fraction,
+            rows_per_shard=self.rows_per_shard,
+        )
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    source: Path
-    data_root: Path
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class HiddenStatesConfig(SpecBase):
+    """Hidden-state extraction: the model run, its shards, batching and disk budget."""
+
+    label = "hidden_states"
+
+    model: Str = "tiny-random"  # or a local transformers model directory
+    family: Literal["deepseek_v3", "llama"] = "deepseek_v3"
+    seed: Int = 0
+    shard_size: Annotated[Int, Field(ge=1)] = 256
+    aux_layers: tuple[Int, ...] | None = None  # None (or empty): low/mid/high
+    max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
+    device: Str = "auto"
+    disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
+    max_shards: Annotated[Int, Field(ge=1)] = 64
+
+    @_field_validator("model")
+    @classmethod
+    def _resolve_model(cls, value: str, info: ValidationInfo) -> str:
+        return value if value == "tiny-random" else str(resolve_path(value, info))
+
+    @_field_validator("aux_layers")
+    @classmethod
+    def _empty_is_default(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return value or None
+
+
+def _audit_settings(value: Any) -> AuditSettings:
+    """The `audit` section is the audit's own AuditSettings: its checks, reported once, each at its key."""
+    if value is None:
+        return AuditSettings()
+    if isinstance(value, AuditSettings):
+        return value
+    if not isinstance(value, Mapping):
+        raise RuleProblems("audit", [((), f"expected a mapping, got {type(value).__name__}")])
+    try:
+        return AuditSettings.from_dict(value)
+    except AuditSettingsError:
+        pass
+    # Ask the audit about one key (one gate action) at a time, so each problem gets its path in the file.
+    problems: list[Problem] = []
+    for key, item in value.items():
+        if key == "actions" and isinstance(item, Mapping):
+            for gate, action in item.items():
+                problems += [(("actions", gate), m) for m in _audit_problems({"actions": {gate: action}}, key)]
+        else:
+            problems += [((key,), m) for m in _audit_problems({key: item}, key)]
+    raise RuleProblems("audit", problems or [((), "invalid audit settings")])
+
+
+def _audit_problems(data: dict[str, Any], key: str) -> list[str]:
+    try:
+        AuditSettings.from_dict(data)
+    except AuditSettingsError as exc:
+        lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")] or [str(exc)]
+        return [ln.removeprefix(f"{key} ") for ln in lines]
+    return []
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class PipelineConfig(SpecBase):
+    """The whole configuration file, validated; `source` is the file it came from."""
+
+    label = "configuration"
+
     target: TargetConfig
-    backends: dict[str, BackendSpec]
-    datasets: dict[str, DatasetConfig]
-    generation: GenerationSettings
-    audit: AuditConfig
-    merge: MergeConfig
-    hidden_states: HiddenStatesConfig
+    backends: dict[Str, BackendSpec]
+    dataset_list: Annotated[list[DatasetConfig], Field(min_length=1, alias="datasets")]
+    data_root: Annotated[ResolvedPath, Field(validate_default=True)] = Path(".eagle-data")
+    generation: GenerationSettings = GenerationSettings()
+    audit: Annotated[AuditSettings, PlainValidator(_audit_settings)] = dataclasses.field(default_factory=AuditSettings)
+    merge: MergeConfig = MergeConfig()
+    hidden_states: HiddenStatesConfig = HiddenStatesConfig()
+    source: Path = dataclasses.field(init=False, default=Path())
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        """References across sections, and what the file must say about a backend beyond what its spec needs."""
+        problems: list[Problem] = []
+        backends = data.get("backends")
+        for name, b in backends.items() if isinstance(backends, Mapping) else ():
+            kind = _get(b, "kind")
+            if kind in set(BackendKind) and kind != BackendKind.IMPORT and not _get(b, "model"):
+                problems.append((("backends", name, "model"), "required"))
+            if kind == BackendKind.OPENROUTER and not _get(b, "api_key_env"):
+                msg = "required for kind 'openrouter' (the NAME of the env var holding the key)"
+                problems.append((("backends", name, "api_key_env"), msg))
+        datasets = data.get("datasets")
+        names: list[str] = []
+        for i, d in enumerate(datasets if isinstance(datasets, list) else ()):
+            name, backend = _get(d, "name"), _get(d, "backend")
+            if isinstance(name, str):
+                if name in names:
+                    problems.append((("datasets", i, "name"), f"duplicate dataset name {name!r}"))
+                else:
+                    names.append(name)
+            if isinstance(backend, str) and backend and isinstance(backends, Mapping) and backend not in backends:
+                problems.append((("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}"))
+        merge = data.get("merge")
+        for key in ("weights", "caps"):
+            table = _get(merge, key)
+            for ds in table if isinstance(table, Mapping) else ():
+                if ds not in names:
+                    problems.append((("merge", key, ds), f"unknown dataset; defined: {names}"))
+        return problems
+
+    @property
+    def datasets(self) -> dict[str, DatasetConfig]:
+        """The datasets by name, in file order."""
+        return {d.name: d for d in self.dataset_list}
 
     @property
     def dataset_names(self) -> list[str]:
-        return list(self.datasets)
+        return [d.name for d in self.dataset_list]
 
     def config_hash(self) -> str:
         """A short hash of the whole configuration (paths included), recorded in manifests."""
         return hashlib.sha256(json.dumps(_jsonable(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _get(obj: Any, key: str) -> Any:
+    """A field of a validated settings object or a key of the raw mapping it was validated from."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
 def _jsonable(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        return {k: _jsonable(getattr(obj, k)) for k in obj.__dataclass_fields__}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -146,307 +316,200 @@ def config_path() -> Path:
     return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
 
 
-def load_config(path: str | os.PathLike | None = None) -> PipelineConfig:
+def load_config(path: str | os.PathLike[str] | None = None) -> PipelineConfig:
     """Load and validate the pipeline configuration; raise ConfigError listing every problem."""
     p = Path(path) if path is not None else config_path()
     if not p.exists():
         raise ConfigError(str(p), ["file not found"])
+    text = p.read_text()
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(str(p), [f"{where}invalid YAML: {getattr(exc, 'problem', exc)}"]) from exc
-    return parse_config(raw, source=p)
+    return parse_config(raw, source=p, text=text)
 
 
-def parse_config(raw: Any, *, source: Path) -> PipelineConfig:
-    """Validate a parsed YAML document into a PipelineConfig."""
-    v = _Validator()
-    base = source.resolve().parent
+def parse_config(raw: Any, *, source: Path, text: str | None = None) -> PipelineConfig:
+    """Validate a parsed YAML document into a PipelineConfig; raise ConfigError listing every problem.
+
+    `text`, the document itself, lets each problem name its line.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(str(source), ["top level: expected a mapping"])
-    v.unknown(raw, "", {"data_root", "target", "backends", "datasets", "generation", "audit", "merge", "hidden_states"})
-
-    data_root_raw = os.environ.get(DATA_ROOT_ENV) or v.get(
-        raw, "data_root", str, "", required=True, default=".eagle-data"
-    )
-    data_root = _resolve(base, data_root_raw)
-
-    t = v.section(raw, "target")
-    target = TargetConfig(
-        tokenizer=v.get(t, "tokenizer", str, "target", required=True, default="demo"),
-        profile=v.get(t, "profile", str, "target", default="kimi-k2.5"),
-        model_config=v.get(t, "model_config", str, "target", default=None),
-    )
-    v.unknown(t, "target", {"tokenizer", "profile", "model_config"})
-
-    backends: dict[str, BackendSpec] = {}
-    braw = v.section(raw, "backends", required=True)
-    for name, b in braw.items():
-        path = f"backends.{name}"
-        if not isinstance(b, dict):
-            v.problem(path, "expected a mapping")
-            continue
-        allowed = set(BackendSpec.__dataclass_fields__) - {"name"}
-        v.unknown(b, path, allowed)
-        kind = v.get(b, "kind", str, path, required=True, default="simulated")
-        if kind not in BACKEND_KINDS:
-            v.problem(f"{path}.kind", f"must be one of {list(BACKEND_KINDS)}, got {kind!r}")
-        endpoint = v.get(b, "endpoint", str, path, default=None)
-        if kind in ("openrouter", "vllm", "sglang") and not endpoint:
-            v.problem(f"{path}.endpoint", f"required for kind {kind!r}")
-        api_key_env = v.get(b, "api_key_env", str, path, default=None)
-        if kind == "openrouter" and not api_key_env:
-            v.problem(f"{path}.api_key_env", "required for kind 'openrouter' (the NAME of the env var holding the key)")
-        if api_key_env and (api_key_env.startswith("sk-") or not api_key_env.replace("_", "").isalnum()):
-            v.problem(f"{path}.api_key_env", "must be the name of an environment variable, never the key itself")
-        provider = v.get(b, "provider", dict, path, default={}) or {}
-        for k in provider:
-            if k not in PROVIDER_KEYS:
-                v.problem(
-                    f"{path}.provider.{k}", f"unknown provider-routing key; expected one of {list(PROVIDER_KEYS)}"
-                )
-        import_paths = v.get(b, "import_paths", list, path, default=[]) or []
-        if kind == "import" and not import_paths:
-            v.problem(f"{path}.import_paths", "required for kind 'import'")
-        concurrency = v.get(b, "concurrency", int, path, default=2000 if kind == "openrouter" else 256)
-        if concurrency is not None and concurrency < 1:
-            v.problem(f"{path}.concurrency", "must be >= 1")
-        fields = dict(
-            name=name,
-            kind=kind,
-            model=v.get(b, "model", str, path, required=kind != "import", default=""),
-            endpoint=endpoint,
-            concurrency=concurrency,
-            rpm=v.get(b, "rpm", (int, float), path, default=None),
-            provider=provider,
-            api_key_env=api_key_env,
-            timeout_s=float(v.get(b, "timeout_s", (int, float), path, default=600.0)),
-            max_retries=v.get(b, "max_retries", int, path, default=8),
-            backoff_base_s=float(v.get(b, "backoff_base_s", (int, float), path, default=2.0)),
-            backoff_max_s=float(v.get(b, "backoff_max_s", (int, float), path, default=120.0)),
-            circuit_breaker_failures=v.get(b, "circuit_breaker_failures", int, path, default=50),
-            price_per_m_prompt=v.get(b, "price_per_m_prompt", (int, float), path, default=None),
-            price_per_m_completion=v.get(b, "price_per_m_completion", (int, float), path, default=None),
-            import_paths=tuple(str(_resolve(base, x)) for x in import_paths),
-            extra_body=v.get(b, "extra_body", dict, path, default={}) or {},
-            simulated=v.get(b, "simulated", dict, path, default={}) or {},
-        )
-        if kind in BACKEND_KINDS:
-            try:
-                backends[name] = BackendSpec(**fields)
-            except ValueError as exc:  # already reported above in most cases; keep any the spec adds
-                if not any(p.startswith(path) for p in v.problems):
-                    v.problem(path, str(exc))
-
-    datasets: dict[str, DatasetConfig] = {}
-    draw = v.get(raw, "datasets", list, "", required=True, default=[]) or []
-    if not draw:
-        v.problem("datasets", "at least one dataset is required")
-    for i, d in enumerate(draw):
-        path = f"datasets[{i}]"
-        if not isinstance(d, dict):
-            v.problem(path, "expected a mapping")
-            continue
-        v.unknown(
-            d, path, {"name", "prompts", "domain", "tools", "backend", "limit", "max_tokens", "sampling", "budget_usd"}
-        )
-        name = v.get(d, "name", str, path, required=True, default=f"dataset{i}")
-        if name in datasets:
-            v.problem(f"{path}.name", f"duplicate dataset name {name!r}")
-        if not name.replace("_", "").replace("-", "").isalnum():
-            v.problem(
-                f"{path}.name", "use letters, digits, '-' and '_' only (it becomes a partition key and a file name)"
-            )
-        prompts = _resolve(base, v.get(d, "prompts", str, path, required=True, default=""))
-        if not prompts.is_file():
-            v.problem(f"{path}.prompts", f"file not found: {prompts}")
-        backend = v.get(d, "backend", str, path, required=True, default="")
-        if backend and backend not in braw:
-            v.problem(f"{path}.backend", f"unknown backend {backend!r}; defined: {sorted(braw)}")
-        limit = v.get(d, "limit", int, path, default=None)
-        if limit is not None and limit < 1:
-            v.problem(f"{path}.limit", "must be >= 1 (or omitted for all prompts)")
-        s = v.get(d, "sampling", dict, path, default={}) or {}
-        v.unknown(s, f"{path}.sampling", set(SamplingSpec.__dataclass_fields__) - {"max_tokens"})
-        max_tokens = v.get(d, "max_tokens", int, path, default=2048)
-        if max_tokens is not None and max_tokens < 1:
-            v.problem(f"{path}.max_tokens", "must be >= 1")
-        sampling = SamplingSpec(
-            temperature=float(v.get(s, "temperature", (int, float), f"{path}.sampling", default=0.6)),
-            top_p=float(v.get(s, "top_p", (int, float), f"{path}.sampling", default=0.95)),
-            seed=v.get(s, "seed", int, f"{path}.sampling", default=0),
-            max_tokens=max_tokens or 1,
-            thinking=bool(v.get(s, "thinking", bool, f"{path}.sampling", default=True)),
-        )
-        datasets[name] = DatasetConfig(
-            name=name,
-            prompts=prompts,
-            domain=v.get(d, "domain", str, path, required=True, default=""),
-            tools=bool(v.get(d, "tools", bool, path, default=False)),
-            backend=backend,
-            limit=limit,
-            sampling=sampling,
-            budget_usd=v.get(d, "budget_usd", (int, float), path, default=None),
-        )
-
-    g = v.section(raw, "generation")
-    v.unknown(g, "generation", set(GenerationSettings.__dataclass_fields__))
-    generation = GenerationSettings(
-        budget_usd=v.get(g, "budget_usd", (int, float), "generation", default=None),
-        commit_every_rows=v.get(g, "commit_every_rows", int, "generation", default=500),
-        commit_every_s=float(v.get(g, "commit_every_s", (int, float), "generation", default=10.0)),
-        progress_every_s=float(v.get(g, "progress_every_s", (int, float), "generation", default=5.0)),
-    )
-
-    a = v.section(raw, "audit")
-    v.unknown(a, "audit", set(AuditConfig.__dataclass_fields__))
-    actions = v.get(a, "actions", dict, "audit", default={}) or {}
-    for gate, action in actions.items():
-        if action not in GATE_ACTIONS:
-            v.problem(f"audit.actions.{gate}", f"must be one of {list(GATE_ACTIONS)}, got {action!r}")
-    bound = float(v.get(a, "billing_aggregate_bound", (int, float), "audit", default=0.005))
-    if not 0 <= bound < 1:
-        v.problem("audit.billing_aggregate_bound", "must be a fraction in [0, 1)")
-    audit = AuditConfig(
-        actions=actions,
-        billing_aggregate_bound=bound,
-        billing_row_abs_tolerance=v.get(a, "billing_row_abs_tolerance", int, "audit", default=None),
-        billing_row_rel_tolerance=v.get(a, "billing_row_rel_tolerance", (int, float), "audit", default=None),
-        prompt_row_abs_tolerance=v.get(a, "prompt_row_abs_tolerance", int, "audit", default=None),
-        max_examples=v.get(a, "max_examples", int, "audit", default=5),
-    )
-    for problem in _audit_problems(audit):
-        v.problem("audit", problem)
-
-    m = v.section(raw, "merge")
-    v.unknown(m, "merge", set(MergeConfig.__dataclass_fields__))
-    eval_fraction = float(v.get(m, "eval_fraction", (int, float), "merge", default=0.0))
-    if not 0 <= eval_fraction < 1:
-        v.problem("merge.eval_fraction", "must be in [0, 1)")
-    weights = v.get(m, "weights", dict, "merge", default={}) or {}
-    caps = v.get(m, "caps", dict, "merge", default={}) or {}
-    for key, mapping in (("weights", weights), ("caps", caps)):
-        for ds in mapping:
-            if ds not in datasets:
-                v.problem(f"merge.{key}.{ds}", f"unknown dataset; defined: {list(datasets)}")
-    merge = MergeConfig(
-        seed=v.get(m, "seed", int, "merge", default=0),
-        weights={k: float(x) for k, x in weights.items()},
-        caps={k: int(x) for k, x in caps.items()},
-        dedup=bool(v.get(m, "dedup", bool, "merge", default=True)),
-        eval_fraction=eval_fraction,
-        rows_per_shard=v.get(m, "rows_per_shard", int, "merge", default=10_000),
-        draft_vocab_size=v.get(m, "draft_vocab_size", int, "merge", default=32_000),
-    )
-
-    h = v.section(raw, "hidden_states")
-    v.unknown(h, "hidden_states", set(HiddenStatesConfig.__dataclass_fields__))
-    aux = v.get(h, "aux_layers", list, "hidden_states", default=None)
-    family = v.get(h, "family", str, "hidden_states", default="deepseek_v3")
-    if family not in ("deepseek_v3", "llama"):
-        v.problem("hidden_states.family", f"must be 'deepseek_v3' or 'llama', got {family!r}")
-    model = v.get(h, "model", str, "hidden_states", default="tiny-random")
-    hidden = HiddenStatesConfig(
-        model=model if model == "tiny-random" else str(_resolve(base, model)),
-        family=family,
-        seed=v.get(h, "seed", int, "hidden_states", default=0),
-        shard_size=v.get(h, "shard_size", int, "hidden_states", default=256),
-        aux_layers=tuple(int(x) for x in aux) if aux else None,
-        max_tokens_per_batch=v.get(h, "max_tokens_per_batch", int, "hidden_states", default=8192),
-        device=v.get(h, "device", str, "hidden_states", default="auto"),
-        disk_budget_gb=v.get(h, "disk_budget_gb", (int, float), "hidden_states", default=None),
-        max_shards=v.get(h, "max_shards", int, "hidden_states", default=64),
-    )
-
-    if v.problems:
-        raise ConfigError(str(source), v.problems)
-    return PipelineConfig(
-        source=source.resolve(),
-        data_root=data_root,
-        target=target,
-        backends=backends,
-        datasets=datasets,
-        generation=generation,
-        audit=audit,
-        merge=merge,
-        hidden_states=hidden,
-    )
-
-
-def audit_settings_dict(audit: AuditConfig) -> dict[str, Any]:
-    """The audit section as `AuditSettings.from_dict` takes it (unset tolerances keep the audit's defaults)."""
-    d: dict[str, Any] = {
-        "actions": dict(audit.actions),
-        "billing_aggregate_bound": audit.billing_aggregate_bound,
-        "max_examples": audit.max_examples,
-    }
-    if audit.billing_row_abs_tolerance is not None:
-        d["billing_row_abs_tolerance"] = audit.billing_row_abs_tolerance
-    if audit.billing_row_rel_tolerance is not None:
-        d["billing_row_rel_tolerance"] = audit.billing_row_rel_tolerance
-    if audit.prompt_row_abs_tolerance is not None:
-        d["prompt_row_abs_tolerance"] = audit.prompt_row_abs_tolerance
-    return d
-
-
-def _audit_problems(audit: AuditConfig) -> list[str]:
-    """Gate names, origins and actions are checked by the audit itself, so the two never disagree."""
-    from eagle_pipeline.audit import AuditSettings, AuditSettingsError
-
+    problems: list[Problem] = []
+    raw = dict(raw)
+    if os.environ.get(DATA_ROOT_ENV):
+        raw["data_root"] = os.environ[DATA_ROOT_ENV]
+    if isinstance(raw.get("backends"), dict):
+        # A backend's name is its key in the file.
+        backends = {}
+        for name, b in raw["backends"].items():
+            if isinstance(b, dict) and "name" in b:
+                problems.append((("backends", name, "name"), "unknown key; a backend's name is its key under backends"))
+            backends[name] = {**b, "name": name} if isinstance(b, dict) else b
+        raw["backends"] = backends
+    context = {BASE_DIR: source.resolve().parent, NULL_IS_DEFAULT: True}
     try:
-        AuditSettings.from_dict(audit_settings_dict(audit))
-    except AuditSettingsError as exc:
-        lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")]
-        return lines or [str(exc)]
-    return []
+        cfg = _ADAPTER.validate_python(raw, context=context)
+    except ValidationError as exc:
+        for err in exc.errors():
+            problems += _problems_of(err)
+        # Rules across fields run only where every field was valid: run them on what the file says as well.
+        problems += _rules_of(PipelineConfig, raw, ())
+    else:
+        if not problems:
+            object.__setattr__(cfg, "source", source.resolve())
+            return cfg
+    lines = _LineIndex(yaml.compose(text, Loader=yaml.SafeLoader) if text else None)
+    # In file order; a problem found twice (by a class's own rules and by the second pass) is listed once.
+    found = sorted(dict.fromkeys(problems), key=lambda p: lines.line_of(p[0]) or 0)
+    raise ConfigError(str(source), [_describe(loc, msg, lines) for loc, msg in found])
 
 
-def _resolve(base: Path, value: str) -> Path:
-    p = Path(os.path.expandvars(os.path.expanduser(value)))
-    return p if p.is_absolute() else (base / p).resolve()
+_ADAPTER = TypeAdapter(PipelineConfig)
 
 
-class _Validator:
-    def __init__(self) -> None:
-        self.problems: list[str] = []
+def _problems_of(err: Any) -> list[Problem]:
+    """One pydantic error as (location, message) pairs in the words of this project's messages."""
+    loc: Loc = tuple(err["loc"])
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if kind == "value_error" and isinstance(ctx.get("error"), RuleProblems):
+        return [(loc + sub, msg) for sub, msg in ctx["error"].problems]
+    if loc and loc[-1] == "[key]":
+        return [(loc[:-1], "a key here must be a string")]
+    if kind == "missing":
+        section = _is_section(_type_at(PipelineConfig, loc))
+        return [(loc, "required section is missing" if section else "required")]
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        return [(loc, f"unknown key; expected one of {_keys_at(loc[:-1])}")]
+    if kind in _TYPE_NAMES:
+        got = type(value).__name__ if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
+        return [(loc, f"expected {_TYPE_NAMES[kind]}, got {got}")]
+    if kind in _BOUNDS:
+        op, key = _BOUNDS[kind]
+        return [(loc, f"must be {op} {ctx[key]}")]
+    if kind in ("enum", "literal_error"):
+        return [(loc, f"must be one of {ctx.get('expected')}, got {value!r}")]
+    if kind == "too_short":
+        return [(loc, f"at least {ctx.get('min_length')} entry is required")]
+    if kind == "value_error":
+        return [(loc, str(ctx.get("error", err["msg"])))]
+    return [(loc, err["msg"])]
 
-    def problem(self, path: str, message: str) -> None:
-        self.problems.append(f"{path}: {message}")
 
-    def section(self, raw: dict, key: str, required: bool = False) -> dict:
-        value = raw.get(key)
-        if value is None:
-            if required:
-                self.problem(key, "required section is missing")
-            return {}
-        if not isinstance(value, dict):
-            self.problem(key, f"expected a mapping, got {type(value).__name__}")
-            return {}
-        return value
+_TYPE_NAMES = {
+    "int_type": "int",
+    "int_from_float": "int",
+    "float_type": "int/float",
+    "string_type": "str",
+    "bool_type": "bool",
+    "dict_type": "a mapping",
+    "dataclass_type": "a mapping",
+    "dataclass_args_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "path_type": "a path",
+}
+_BOUNDS = {
+    "greater_than": (">", "gt"),
+    "greater_than_equal": (">=", "ge"),
+    "less_than": ("<", "lt"),
+    "less_than_equal": ("<=", "le"),
+}
 
-    def unknown(self, mapping: dict, path: str, allowed: set[str]) -> None:
-        for key in mapping:
-            if key not in allowed:
-                self.problem(f"{path}.{key}" if path else str(key), f"unknown key; expected one of {sorted(allowed)}")
 
-    def get(
-        self, mapping: dict, key: str, types: Any, path: str, *, required: bool = False, default: Any = None
-    ) -> Any:
-        full = f"{path}.{key}" if path else key
-        if key not in mapping or mapping[key] is None:
-            if required:
-                self.problem(full, "required")
-            return default
-        value = mapping[key]
-        types_t = types if isinstance(types, tuple) else (types,)
-        if isinstance(value, bool) and bool not in types_t:
-            self.problem(full, f"expected {'/'.join(t.__name__ for t in types_t)}, got bool")
-            return default
-        if not isinstance(value, types_t):
-            self.problem(
-                full, f"expected {'/'.join(t.__name__ for t in types_t)}, got {type(value).__name__} {value!r}"
-            )
-            return default
-        return value
+def _unwrap(tp: Any) -> Any:
+    """The type itself: Annotated and Optional peeled off."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
+
+
+def _is_section(tp: Any) -> bool:
+    tp = _unwrap(tp)
+    return isinstance(tp, type) and (issubclass(tp, SpecBase) or tp is AuditSettings or tp is dict) or (
+        typing.get_origin(tp) in (dict, list)
+    )
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """The keys a settings class takes in the file (aliases where set) -> their types."""
+    fields = getattr(cls, "__pydantic_fields__", {})
+    return {(f.alias or name): f.annotation for name, f in fields.items() if f.init is not False}
+
+
+def _type_at(tp: Any, loc: Loc) -> Any:
+    """The declared type at `loc` below `tp` (None where the path leaves the declared types)."""
+    for part in loc:
+        tp = _unwrap(tp)
+        origin = typing.get_origin(tp)
+        if origin is dict:
+            tp = typing.get_args(tp)[1]
+        elif origin in (list, tuple):
+            tp = typing.get_args(tp)[0]
+        elif isinstance(tp, type) and isinstance(part, str):
+            tp = _fields(tp).get(part)
+        else:
+            return None
+    return tp
+
+
+def _keys_at(loc: Loc) -> list[str]:
+    tp = _unwrap(_type_at(PipelineConfig, loc))
+    if tp is AuditSettings:
+        return sorted(f.name for f in dataclasses.fields(AuditSettings))
+    return sorted(_fields(tp)) if isinstance(tp, type) else []
+
+
+def _rules_of(tp: Any, value: Any, loc: Loc) -> list[Problem]:
+    """`rule_problems` of every settings object in raw data, at its location."""
+    tp = _unwrap(tp)
+    origin = typing.get_origin(tp)
+    out: list[Problem] = []
+    if isinstance(tp, type) and issubclass(tp, SpecBase) and isinstance(value, Mapping):
+        out += [(loc + sub, msg) for sub, msg in tp.rule_problems(value)]
+        for key, sub_tp in _fields(tp).items():
+            if key in value:
+                out += _rules_of(sub_tp, value[key], loc + (key,))
+    elif origin is dict and isinstance(value, Mapping):
+        out += [p for k, v in value.items() for p in _rules_of(typing.get_args(tp)[1], v, loc + (k,))]
+    elif origin is list and isinstance(value, list):
+        out += [p for i, v in enumerate(value) for p in _rules_of(typing.get_args(tp)[0], v, loc + (i,))]
+    return out
+
+
+def _describe(loc: Loc, message: str, lines: _LineIndex) -> str:
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "top level"
+    line = lines.line_of(loc)
+    return f"{path}: {message}" + (f" (line {line})" if line else "")
+
+
+class _LineIndex:
+    """Line numbers of the YAML nodes, by path: the deepest node of the path that exists in the file."""
+
+    def __init__(self, root: yaml.Node | None):
+        self.root = root
+
+    def line_of(self, loc: Loc) -> int | None:
+        node = self.root
+        if node is None:
+            return None
+        for part in loc:
+            child = None
+            if isinstance(node, yaml.MappingNode):
+                child = next((v for k, v in node.value if getattr(k, "value", None) == str(part)), None)
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                child = node.value[part]
+            if child is None:
+                break
+            node = child
+        return node.start_mark.line + 1

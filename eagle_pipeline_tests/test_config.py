@@ -61,7 +61,7 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
         "datasets[0].limit: must be >= 1",
         "datasets[1].name: duplicate dataset name 'B1'",
         "datasets[1].max_tokens: expected int",
-        "audit.actions.ends_with_eot: must be one of",
+        "audit.actions.ends_with_eot: action 'ignore' for 'ends_with_eot' is not one of",
         "no_such_gate",
         "merge.eval_fraction",
         "merge.caps.B9: unknown dataset",

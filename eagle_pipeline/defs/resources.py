@@ -49,7 +49,4 @@ class PipelineResource(dg.ConfigurableResource):
         return self.profile().resolve(self.tokenizer())
 
     def audit_settings(self):
-        from eagle_pipeline.audit import AuditSettings
-        from eagle_pipeline.config import audit_settings_dict
-
-        return AuditSettings.from_dict(audit_settings_dict(self.config().audit))
+        return self.config().audit

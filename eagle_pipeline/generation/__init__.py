@@ -17,13 +17,13 @@ from eagle_pipeline.generation.simulated import (
     ids_key,
     request_key,
 )
-from eagle_pipeline.generation.spec import BACKEND_KINDS, BackendSpec, SamplingSpec
+from eagle_pipeline.generation.spec import BackendKind, BackendSpec, SamplingSpec
 from eagle_pipeline.generation.store import read_errors, read_responses
 
 __all__ = [
-    "BACKEND_KINDS",
     "ERRORS_SCHEMA",
     "RESPONSES_SCHEMA",
+    "BackendKind",
     "BackendSpec",
     "GenerationSummary",
     "ProgressEvent",

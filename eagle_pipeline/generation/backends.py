@@ -401,7 +401,7 @@ def parse_sglang_generate(
 def make_backend(
     spec: BackendSpec, sampling: SamplingSpec, render_prompt_ids: RenderPromptIds | None = None
 ) -> HttpBackend:
-    if spec.kind in ("openrouter", "simulated"):
+    if spec.kind.speaks_openrouter:
         return OpenRouterBackend(spec, sampling)
     if spec.kind == "vllm":
         return VLLMBackend(spec, sampling)

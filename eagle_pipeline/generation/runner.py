@@ -568,7 +568,7 @@ async def agenerate_dataset(
         items, total, already, dups = _pending_items(prompts, done, limit)
         sink = _Sink(out_dir, errors_dir)
 
-        if backend.kind == "import":
+        if not backend.kind.is_http:
             from eagle_pipeline.generation.importer import import_responses
 
             all_items, source_ids = _all_items(prompts, limit)
@@ -595,7 +595,7 @@ async def agenerate_dataset(
         try:
             key = _api_key(backend)
             redact = Redactor([key] if key else [])
-            headers = dict(APP_HEADERS) if backend.kind in ("openrouter", "simulated") else {}
+            headers = dict(APP_HEADERS) if backend.kind.speaks_openrouter else {}
             if key:
                 headers["Authorization"] = f"Bearer {key}"
             server = None

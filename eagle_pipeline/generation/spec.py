@@ -1,18 +1,68 @@
-"""Backend and sampling specifications: the inputs of a generation run."""
+"""Backend and sampling specifications: the inputs of a generation run.
+
+These classes are also the `backends.<name>` and `datasets[i].sampling` sections of the pipeline configuration
+(`eagle_pipeline.config` validates the YAML into them), so the Python API and the YAML file share one set of
+defaults. docs/configuration.md lists them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import dataclasses
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any
 
-BACKEND_KINDS = ("openrouter", "vllm", "sglang", "simulated", "import")
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic.dataclasses import dataclass
 
-# Kinds whose rows come from a live HTTP endpoint (import reads files instead).
-HTTP_KINDS = ("openrouter", "vllm", "sglang", "simulated")
+from eagle_pipeline.spec_model import SPEC_CONFIG, Bool, Float, Int, Problem, SpecBase, Str, resolve_path
+
+DEFAULT_MAX_TOKENS = 2048  # completion budget (reasoning included); the dataset-level `max_tokens` of the YAML
+
+PROVIDER_KEYS = (
+    "order",
+    "only",
+    "ignore",
+    "allow_fallbacks",
+    "quantizations",
+    "require_parameters",
+    "data_collection",
+    "sort",
+)
 
 
-@dataclass(frozen=True)
-class BackendSpec:
+class BackendKind(StrEnum):
+    """Where a backend's responses come from; the value is also the `source` column of its rows."""
+
+    OPENROUTER = "openrouter"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    SIMULATED = "simulated"  # the project's loopback server speaking OpenRouter's wire format
+    IMPORT = "import"  # response files of earlier runs
+
+    @property
+    def is_http(self) -> bool:
+        """Rows come from a live HTTP endpoint (import reads files instead)."""
+        return self is not BackendKind.IMPORT
+
+    @property
+    def speaks_openrouter(self) -> bool:
+        """Requests use OpenRouter's body (reasoning, provider routing) and app headers."""
+        return self in (BackendKind.OPENROUTER, BackendKind.SIMULATED)
+
+    @property
+    def needs_endpoint(self) -> bool:
+        """A real server: the spec must name its endpoint (a simulated backend without one starts its own)."""
+        return self in (BackendKind.OPENROUTER, BackendKind.VLLM, BackendKind.SGLANG)
+
+    @property
+    def default_concurrency(self) -> int:
+        """Requests in flight when `concurrency` is unset: OpenRouter takes thousands; a self-hosted server less."""
+        return 2000 if self is BackendKind.OPENROUTER else 256
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class BackendSpec(SpecBase):
     """Where responses come from and how hard to push it.
 
     `api_key_env` names an environment variable; the key itself never appears in a spec, a row or a log.
@@ -21,54 +71,72 @@ class BackendSpec:
     configured by `simulated` (constructor keyword arguments, e.g. latency_s, faults).
     """
 
-    name: str
-    kind: str
-    endpoint: str | None = None
-    model: str = ""
-    concurrency: int | None = None  # None: 2000 for openrouter/simulated, 256 for self-hosted
-    rpm: float | None = None
-    provider: dict[str, Any] = field(default_factory=dict)
-    api_key_env: str | None = None
-    timeout_s: float = 600.0
-    max_retries: int = 6
-    backoff_base_s: float = 2.0
-    backoff_max_s: float = 120.0
-    circuit_breaker_failures: int = 50
-    price_per_m_prompt: float | None = None
-    price_per_m_completion: float | None = None
-    import_paths: tuple[str, ...] = ()
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    simulated: dict[str, Any] = field(default_factory=dict)
+    label = "backend"
 
-    def __post_init__(self) -> None:
-        if self.kind not in BACKEND_KINDS:
-            raise ValueError(f"backend {self.name!r}: kind must be one of {BACKEND_KINDS}, got {self.kind!r}")
-        if self.kind in ("openrouter", "vllm", "sglang") and not self.endpoint:
-            raise ValueError(f"backend {self.name!r}: kind {self.kind!r} needs an endpoint")
-        if self.kind == "import" and not self.import_paths:
-            raise ValueError(f"backend {self.name!r}: kind 'import' needs import_paths")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"backend {self.name!r}: concurrency must be >= 1")
-        if self.rpm is not None and self.rpm <= 0:
-            raise ValueError(f"backend {self.name!r}: rpm must be > 0")
-        if self.max_retries < 0 or self.circuit_breaker_failures < 1 or self.timeout_s <= 0:
-            raise ValueError(f"backend {self.name!r}: max_retries >= 0, circuit_breaker_failures >= 1, timeout_s > 0")
-        # Accept a list from YAML but keep the frozen spec hash-friendly where possible.
-        object.__setattr__(self, "import_paths", tuple(str(p) for p in self.import_paths))
+    name: Str
+    kind: BackendKind
+    endpoint: Str | None = None
+    model: Str = ""
+    concurrency: Annotated[Int, Field(ge=1)] | None = None  # None: kind.default_concurrency
+    rpm: Annotated[Float, Field(gt=0)] | None = None
+    provider: dict[str, Any] = dataclasses.field(default_factory=dict)
+    api_key_env: Str | None = None
+    timeout_s: Annotated[Float, Field(gt=0)] = 600.0
+    max_retries: Annotated[Int, Field(ge=0)] = 8
+    backoff_base_s: Annotated[Float, Field(ge=0)] = 2.0
+    backoff_max_s: Annotated[Float, Field(ge=0)] = 120.0
+    circuit_breaker_failures: Annotated[Int, Field(ge=1)] = 50
+    price_per_m_prompt: Annotated[Float, Field(ge=0)] | None = None
+    price_per_m_completion: Annotated[Float, Field(ge=0)] | None = None
+    import_paths: tuple[Str, ...] = ()
+    extra_body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    simulated: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @field_validator("import_paths", mode="before")
+    @classmethod
+    def _paths(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, (list, tuple)) and all(isinstance(p, str) or hasattr(p, "__fspath__") for p in value):
+            return tuple(str(resolve_path(p, info)) for p in value)
+        return value
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value and (value.startswith("sk-") or not value.replace("_", "").isalnum()):
+            raise ValueError("must be the name of an environment variable, never the key itself")
+        return value
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        problems: list[Problem] = []
+        kind = data.get("kind")
+        if kind in set(BackendKind):  # else the field reports it
+            kind = BackendKind(kind)
+            if kind.needs_endpoint and not data.get("endpoint"):
+                problems.append((("endpoint",), f"required for kind '{kind}'"))
+            if kind is BackendKind.IMPORT and not data.get("import_paths"):
+                problems.append((("import_paths",), "required for kind 'import'"))
+        provider = data.get("provider")
+        if isinstance(provider, Mapping):
+            for key in provider:
+                if key not in PROVIDER_KEYS:
+                    problems.append(
+                        (("provider", key), f"unknown provider-routing key; expected one of {list(PROVIDER_KEYS)}")
+                    )
+        return problems
 
     @property
     def effective_concurrency(self) -> int:
-        if self.concurrency is not None:
-            return self.concurrency
-        return 2000 if self.kind in ("openrouter", "simulated") else 256
+        return self.concurrency if self.concurrency is not None else self.kind.default_concurrency
 
     @property
     def source(self) -> str:
         """The `source` column value of rows this backend produces."""
-        return self.kind
+        return self.kind.value
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = dataclasses.asdict(self)
+        d["kind"] = self.kind.value
         d["import_paths"] = list(self.import_paths)
         d["concurrency"] = self.effective_concurrency
         # Callables (token counters) may sit in `simulated`; keep the dict JSON-friendly.
@@ -76,24 +144,26 @@ class BackendSpec:
         return d
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class SamplingOptions(SpecBase):
+    """The sampling settings of a dataset's `sampling:` mapping (its completion budget is the dataset's `max_tokens`)."""
+
+    label = "sampling"
+
+    temperature: Annotated[Float, Field(ge=0)] = 0.6
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 0.95
+    seed: Int | None = 0  # None: no seed is sent
+    thinking: Bool = True
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class SamplingSpec(SamplingOptions):
     """Sampling settings sent with every request; `to_dict()` is what goes into sample ids and `sampling_json`."""
 
-    temperature: float = 1.0
-    top_p: float = 0.95
-    seed: int | None = None
-    max_tokens: int = 16384
-    thinking: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
-            raise ValueError("need 0 < top_p <= 1 and temperature >= 0")
+    max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return dataclasses.asdict(self)
 
 
 def _jsonable(v: Any) -> bool:

@@ -31,13 +31,18 @@ def test_backend_spec_validation_and_defaults():
         BackendSpec(name="x", kind="import")
     d = BackendSpec(name="s", kind="simulated", simulated={"count_completion_tokens": len}).to_dict()
     json.dumps(d)  # callables in `simulated` must not break serialisation
+    # The defaults are those of the configuration file (docs/configuration.md); test_config checks both paths agree.
+    sim = BackendSpec(name="s", kind="simulated")
+    assert (sim.effective_concurrency, sim.max_retries, sim.kind.is_http, sim.source) == (256, 8, True, "simulated")
+    assert not BackendSpec(name="i", kind="import", import_paths=("a.jsonl",)).kind.is_http
     assert SamplingSpec(seed=3).to_dict() == {
-        "temperature": 1.0,
+        "temperature": 0.6,
         "top_p": 0.95,
         "seed": 3,
-        "max_tokens": 16384,
+        "max_tokens": 2048,
         "thinking": True,
     }
+    assert SamplingSpec().seed == 0
     with pytest.raises(ValueError):
         SamplingSpec(max_tokens=0)
 
