@@ -46,7 +46,7 @@ def _read_response_lines(
     first_line: dict[str, int] = {}
     skipped = 0
     for lineno, where, rec, problem in iter_jsonl_objects(path):
-        if problem:
+        if problem or rec is None:  # rec is None exactly when the line has a problem
             raise CliError(f"{where}: {problem}")
         sid = rec.get("sample_id")
         if not isinstance(sid, str) or not sid:

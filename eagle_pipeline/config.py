@@ -188,7 +188,6 @@ class HiddenStatesConfig(SpecBase):
     max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
     device: Str = "auto"
     disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
-    max_shards: Annotated[Int, Field(ge=1)] = 64
 
     @_field_validator("model")
     @classmethod
@@ -271,7 +270,9 @@ class PipelineConfig(SpecBase):
                 else:
                     names.append(name)
             if isinstance(backend, str) and backend and isinstance(backends, Mapping) and backend not in backends:
-                problems.append((("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}"))
+                problems.append(
+                    (("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}")
+                )
         merge = data.get("merge")
         for key in ("weights", "caps"):
             table = _get(merge, key)
@@ -436,9 +437,9 @@ def _unwrap(tp: Any) -> Any:
 
 def _is_section(tp: Any) -> bool:
     tp = _unwrap(tp)
-    return isinstance(tp, type) and (issubclass(tp, SpecBase) or tp is AuditSettings or tp is dict) or (
-        typing.get_origin(tp) in (dict, list)
-    )
+    if typing.get_origin(tp) in (dict, list):
+        return True
+    return isinstance(tp, type) and (issubclass(tp, SpecBase) or tp is AuditSettings)
 
 
 def _fields(cls: type) -> dict[str, Any]:

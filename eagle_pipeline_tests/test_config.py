@@ -1,9 +1,25 @@
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
+from eagle_pipeline.audit import AuditSettings
+from eagle_pipeline.config import (
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    ConfigError,
+    DatasetConfig,
+    GenerationSettings,
+    HiddenStatesConfig,
+    MergeConfig,
+    PipelineConfig,
+    TargetConfig,
+    load_config,
+)
+from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
+from eagle_pipeline.prompts import load_prompt_file, prompts_table
 
 
 def test_default_config_loads_with_eight_datasets():
@@ -102,3 +118,149 @@ def test_env_overrides_config_file_and_data_root(tmp_path, monkeypatch):
     cfg = load_config()
     assert cfg.dataset_names == ["B1", "B2"]
     assert cfg.data_root == Path(tmp_path / "root")
+
+
+def test_yaml_and_python_api_share_defaults_sample_ids_and_settings(tmp_path):
+    """A file that leaves every default out and the Python API with no arguments agree on everything."""
+    prompts = DEFAULT_CONFIG.parent / "data/prompts/B1_coding.jsonl"
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "target": {"tokenizer": "demo"},
+                "backends": {
+                    "sim": {"kind": "simulated", "model": "m"},
+                    "or": {"kind": "openrouter", "endpoint": "https://o/api/v1", "model": "m", "api_key_env": "K"},
+                    "v": {"kind": "vllm", "endpoint": "http://h:8000/v1", "model": "m"},
+                },
+                "datasets": [{"name": "B1", "prompts": str(prompts), "domain": "coding", "backend": "sim", "limit": 5}],
+            }
+        )
+    )
+    cfg = load_config(p)
+    ds = cfg.datasets["B1"]
+    assert ds.sampling == SamplingSpec() and ds.sampling.to_dict() == SamplingSpec().to_dict()
+    via_yaml = prompts_table(ds.name, load_prompt_file(ds.prompts, limit=ds.limit), ds.sampling.to_dict())
+    via_api = prompts_table("B1", load_prompt_file(prompts, limit=5), SamplingSpec().to_dict())
+    assert via_yaml.num_rows == 5 and via_yaml["sample_id"].to_pylist() == via_api["sample_id"].to_pylist()
+    for name, spec in cfg.backends.items():
+        given = {k: getattr(spec, k) for k in ("kind", "endpoint", "model", "api_key_env")}
+        api = BackendSpec(name=name, **given)
+        assert spec == api and spec.to_dict() == api.to_dict()
+    assert cfg.backends["sim"].effective_concurrency == 256 and cfg.backends["or"].effective_concurrency == 2000
+    assert cfg.backends["sim"].max_retries == 8
+    # Setting a default explicitly, or to null, changes nothing; another seed is another sample.
+    raw = yaml.safe_load(p.read_text())
+    raw["datasets"][0]["sampling"] = {"temperature": 0.6, "seed": None, "thinking": True}
+    raw["datasets"][0]["max_tokens"] = 2048
+    p.write_text(yaml.safe_dump(raw))
+    assert load_config(p).datasets["B1"].sampling == SamplingSpec()
+    raw["datasets"][0]["sampling"]["seed"] = 1
+    p.write_text(yaml.safe_dump(raw))
+    other = load_config(p).datasets["B1"].sampling
+    assert other == SamplingSpec(seed=1)
+    assert prompts_table("B1", load_prompt_file(prompts, limit=5), other.to_dict())["sample_id"].to_pylist() != (
+        via_api["sample_id"].to_pylist()
+    )
+
+
+def test_a_bad_gate_action_is_reported_once_at_its_path(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    raw["audit"] = {"actions": {"round_trip": "drop"}, "billing_aggregate_bound": 2}
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert [q for q in exc.value.problems if "drop" in q] == [
+        "audit.actions.round_trip: action 'drop' for 'round_trip' is not one of block, filter, warn"
+        + f" (line {_line_of(p, 'round_trip:')})"
+    ]
+    assert [q for q in exc.value.problems if "billing_aggregate_bound" in q] == [
+        f"audit.billing_aggregate_bound: must be in [0, 1], got 2 (line {_line_of(p, 'billing_aggregate_bound:')})"
+    ]
+    assert len(exc.value.problems) == 2
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_problems_name_their_line_in_file_order(tmp_path):
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(
+        "target:\n  tokenizer: demo\n"
+        "backends:\n  sim:\n    kind: simulated\n    model: m\n    concurrency: 0\n"
+        "datasets:\n  - name: B1\n    prompts: nowhere.jsonl\n    domain: coding\n    backend: sim\n"
+        "    sampling:\n      temperature: hot\n"
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert exc.value.problems == [
+        "backends.sim.concurrency: must be >= 1 (line 7)",
+        f"datasets[0].prompts: file not found: {tmp_path / 'nowhere.jsonl'} (line 10)",
+        "datasets[0].sampling.temperature: expected int/float, got str 'hot' (line 14)",
+    ]
+
+
+# docs/configuration.md section heading -> the class whose fields it documents.
+DOCUMENTED = {
+    "Top level": PipelineConfig,
+    "`target`": TargetConfig,
+    "`backends.<name>`": BackendSpec,
+    "`datasets[i]`": DatasetConfig,
+    "`datasets[i].sampling`": SamplingOptions,
+    "`generation`": GenerationSettings,
+    "`audit`": AuditSettings,
+    "`merge`": MergeConfig,
+    "`hidden_states`": HiddenStatesConfig,
+}
+
+
+def _file_keys(cls) -> dict:
+    """Key in the file -> its default (MISSING when required)."""
+    if cls is AuditSettings:  # a plain dataclass
+        return {
+            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)
+        }
+    out = {}
+    for name, info in cls.__pydantic_fields__.items():
+        if info.init is False or (cls is BackendSpec and name == "name"):
+            continue
+        default = dataclasses.MISSING if info.is_required() else info.get_default(call_default_factory=True)
+        out[info.alias or name] = default
+    return out
+
+
+def test_docs_list_every_key_with_its_default():
+    tables: dict[str, dict[str, str]] = {}
+    heading = None
+    for line in (REPO_ROOT / "docs" / "configuration.md").read_text().splitlines():
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif (m := re.match(r"\| `([^`]+)` \|[^|]+\|([^|]*)\|", line)) and heading in DOCUMENTED:
+            tables.setdefault(heading, {})[m[1]] = m[2].strip()
+    assert set(tables) == set(DOCUMENTED)
+    for heading, cls in DOCUMENTED.items():
+        keys = _file_keys(cls)
+        assert set(tables[heading]) == set(keys), heading
+        for key, documented in tables[heading].items():
+            default = keys[key]
+            if default is dataclasses.MISSING:
+                assert documented == "", f"{heading} {key}: required, documented default {documented!r}"
+            elif dataclasses.is_dataclass(default):
+                assert documented == "`{}`", f"{heading} {key}: a section"
+            elif documented.startswith("`"):
+                value = yaml.safe_load(documented.strip("`"))
+                actual = (
+                    str(default)
+                    if isinstance(default, Path)
+                    else list(default)
+                    if isinstance(default, tuple)
+                    else default
+                )
+                assert value == actual, f"{heading} {key}"
+            else:
+                assert default is None, f"{heading} {key}: a default other than null must be given in backticks"

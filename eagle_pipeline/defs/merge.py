@@ -27,7 +27,7 @@ from eagle_pipeline.storage import file_sha256
 def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.audit import GATES, run_audit
     from eagle_pipeline.hidden_states import num_shards
-    from eagle_pipeline.merge import MergeInput, MergeSettings, merge_datasets, read_merged
+    from eagle_pipeline.merge import MergeInput, merge_datasets, read_merged
 
     cfg = pipeline.config()
     root = pipeline.data_root()
@@ -57,19 +57,7 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
             )
         )
     m = cfg.merge
-    manifest = merge_datasets(
-        inputs,
-        root.merged_dir,
-        MergeSettings(
-            seed=m.seed,
-            weights=m.weights,
-            caps=m.caps,
-            dedup=m.dedup,
-            eval_fraction=m.eval_fraction,
-            rows_per_shard=m.rows_per_shard,
-        ),
-        config_hash=cfg.config_hash(),
-    )
+    manifest = merge_datasets(inputs, root.merged_dir, m.settings(), config_hash=cfg.config_hash())
     summary = manifest.to_dict()
     n_rows = manifest.rows_total
     # One hidden-state partition per extraction shard of the merged rows; stale keys from a larger merge go away.
