@@ -200,7 +200,7 @@ class HiddenStatesConfig(SpecBase):
         return value or None
 
 
-def _audit_settings(value: Any) -> AuditSettings:
+def _audit_settings(value: Any, info: ValidationInfo) -> AuditSettings:
     """The `audit` section is the audit's own AuditSettings: its checks, reported once, each at its key."""
     if value is None:
         return AuditSettings()
@@ -208,6 +208,8 @@ def _audit_settings(value: Any) -> AuditSettings:
         return value
     if not isinstance(value, Mapping):
         raise RuleProblems("audit", [((), f"expected a mapping, got {type(value).__name__}")])
+    if info.context and info.context.get(NULL_IS_DEFAULT):
+        value = {k: v for k, v in value.items() if v is not None}
     try:
         return AuditSettings.from_dict(value)
     except AuditSettingsError:
