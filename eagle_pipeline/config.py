@@ -87,6 +87,20 @@ class TargetConfig(SpecBase):
     profile: Str = "kimi-k2.5"
     model_config: Str | None = None  # config.json of the target, for the extraction plan; None: built-in Kimi-K2.5
 
+    @_field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str, info: ValidationInfo) -> str:
+        if value == "demo" or value.startswith("env:"):
+            if value == "env:":
+                raise ValueError("'env:' needs a variable name, e.g. env:EAGLE_KIMI_TOKENIZER_DIR")
+            return value
+        path = resolve_path(value, info)
+        if path.exists():
+            return str(path)
+        if Path(os.path.expanduser(value)).is_absolute():
+            raise ValueError(f"directory not found: {path}")
+        return value  # a hub id
+
     @_field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:

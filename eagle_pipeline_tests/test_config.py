@@ -264,3 +264,27 @@ def test_docs_list_every_key_with_its_default():
                 assert value == actual, f"{heading} {key}"
             else:
                 assert default is None, f"{heading} {key}: a default other than null must be given in backticks"
+
+
+def test_target_references_are_checked_and_paths_resolve_against_the_file(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    (tmp_path / "tok").mkdir()
+    raw["target"] = {"tokenizer": "../tok", "profile": "kimi-k2.5", "model_config": "target.json"}
+    p = tmp_path / "conf" / "pipeline.yaml"
+    p.parent.mkdir()
+    p.write_text(yaml.safe_dump(raw))
+    target = load_config(p).target
+    assert target.tokenizer == str(tmp_path / "tok") and target.model_config == str(p.parent / "target.json")
+    raw["target"]["tokenizer"] = "moonshotai/Kimi-K2.5"  # a hub id stays as it is
+    p.write_text(yaml.safe_dump(raw))
+    assert load_config(p).target.tokenizer == "moonshotai/Kimi-K2.5"
+    raw["target"] = {"tokenizer": str(tmp_path / "absent"), "profile": "kimi"}
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert exc.value.problems == [  # in file order (safe_dump sorts the keys)
+        f"target.profile: unknown model profile 'kimi'; known: ['kimi-k2.5', 'qwen3'] (line {_line_of(p, 'profile:')})",
+        f"target.tokenizer: directory not found: {tmp_path / 'absent'} (line {_line_of(p, 'tokenizer:')})",
+    ]
