@@ -5,8 +5,9 @@ YAML loader validates the file's mappings into the same classes, so both paths s
 Scalars are strict (`"8"` is not an int, `true` is not a number); a float accepts an int.
 
 Rules across fields live in one classmethod, `rule_problems(data)`, written to tolerate raw, possibly invalid input:
-pydantic runs a class's own after-validator only when all of its fields are valid, so the configuration loader also
-calls `rule_problems` on the raw mapping of every class that failed, and one error lists every problem.
+pydantic runs a class's own after-validator only when all of its fields are valid, so when a file fails, the
+configuration loader also calls `rule_problems` on the raw mapping of every settings object in it, and one error lists
+every problem (once).
 """
 
 from __future__ import annotations
