@@ -16,8 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -43,12 +41,13 @@ from eagle_pipeline.spec_model import (
     Bool,
     Float,
     Int,
-    Loc,
     Problem,
     RuleProblems,
     SpecBase,
     Str,
+    describe_problems,
     resolve_path,
+    validation_problems,
 )
 from eagle_pipeline.tokens.profiles import PROFILES
 
@@ -371,162 +370,14 @@ def parse_config(raw: Any, *, source: Path, text: str | None = None) -> Pipeline
     try:
         cfg = _ADAPTER.validate_python(raw, context=context)
     except ValidationError as exc:
-        for err in exc.errors():
-            problems += _problems_of(err)
-        # Rules across fields run only where every field was valid: run them on what the file says as well.
-        problems += _rules_of(PipelineConfig, raw, ())
+        problems += validation_problems(PipelineConfig, exc, raw)
     else:
         if not problems:
             object.__setattr__(cfg, "source", source.resolve())
             return cfg
-    lines = _LineIndex(yaml.compose(text, Loader=yaml.SafeLoader) if text else None)
-    # In file order; a problem found twice (by a class's own rules and by the second pass) is listed once.
-    found = sorted(dict.fromkeys(problems), key=lambda p: lines.line_of(p[0]) or 0)
-    raise ConfigError(str(source), [_describe(loc, msg, lines) for loc, msg in found])
+    raise ConfigError(
+        str(source), describe_problems(problems, yaml.compose(text, Loader=yaml.SafeLoader) if text else None)
+    )
 
 
 _ADAPTER = TypeAdapter(PipelineConfig)
-
-
-def _problems_of(err: Any) -> list[Problem]:
-    """One pydantic error as (location, message) pairs in the words of this project's messages."""
-    loc: Loc = tuple(err["loc"])
-    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-    if kind == "value_error" and isinstance(ctx.get("error"), RuleProblems):
-        return [(loc + sub, msg) for sub, msg in ctx["error"].problems]
-    if loc and loc[-1] == "[key]":
-        return [(loc[:-1], "a key here must be a string")]
-    if kind == "missing":
-        section = _is_section(_type_at(PipelineConfig, loc))
-        return [(loc, "required section is missing" if section else "required")]
-    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        return [(loc, f"unknown key; expected one of {_keys_at(loc[:-1])}")]
-    if kind in _TYPE_NAMES:
-        got = type(value).__name__ if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
-        return [(loc, f"expected {_TYPE_NAMES[kind]}, got {got}")]
-    if kind in _BOUNDS:
-        op, key = _BOUNDS[kind]
-        return [(loc, f"must be {op} {ctx[key]}")]
-    if kind in ("enum", "literal_error"):
-        return [(loc, f"must be one of {ctx.get('expected')}, got {value!r}")]
-    if kind == "too_short":
-        return [(loc, f"at least {ctx.get('min_length')} entry is required")]
-    if kind == "value_error":
-        return [(loc, str(ctx.get("error", err["msg"])))]
-    return [(loc, err["msg"])]
-
-
-_TYPE_NAMES = {
-    "int_type": "int",
-    "int_from_float": "int",
-    "float_type": "int/float",
-    "string_type": "str",
-    "bool_type": "bool",
-    "dict_type": "a mapping",
-    "dataclass_type": "a mapping",
-    "dataclass_args_type": "a mapping",
-    "list_type": "a list",
-    "tuple_type": "a list",
-    "path_type": "a path",
-}
-_BOUNDS = {
-    "greater_than": (">", "gt"),
-    "greater_than_equal": (">=", "ge"),
-    "less_than": ("<", "lt"),
-    "less_than_equal": ("<=", "le"),
-}
-
-
-def _unwrap(tp: Any) -> Any:
-    """The type itself: Annotated and Optional peeled off."""
-    while True:
-        if typing.get_origin(tp) is Annotated:
-            tp = typing.get_args(tp)[0]
-        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                return tp
-            tp = args[0]
-        else:
-            return tp
-
-
-def _is_section(tp: Any) -> bool:
-    tp = _unwrap(tp)
-    if typing.get_origin(tp) in (dict, list):
-        return True
-    return isinstance(tp, type) and (issubclass(tp, SpecBase) or tp is AuditSettings)
-
-
-def _fields(cls: type) -> dict[str, Any]:
-    """The keys a settings class takes in the file (aliases where set) -> their types."""
-    fields = getattr(cls, "__pydantic_fields__", {})
-    return {(f.alias or name): f.annotation for name, f in fields.items() if f.init is not False}
-
-
-def _type_at(tp: Any, loc: Loc) -> Any:
-    """The declared type at `loc` below `tp` (None where the path leaves the declared types)."""
-    for part in loc:
-        tp = _unwrap(tp)
-        origin = typing.get_origin(tp)
-        if origin is dict:
-            tp = typing.get_args(tp)[1]
-        elif origin in (list, tuple):
-            tp = typing.get_args(tp)[0]
-        elif isinstance(tp, type) and isinstance(part, str):
-            tp = _fields(tp).get(part)
-        else:
-            return None
-    return tp
-
-
-def _keys_at(loc: Loc) -> list[str]:
-    tp = _unwrap(_type_at(PipelineConfig, loc))
-    if tp is AuditSettings:
-        return sorted(f.name for f in dataclasses.fields(AuditSettings))
-    return sorted(_fields(tp)) if isinstance(tp, type) else []
-
-
-def _rules_of(tp: Any, value: Any, loc: Loc) -> list[Problem]:
-    """`rule_problems` of every settings object in raw data, at its location."""
-    tp = _unwrap(tp)
-    origin = typing.get_origin(tp)
-    out: list[Problem] = []
-    if isinstance(tp, type) and issubclass(tp, SpecBase) and isinstance(value, Mapping):
-        out += [(loc + sub, msg) for sub, msg in tp.rule_problems(value)]
-        for key, sub_tp in _fields(tp).items():
-            if key in value:
-                out += _rules_of(sub_tp, value[key], loc + (key,))
-    elif origin is dict and isinstance(value, Mapping):
-        out += [p for k, v in value.items() for p in _rules_of(typing.get_args(tp)[1], v, loc + (k,))]
-    elif origin is list and isinstance(value, list):
-        out += [p for i, v in enumerate(value) for p in _rules_of(typing.get_args(tp)[0], v, loc + (i,))]
-    return out
-
-
-def _describe(loc: Loc, message: str, lines: _LineIndex) -> str:
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "top level"
-    line = lines.line_of(loc)
-    return f"{path}: {message}" + (f" (line {line})" if line else "")
-
-
-class _LineIndex:
-    """Line numbers of the YAML nodes, by path: the deepest node of the path that exists in the file."""
-
-    def __init__(self, root: yaml.Node | None):
-        self.root = root
-
-    def line_of(self, loc: Loc) -> int | None:
-        node = self.root
-        if node is None:
-            return None
-        for part in loc:
-            child = None
-            if isinstance(node, yaml.MappingNode):
-                child = next((v for k, v in node.value if getattr(k, "value", None) == str(part)), None)
-            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-                child = node.value[part]
-            if child is None:
-                break
-            node = child
-        return node.start_mark.line + 1
