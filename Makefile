@@ -34,7 +34,9 @@ validate: venv
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
 
 ui: venv
-	DAGSTER_HOME=$$($(PY) -m eagle_pipeline.demo --print-dagster-home) $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	@# The pools of pipeline.yaml exist (with their limits) before the first run uses them.
+	export DAGSTER_HOME=$$($(PY) -m eagle_pipeline.demo --print-dagster-home) && $(PY) -m eagle_pipeline.defs.pools \
+		&& $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: venv
 	$(PY) benchmarks/bench_reconstruct.py

@@ -213,6 +213,19 @@ class HiddenStatesConfig(SpecBase):
         return value or None
 
 
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class PoolsConfig(SpecBase):
+    """Dagster concurrency pools and their limits: set on the instance when it has none (docs/operations.md)."""
+
+    label = "pools"
+
+    llm_api: Annotated[Int, Field(ge=1)] = 4  # dataset runs generating at once
+    gpu: Annotated[Int, Field(ge=1)] = 1  # hidden-state shards extracting at once (the GPUs of the host)
+
+    def limits(self) -> dict[str, int]:
+        return {"llm_api": self.llm_api, "gpu": self.gpu}
+
+
 def _audit_settings(value: Any, info: ValidationInfo) -> AuditSettings:
     """The `audit` section is the audit's own AuditSettings: its checks, reported once, each at its key."""
     if value is None:
@@ -261,6 +274,7 @@ class PipelineConfig(SpecBase):
     audit: Annotated[AuditSettings, PlainValidator(_audit_settings)] = dataclasses.field(default_factory=AuditSettings)
     merge: MergeConfig = MergeConfig()
     hidden_states: HiddenStatesConfig = HiddenStatesConfig()
+    pools: PoolsConfig = PoolsConfig()
     source: Path = dataclasses.field(init=False, default=Path())
 
     @classmethod

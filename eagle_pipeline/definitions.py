@@ -22,6 +22,7 @@ from eagle_pipeline.defs.merge import (
     merged_sample_ids_unique,
     merged_spans_end_with_eot,
 )
+from eagle_pipeline.defs.pools import pool_limits
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import build_gate_checks, token_samples
 
@@ -48,6 +49,7 @@ def build_defs() -> dg.Definitions:
         ],
         jobs=[dataset_job, merge_job, hidden_states_job, exports_job, *scale_out_jobs],
         schedules=[resume_incomplete_datasets],
+        sensors=[pool_limits],
         resources={"pipeline": PipelineResource()},
     )
 

@@ -42,8 +42,10 @@ def run_demo(*, quiet: bool = False) -> int:
 
     from eagle_pipeline.definitions import defs
     from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
+    from eagle_pipeline.defs.pools import ensure_pool_limits
 
     instance = dg.DagsterInstance.get()
+    ensure_pool_limits(instance, cfg.pools.limits())  # the UI's Concurrency page lists them from the start
     t0 = time.monotonic()
     failures: list[str] = []
 

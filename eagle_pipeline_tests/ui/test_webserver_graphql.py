@@ -202,3 +202,23 @@ def test_the_verdicts_on_disk_match_what_the_ui_shows(dagster_ui):
     good = json.loads(gate_record_path(root, PASSING, "billing_agreement").read_text())
     assert bad["blocking_failed"] is True and bad["failing"] == ROWS
     assert good["blocking_failed"] is False and good["failing"] == 0
+
+
+POOLS = """
+query Pools {
+  instance { concurrencyLimits { concurrencyKey slotCount } }
+}
+"""
+
+
+def test_the_gpu_pool_is_listed_with_its_limit_before_any_shard_ran(dagster_ui):
+    """The Concurrency page's data: the daemon's `pool_limits` sensor created the pools of pipeline.yaml on its first
+    tick, although no step has claimed a `gpu` slot (the dataset runs above claim only `llm_api`)."""
+    deadline = time.monotonic() + 120
+    while True:
+        pools = {p["concurrencyKey"]: p["slotCount"] for p in dagster_ui.gql(POOLS)["instance"]["concurrencyLimits"]}
+        if "gpu" in pools or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert pools.get("gpu") == 1, (pools, dagster_ui.log_tail())
+    assert pools.get("llm_api", 0) >= 1
