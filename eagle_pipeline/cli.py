@@ -36,8 +36,11 @@ def _read_response_lines(
     path: Path, default_dataset: str, skip_unusable: bool
 ) -> tuple[list[dict[str, Any]], list[int], int]:
     """Parse a responses JSONL file into responses-table rows; returns (rows, line numbers, skipped)."""
-    from eagle_pipeline.generation.backends import parse_chat_completion
+    import dataclasses
+
+    from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
     from eagle_pipeline.generation.failures import RequestFailure
+    from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, response_values
 
     if not path.is_file():
         raise CliError(f"{path}: input file not found")
@@ -88,28 +91,35 @@ def _read_response_lines(
         prompt_ids = parsed.prompt_token_ids
         if prompt_ids is None and messages is None:
             prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
-        rows.append(
-            {
-                "sample_id": sid,
-                "dataset": dataset,
-                "messages_json": json.dumps(messages if messages is not None else [], ensure_ascii=False),
-                "tools_json": json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
-                "has_tools": bool(tools),
-                "has_prompt": messages is not None or parsed.prompt_token_ids is not None,
-                "source": "import",
-                "backend": "import",
-                "provider": parsed.provider,
-                "reasoning": parsed.reasoning,
-                "content": parsed.content,
-                "tool_calls_json": parsed.tool_calls_json,
-                "prompt_token_ids": prompt_ids,
-                "output_token_ids": parsed.output_token_ids,
-                "finish_reason": parsed.finish_reason,
-                "usage_completion_tokens": parsed.usage_completion_tokens,
-                "usage_prompt_tokens": parsed.usage_prompt_tokens,
-                "thinking": thinking,
-            }
+        item = PromptItem(
+            sid,
+            json.dumps(messages if messages is not None else [], ensure_ascii=False),
+            json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
         )
+        prov = RowProvenance(
+            dataset=dataset,
+            source="import",
+            backend="import",
+            endpoint=str(path),
+            model=None,
+            quantization=None,
+            sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
+            thinking=thinking,
+        )
+        values = response_values(
+            prov,
+            item,
+            dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
+            latency_s=0.0,
+            attempts=0,
+            started_us=0,
+            finished_us=0,
+            raw_response_json=None,
+        )
+        row = dict(zip(RESPONSE_COLUMNS, values))
+        row["has_tools"] = bool(tools)
+        row["has_prompt"] = messages is not None or parsed.prompt_token_ids is not None
+        rows.append(row)
         lines.append(lineno)
     return rows, lines, skipped
 

@@ -3,12 +3,25 @@
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_pipeline.dashboards import histogram_markdown, text_lengths
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
+from eagle_pipeline.generation import (
+    BackendSpec,
+    GenerationSummary,
+    SimulatedOpenRouterServer,
+    committed_totals,
+    generate_dataset,
+    pipeline_budget,
+    read_errors,
+    read_responses,
+)
 from eagle_pipeline.prompts import load_prompt_file, prompts_table
 from eagle_pipeline.storage import file_sha256, write_parquet_atomic
 
@@ -55,10 +68,8 @@ def provider_token_counters(tok, profile):
 
 
 @contextlib.contextmanager
-def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[object, bool]]:
+def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[BackendSpec, bool]]:
     """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step."""
-    from eagle_pipeline.generation import SimulatedOpenRouterServer
-
     cfg = pipeline.config()
     spec = cfg.backends[backend_name]
     if spec.kind != "simulated" or spec.endpoint:
@@ -87,7 +98,6 @@ def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tup
     ),
 )
 def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.generation import generate_dataset, read_errors, read_responses
     from eagle_pipeline.tokens import render_prompt_ids
 
     cfg = pipeline.config()
@@ -114,7 +124,9 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             errors_dir=root.errors_dir(ds.name),
             render_prompt_ids=render,
             budget_usd=ds.budget_usd,
-            run_budget=pipeline_budget(cfg, root),
+            run_budget=pipeline_budget(
+                cfg.generation.budget_usd, [root.responses_dir(name) for name in cfg.dataset_names]
+            ),
             commit_every_rows=cfg.generation.commit_every_rows,
             commit_every_s=cfg.generation.commit_every_s,
             progress=lambda event: context.log.info(f"{ds.name}: {event.format()}"),
@@ -138,32 +150,13 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
     return dg.MaterializeResult(metadata=metadata)
 
 
-def pipeline_budget(cfg, root):
-    """The pipeline-wide spend cap (generation.budget_usd), counting every dataset's committed spend so far.
-
-    Committed rows are durable, so the cap holds across runs, resumes and datasets running in parallel runs
-    (up to the spend of requests in flight at the same moment in other runs).
-    """
-    from eagle_pipeline.generation import SpendTracker
-    from eagle_pipeline.generation.store import committed_sample_ids
-
-    if cfg.generation.budget_usd is None:
-        return None
-    tracker = SpendTracker(budget_usd=cfg.generation.budget_usd)
-    tracker.add(sum(committed_sample_ids(root.responses_dir(ds))[1] for ds in cfg.dataset_names))
-    return tracker
-
-
-def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
+def generation_metadata(
+    summary: GenerationSummary, table: pa.Table, errors: pa.Table, *, simulated: bool
+) -> dict[str, Any]:
     """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split, lengths."""
-    import pyarrow.compute as pc
-
-    from eagle_pipeline.dashboards import histogram_markdown, text_lengths, value_counts
-
-    spend = float(pc.sum(table.column("cost_usd")).as_py() or 0.0) if table.num_rows else 0.0
-    completion = int(pc.sum(table.column("usage_completion_tokens")).as_py() or 0) if table.num_rows else 0
+    totals = committed_totals(table, errors)
     return {
-        "dagster/row_count": table.num_rows,
+        "dagster/row_count": totals["rows"],
         "generation_mode": "simulated (loopback OpenRouter-format server)" if simulated else "live",
         "simulated": simulated,
         "backend": summary.backend,
@@ -171,16 +164,14 @@ def generation_metadata(summary, table, errors, *, simulated: bool) -> dict:
         "already_done": summary.already_done,
         "completed_this_run": summary.completed,
         "failed_this_run": summary.failed,
-        "spend_usd_total": round(spend, 6),
+        "spend_usd_total": totals["spend_usd_total"],
         "spend_usd_this_run": round(float(summary.spend_usd), 6),
-        "completion_tokens_total": completion,
-        "errors_total": errors.num_rows,
-        "errors_by_class": dg.MetadataValue.json(value_counts(errors.column("error_class")) if errors.num_rows else {}),
-        "provider_split": dg.MetadataValue.json(
-            value_counts(table.column("provider"), "unknown") if table.num_rows else {}
-        ),
-        "source_split": dg.MetadataValue.json(value_counts(table.column("source")) if table.num_rows else {}),
-        "finish_reasons": dg.MetadataValue.json(value_counts(table.column("finish_reason")) if table.num_rows else {}),
+        "completion_tokens_total": totals["completion_tokens_total"],
+        "errors_total": totals["errors_total"],
+        "errors_by_class": dg.MetadataValue.json(totals["errors_by_class"]),
+        "provider_split": dg.MetadataValue.json(totals["provider_split"]),
+        "source_split": dg.MetadataValue.json(totals["source_split"]),
+        "finish_reasons": dg.MetadataValue.json(totals["finish_reasons"]),
         "elapsed_s": round(float(summary.elapsed_s), 2),
         "reasoning_content_lengths": dg.MetadataValue.md(
             histogram_markdown(

@@ -91,6 +91,11 @@ def _text_or_none(v: Any) -> str | None:
     return _dumps(v)
 
 
+def _as_dict(v: Any) -> dict[str, Any]:
+    """`v` when it is a JSON object, else an empty one (optional sub-objects of a body)."""
+    return v if isinstance(v, dict) else {}
+
+
 def _ids_or_none(v: Any) -> list[int] | None:
     if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         return v
@@ -156,8 +161,8 @@ def parse_chat_completion(obj: Any, status: int, *, want_ids: bool, spec: Backen
     if finish is None and not content and not reasoning and not tool_calls:
         # "No content generated": a cold start or dropped upstream; not billed, worth retrying.
         raise RequestFailure(F.EMPTY_COMPLETION, "no finish_reason and nothing generated", True, status)
-    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
-    details = usage.get("completion_tokens_details") if isinstance(usage.get("completion_tokens_details"), dict) else {}
+    usage = _as_dict(obj.get("usage"))
+    details = _as_dict(usage.get("completion_tokens_details"))
     reasoning_tokens = _int_or_none(details.get("reasoning_tokens"))
     if reasoning_tokens is None:
         reasoning_tokens = _int_or_none(usage.get("reasoning_tokens"))

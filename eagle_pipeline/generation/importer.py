@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,10 @@ import pyarrow.parquet as pq
 from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
 from eagle_pipeline.generation.failures import RequestFailure
+from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
+from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.summary import GenerationSummary
 from eagle_pipeline.prompts import canonical_json
 from eagle_pipeline.storage import iter_jsonl_objects
 
@@ -83,7 +86,8 @@ def _records(path: Path) -> Iterator[tuple[str, dict[str, Any] | None, str | Non
         yield where, obj, problem
 
 
-def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, base: dict[str, Any]) -> dict[str, Any]:
+def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, prov: RowProvenance) -> dict[str, Any]:
+    """A responses row from a chat-completion body (the record itself, or its `response`)."""
     body = (
         rec["response"]
         if "response" in rec
@@ -99,34 +103,22 @@ def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, bas
     p = parse_chat_completion(body, 200, want_ids=want_ids, spec=spec)
     created = body.get("created") if isinstance(body, dict) else None
     at_us = (
-        int(created * 1_000_000)
-        if isinstance(created, (int, float)) and not isinstance(created, bool)
-        else time.time_ns() // 1000
+        int(created * 1_000_000) if isinstance(created, (int, float)) and not isinstance(created, bool) else now_us()
     )
-    return {
-        **base,
-        "model": p.model or spec.model or None,
-        "provider": p.provider,
-        "reasoning": p.reasoning,
-        "content": p.content,
-        "tool_calls_json": p.tool_calls_json,
-        "prompt_token_ids": p.prompt_token_ids,
-        "output_token_ids": p.output_token_ids,
-        "finish_reason": p.finish_reason,
-        "native_finish_reason": p.native_finish_reason,
-        "usage_prompt_tokens": p.usage_prompt_tokens,
-        "usage_completion_tokens": p.usage_completion_tokens,
-        "usage_reasoning_tokens": p.usage_reasoning_tokens,
-        "cost_usd": p.cost_usd,
-        "generation_id": p.generation_id,
-        "latency_s": float(rec.get("latency_s") or 0.0),
-        "started_at": at_us,
-        "finished_at": at_us,
-        "raw_response_json": json.dumps(body, ensure_ascii=False),
-    }
+    values = response_values(
+        prov,
+        item,
+        p,
+        latency_s=float(rec.get("latency_s") or 0.0),
+        attempts=0,  # no request was made by this pipeline
+        started_us=at_us,
+        finished_us=at_us,
+        raw_response_json=json.dumps(body, ensure_ascii=False),
+    )
+    return dict(zip(RESPONSE_COLUMNS, values))
 
 
-def _row_from_table_row(rec: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def _row_from_table_row(rec: dict[str, Any], item: PromptItem, prov: RowProvenance) -> dict[str, Any]:
     """A responses-table row from another run: provenance columns are replaced, the answer and its metadata kept."""
     row = dict(rec)
     for k in ("started_at", "finished_at"):
@@ -134,13 +126,139 @@ def _row_from_table_row(rec: dict[str, Any], base: dict[str, Any]) -> dict[str, 
         if v is not None and not isinstance(v, int):
             row[k] = int(v.timestamp() * 1_000_000)
     if row.get("started_at") is None:
-        row["started_at"] = row["finished_at"] = time.time_ns() // 1000
-    for k in ("sample_id", "dataset", "messages_json", "tools_json", "source", "backend"):
-        row[k] = base[k]
-    for k in ("endpoint", "sampling_json", "thinking", "attempts", "latency_s"):
+        row["started_at"] = row["finished_at"] = now_us()
+    row.update(
+        sample_id=item.sample_id,
+        dataset=prov.dataset,
+        messages_json=item.messages_json,
+        tools_json=item.tools_json,
+        source=prov.source,
+        backend=prov.backend,
+    )
+    kept_unless_missing = {
+        "endpoint": prov.endpoint,
+        "sampling_json": prov.sampling_json,
+        "thinking": prov.thinking,
+        "attempts": 0,
+        "latency_s": 0.0,
+    }
+    for k, v in kept_unless_missing.items():
         if row.get(k) is None:
-            row[k] = base.get(k, 0.0)
+            row[k] = v
     return row
+
+
+class _Import:
+    """One import run: the records of every file, matched to pending prompts, into the sink."""
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        all_items: list[PromptItem],
+        source_ids: dict[str, str],
+        pending: set[str],
+        backend: BackendSpec,
+        sampling: SamplingSpec,
+        sink: ShardSink,
+        commit_every_rows: int,
+    ) -> None:
+        self.dataset = dataset
+        self.backend = backend
+        self.sink = sink
+        self.commit_every_rows = commit_every_rows
+        self.index = _Index(all_items, source_ids)
+        self.available = set(pending)
+        self.prov = RowProvenance(
+            dataset=dataset,
+            source="import",
+            backend=backend.name,
+            endpoint=None,  # set per file
+            model=backend.model or None,
+            quantization=None,
+            sampling_json=canonical_json(sampling.to_dict()),
+            thinking=bool(sampling.thinking),
+        )
+        self.matched = self.completed = self.failed = self.dups = 0
+        self.errors_by_class: dict[str, int] = {}
+        self.spend = 0.0
+        self.ptoks = self.ctoks = 0
+
+    def error(self, sample_id: str | None, cls: str, message: str) -> None:
+        self.failed += 1
+        self.errors_by_class[cls] = self.errors_by_class.get(cls, 0) + 1
+        self.sink.errors.append(
+            error_row(
+                sample_id=sample_id,
+                dataset=self.dataset,
+                backend=self.backend.name,
+                error_class=cls,
+                http_status=None,
+                message=message,
+                attempts=0,
+            )
+        )
+
+    def import_file(self, path: Path) -> None:
+        if not path.exists():
+            raise FileNotFoundError(f"backend {self.backend.name!r}: import file {path} not found")
+        prov = replace(self.prov, endpoint=str(path))
+        for where, rec, problem in _records(path):
+            if rec is None:
+                self.error(None, F.IMPORT_INVALID, f"{where}: {problem}")
+            else:
+                self.import_record(where, rec, prov)
+
+    def import_record(self, where: str, rec: dict[str, Any], prov: RowProvenance) -> None:
+        item = self.index.match(rec, self.available)
+        if item is None:
+            self.error(None, F.IMPORT_UNMATCHED, f"{where}: matches no prompt of {self.dataset}")
+            return
+        if item.sample_id not in self.available:
+            # Committed earlier, or already imported from an earlier record: exactly once, so skip.
+            self.dups += 1
+            return
+        self.matched += 1
+        try:
+            if "response" in rec or "choices" in rec or "error" in rec:
+                row = _row_from_body(rec, item, self.backend, prov)
+            elif "raw_response_json" in rec or "content" in rec:
+                row = _row_from_table_row(rec, item, prov)
+            else:
+                raise RequestFailure(F.IMPORT_INVALID, "record has neither a response body nor response columns", False)
+        except RequestFailure as f:
+            self.error(item.sample_id, F.IMPORT_INVALID, f"{where}: {f}")
+            return
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            self.error(item.sample_id, F.IMPORT_INVALID, f"{where}: {type(exc).__name__}: {exc}")
+            return
+        self.available.discard(item.sample_id)
+        self.sink.responses.append(row)
+        self.completed += 1
+        self.spend += row.get("cost_usd") or 0.0
+        self.ptoks += row.get("usage_prompt_tokens") or 0
+        self.ctoks += row.get("usage_completion_tokens") or 0
+        if len(self.sink.responses) >= self.commit_every_rows:
+            self.sink.commit_nowait()
+
+    def summary(self, total_prompts: int) -> GenerationSummary:
+        return GenerationSummary(
+            dataset=self.dataset,
+            total_prompts=total_prompts,
+            already_done=0,
+            requested=self.matched,
+            completed=self.completed,
+            failed=self.failed,
+            errors_by_class=dict(sorted(self.errors_by_class.items())),
+            spend_usd=self.spend,
+            prompt_tokens=self.ptoks,
+            completion_tokens=self.ctoks,
+            stopped_reason=None,
+            elapsed_s=0.0,
+            backend=self.backend.name,
+            simulated=False,
+            skipped_duplicates=self.dups,
+        )
 
 
 def import_responses(
@@ -151,110 +269,26 @@ def import_responses(
     pending: set[str],
     backend: BackendSpec,
     sampling: SamplingSpec,
-    sink: Any,
+    sink: ShardSink,
     commit_every_rows: int,
-):
-    """Write rows for the `pending` prompts found in the import files; returns a GenerationSummary.
+) -> GenerationSummary:
+    """Write rows for the `pending` prompts found in the import files.
 
     `all_items` are all prompts of the run (committed ones too), so a record for a committed prompt is recognised and
     skipped rather than reported as unmatched.
     """
-    from eagle_pipeline.generation.runner import GenerationSummary
-
-    index = _Index(all_items, source_ids)
-    available = set(pending)
-    matched = 0
-    sampling_json = canonical_json(sampling.to_dict())
-    completed = failed = dups = 0
-    errors_by_class: dict[str, int] = {}
-    spend = 0.0
-    ptoks = ctoks = 0
-
-    def error(sample_id: str | None, cls: str, message: str) -> None:
-        nonlocal failed
-        failed += 1
-        errors_by_class[cls] = errors_by_class.get(cls, 0) + 1
-        sink.errors.append(
-            {
-                "sample_id": sample_id,
-                "dataset": dataset,
-                "backend": backend.name,
-                "error_class": cls,
-                "http_status": None,
-                "message": F.truncate(message, 1000),
-                "attempts": 0,
-                "at": time.time_ns() // 1000,
-            }
-        )
-
-    for path in (Path(p) for p in backend.import_paths):
-        if not path.exists():
-            raise FileNotFoundError(f"backend {backend.name!r}: import file {path} not found")
-        for where, rec, problem in _records(path):
-            if rec is None:
-                error(None, F.IMPORT_INVALID, f"{where}: {problem}")
-                continue
-            item = index.match(rec, available)
-            if item is None:
-                error(None, F.IMPORT_UNMATCHED, f"{where}: matches no prompt of {dataset}")
-                continue
-            if item.sample_id not in available:
-                # Committed earlier, or already imported from an earlier record: exactly once, so skip.
-                dups += 1
-                continue
-            matched += 1
-            base = {
-                "sample_id": item.sample_id,
-                "dataset": dataset,
-                "messages_json": item.messages_json,
-                "tools_json": item.tools_json,
-                "source": "import",
-                "backend": backend.name,
-                "endpoint": str(path),
-                "quantization": None,
-                "sampling_json": sampling_json,
-                "thinking": bool(sampling.thinking),
-                "attempts": 0,  # no request was made by this pipeline
-            }
-            try:
-                if "response" in rec or "choices" in rec or "error" in rec:
-                    row = _row_from_body(rec, item, backend, base)
-                elif "raw_response_json" in rec or "content" in rec:
-                    row = _row_from_table_row(rec, base)
-                else:
-                    raise RequestFailure(
-                        F.IMPORT_INVALID, "record has neither a response body nor response columns", False
-                    )
-            except RequestFailure as f:
-                error(item.sample_id, F.IMPORT_INVALID, f"{where}: {f}")
-                continue
-            except (TypeError, ValueError, KeyError, AttributeError) as exc:
-                error(item.sample_id, F.IMPORT_INVALID, f"{where}: {type(exc).__name__}: {exc}")
-                continue
-            available.discard(item.sample_id)
-            sink.responses.append(row)
-            completed += 1
-            spend += row.get("cost_usd") or 0.0
-            ptoks += row.get("usage_prompt_tokens") or 0
-            ctoks += row.get("usage_completion_tokens") or 0
-            if len(sink.responses) >= commit_every_rows:
-                sink.commit_nowait()
-    if dups:
-        log.info("[%s] import: skipped %d records for prompts already committed or imported", dataset, dups)
-    return GenerationSummary(
+    run = _Import(
         dataset=dataset,
-        total_prompts=len(all_items),
-        already_done=0,
-        requested=matched,
-        completed=completed,
-        failed=failed,
-        errors_by_class=dict(sorted(errors_by_class.items())),
-        spend_usd=spend,
-        prompt_tokens=ptoks,
-        completion_tokens=ctoks,
-        stopped_reason=None,
-        elapsed_s=0.0,
-        backend=backend.name,
-        simulated=False,
-        skipped_duplicates=dups,
+        all_items=all_items,
+        source_ids=source_ids,
+        pending=pending,
+        backend=backend,
+        sampling=sampling,
+        sink=sink,
+        commit_every_rows=commit_every_rows,
     )
+    for path in backend.import_paths:
+        run.import_file(Path(path))
+    if run.dups:
+        log.info("[%s] import: skipped %d records for prompts already committed or imported", dataset, run.dups)
+    return run.summary(len(all_items))

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline import storage
-from eagle_pipeline.generation.schema import ERRORS_SCHEMA, RESPONSES_SCHEMA
+from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
 
 log = logging.getLogger("eagle_pipeline.generation")
 

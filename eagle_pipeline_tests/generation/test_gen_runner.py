@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 from collections import defaultdict
@@ -124,6 +125,30 @@ def test_429_storm_waits_for_retry_after(tmp_path):
         assert [r.status for r in recs] == [429, 429, 200]
         # Server-side arrival times: every retry came at least Retry-After (1 s) after the 429.
         assert all(b.at - a.at >= 0.99 for a, b in zip(recs, recs[1:]))
+
+
+def test_restarts_after_retry_after_are_spread(tmp_path):
+    # Every first attempt gets a 429 with Retry-After: 1 s, as from an account-wide limit. Released at one instant,
+    # all the retries would hit the limit together again; they must come back spread over a window instead.
+    n = 120
+    prompts = make_prompts(n)
+    faults = {"http_429": 1.0, "retry_after_s": 1}
+    with SimulatedOpenRouterServer(faults=faults) as srv:
+        s = run(prompts, sim_backend(srv.url, concurrency=n, max_retries=2), tmp_path)
+        log = srv.request_log()
+    assert (s.completed, s.failed) == (n, 0)
+    by_key = defaultdict(list)
+    for rec in log:
+        by_key[rec.key].append(rec)
+    assert len(by_key) == n and all([r.status for r in recs] == [429, 200] for recs in by_key.values())
+    # Server-side arrival times: how long after Retry-After had passed each retry came.
+    late = sorted(b.at - a.at - 1.0 for a, b in by_key.values())
+    assert late[0] >= -0.01  # Retry-After honoured by every retry
+    assert late[-1] - late[0] >= 0.5  # spread over half a second or more, not a burst
+    assert sum(d > 0.3 for d in late) >= n // 4
+    retries = sorted(b.at for _, b in by_key.values())
+    busiest = max(bisect.bisect_right(retries, t + 0.1) - i for i, t in enumerate(retries))
+    assert busiest <= n // 3  # no 100 ms holds more than a third of the restarts
 
 
 @pytest.mark.parametrize(
@@ -324,6 +349,22 @@ def test_progress_events_and_logging(tmp_path, caplog):
     line = last.format()
     assert "20/20" in line and "B1" in line and "/s" in line
     assert "summary" in caplog.text
+
+
+def test_progress_line_labels_this_run_and_dataset_totals(tmp_path):
+    with SimulatedOpenRouterServer() as srv:
+        s1 = run(make_prompts(12), sim_backend(srv.url), tmp_path)
+        events = []
+        s2 = run(make_prompts(30), sim_backend(srv.url), tmp_path, progress=events.append, progress_every_s=0.1)
+    assert s1.spend_usd > 0 and s2.spend_usd > 0
+    last = events[-1]
+    assert (last.done, last.total, last.done_this_run, last.errors) == (30, 30, 18, 0)
+    assert last.spend_usd == pytest.approx(s2.spend_usd)
+    assert last.spend_total_usd == pytest.approx(s1.spend_usd + s2.spend_usd)
+    line = last.format()
+    assert line.startswith("[B1] 30/30 done (100.0%), 18 this run at ")
+    assert f"spend ${last.spend_usd:,.4f} this run, ${last.spend_total_usd:,.4f} dataset total;" in line
+    assert "errors 0 this run" in line
 
 
 def test_works_when_called_inside_a_running_loop(tmp_path):

@@ -1,0 +1,356 @@
+"""The request loop of a live run: a fixed pool of worker coroutines, retries with backoff, account-wide pauses on
+Retry-After, rpm pacing, stops (auth, credits, budget, circuit breaker), periodic commits and progress.
+
+`LiveRun` turns each prompt into one responses row or one errors row in the sink; `runner` sets it up and tears it
+down. The wire format (request bodies, response parsing) is the backend's (`backends`), the transport the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from eagle_pipeline.generation import failures as F
+from eagle_pipeline.generation.backends import HttpBackend, ParsedResponse, PromptItem
+from eagle_pipeline.generation.budget import SpendLedger
+from eagle_pipeline.generation.client import HttpClient
+from eagle_pipeline.generation.failures import Redactor, RequestFailure
+from eagle_pipeline.generation.pending import RequestPlan
+from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, response_values
+from eagle_pipeline.generation.sink import ShardSink
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
+from eagle_pipeline.prompts import canonical_json
+
+log = logging.getLogger("eagle_pipeline.generation")
+
+RELEASE_SPREAD_MAX_S = 5.0
+
+
+def release_spread_s(retry_after_s: float) -> float:
+    """The window over which requests paused by a Retry-After restart (each at a random point in it).
+
+    Without it every paused worker restarts at the same instant (2,000 requests within ~30 ms) against a limit that is
+    usually account-wide. The window is the whole wait up to one second, 10% of longer waits, at most 5 s.
+    """
+    return min(RELEASE_SPREAD_MAX_S, max(0.1 * retry_after_s, min(retry_after_s, 1.0)))
+
+
+class _RpmBucket:
+    """Evenly spaced request slots (no burst): `rpm` requests per minute across all workers."""
+
+    def __init__(self, rpm: float) -> None:
+        self.interval = 60.0 / rpm
+        self._next = time.monotonic()
+
+    async def acquire(self) -> None:
+        now = time.monotonic()
+        slot = max(now, self._next)
+        self._next = slot + self.interval
+        if slot > now:
+            await asyncio.sleep(slot - now)
+
+
+@dataclass
+class _Counters:
+    requested: int = 0
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors_by_class: dict[str, int] = field(default_factory=dict)
+
+
+def row_provenance(dataset: str, spec: BackendSpec, sampling: SamplingSpec) -> RowProvenance:
+    """The fixed columns of every row a live run of `spec` produces."""
+    q = spec.provider.get("quantizations") if isinstance(spec.provider, dict) else None
+    return RowProvenance(
+        dataset=dataset,
+        source=spec.source,
+        backend=spec.name,
+        endpoint=spec.endpoint or "",
+        model=spec.model,
+        # Only a routing pinned to exactly one quantization tells us what served the request.
+        quantization=q[0] if isinstance(q, list) and len(q) == 1 else None,
+        sampling_json=canonical_json(sampling.to_dict()),
+        thinking=bool(sampling.thinking),
+    )
+
+
+class LiveRun:
+    """State of one generate_dataset call against a live backend."""
+
+    def __init__(
+        self,
+        *,
+        dataset: str,
+        plan: RequestPlan,
+        backend: BackendSpec,
+        http_backend: HttpBackend,
+        provenance: RowProvenance,
+        sink: ShardSink,
+        redact: Redactor,
+        ledger: SpendLedger,
+        commit_every_rows: int,
+        commit_every_s: float,
+        progress: Callable[[ProgressEvent], None] | None,
+        progress_every_s: float,
+    ) -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self.spec = backend
+        self.backend = http_backend
+        self.prov = provenance
+        self.sink = sink
+        self.redact = redact
+        self.ledger = ledger
+        self.commit_every_rows = max(1, commit_every_rows)
+        self.commit_every_s = commit_every_s
+        self.progress = progress
+        self.progress_every_s = progress_every_s
+        self.c = _Counters()
+        self.stop_reason: str | None = None
+        self.inflight = 0
+        self.consecutive_failures = 0
+        self.pause_until = 0.0
+        self.pause_spread_s = 0.0
+        self.rpm = _RpmBucket(backend.rpm) if backend.rpm else None
+        self._rng = random.Random()
+        self._pending_iter: Iterator[PromptItem] = iter(plan.items)
+        self._stop_event = asyncio.Event()
+        self.t0 = time.monotonic()
+
+    @property
+    def n_workers(self) -> int:
+        return max(1, min(self.spec.effective_concurrency, len(self.plan.items)))
+
+    # ---- control -------------------------------------------------------------------------------------------
+    def stop(self, reason: str, detail: str = "") -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self._stop_event.set()
+            log.warning(
+                "[%s] stopping: %s%s (in flight: %d)",
+                self.dataset,
+                reason,
+                f" ({detail})" if detail else "",
+                self.inflight,
+            )
+
+    async def _sleep_or_stop(self, delay: float) -> bool:
+        """Sleep `delay` seconds; return False early if the run is stopped meanwhile."""
+        if delay <= 0:
+            return self.stop_reason is None
+        try:
+            await asyncio.wait_for(self._stop_event.wait(), timeout=delay)
+            return False
+        except TimeoutError:
+            return self.stop_reason is None
+
+    def _backoff(self, attempt: int, f: RequestFailure) -> float:
+        if f.retry_after_s is not None:
+            # Honour the server's wait, released at a random point of a window so that a storm of 429s does not
+            # come back in lockstep.
+            return f.retry_after_s + self._rng.uniform(0.0, release_spread_s(f.retry_after_s))
+        cap = min(self.spec.backoff_max_s, self.spec.backoff_base_s * (2 ** (attempt - 1)))
+        return self._rng.uniform(0.0, cap)  # full jitter
+
+    def _pause_all(self, retry_after_s: float) -> None:
+        # A 429 with Retry-After pauses every worker: such limits are usually account-wide.
+        until = time.monotonic() + retry_after_s
+        if until > self.pause_until:
+            self.pause_until, self.pause_spread_s = until, release_spread_s(retry_after_s)
+
+    async def _wait_for_pause(self) -> bool:
+        """Wait out a pause, waking at a random point of its release window; False if the run stopped meanwhile."""
+        if self.pause_until <= time.monotonic():
+            return True
+        wake = self.pause_until + self._rng.uniform(0.0, self.pause_spread_s)
+        return await self._sleep_or_stop(wake - time.monotonic())
+
+    # ---- main loop -----------------------------------------------------------------------------------------
+    async def run(self, client: HttpClient) -> None:
+        self.client = client
+        ticker = asyncio.create_task(self._ticker())
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.n_workers)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+        self._emit_progress()
+
+    async def _ticker(self) -> None:
+        last_progress = time.monotonic()
+        tick = max(0.05, min(0.5, self.commit_every_s / 4, self.progress_every_s / 2))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if self.sink.buffered() and now - self.sink.last_commit >= self.commit_every_s:
+                await self.sink.commit()
+            if now - last_progress >= self.progress_every_s:
+                last_progress = now
+                self._emit_progress()
+
+    def progress_event(self) -> ProgressEvent:
+        """Where the run stands now: this run's figures and the dataset's totals, each labelled."""
+        elapsed = time.monotonic() - self.t0
+        rate = self.c.completed / elapsed if elapsed > 0 else 0.0
+        done = self.plan.already_done + self.c.completed
+        remaining = max(0, self.plan.total - done)
+        return ProgressEvent(
+            dataset=self.dataset,
+            done=done,
+            total=self.plan.total,
+            done_this_run=self.c.completed,
+            rate_per_s=rate,
+            eta_s=remaining / rate if rate > 0 else None,
+            spend_usd=self.ledger.this_run_usd,
+            spend_total_usd=self.ledger.dataset_total_usd,
+            errors=self.c.failed,
+            elapsed_s=elapsed,
+        )
+
+    def _emit_progress(self) -> None:
+        ev = self.progress_event()
+        log.info("%s", ev.format())
+        if self.progress is not None:
+            try:
+                self.progress(ev)
+            except Exception:  # a broken progress callback must not lose generated rows
+                log.exception("progress callback failed")
+
+    async def _worker(self) -> None:
+        while self.stop_reason is None:
+            if self.ledger.reached(self.inflight):
+                self.stop(F.STOP_BUDGET)
+                return
+            if self.rpm is not None:
+                await self.rpm.acquire()
+                if self.stop_reason is not None:
+                    return
+            item = next(self._pending_iter, None)
+            if item is None:
+                return
+            self.c.requested += 1
+            self.inflight += 1
+            try:
+                await self._process(item)
+            finally:
+                self.inflight -= 1
+                self.backend.forget(item)
+
+    async def _process(self, item: PromptItem) -> None:
+        started_us = now_us()
+        attempt = 0
+        last: RequestFailure | None = None
+        while True:
+            if not await self._wait_for_pause():
+                return await self._fail(item, attempt, last, cancelled=True)
+            attempt += 1
+            t_attempt = time.perf_counter()
+            try:
+                status, raw, retry_after = await self.client.post(
+                    self.backend.url, self.backend.build_body(item, attempt)
+                )
+                text, parsed = self.backend.parse(status, raw, retry_after, item)
+            except RequestFailure as f:
+                last = f
+                if f.stop_reason:
+                    self.stop(f.stop_reason, self.redact(f.message) or "")
+                    return await self._fail(item, attempt, f)
+                if not f.retryable or attempt > self.spec.max_retries:
+                    return await self._fail(item, attempt, f)
+                if self.stop_reason is not None:
+                    return await self._fail(item, attempt, f, cancelled=True)
+                if f.error_class == F.RATE_LIMIT and f.retry_after_s:
+                    self._pause_all(f.retry_after_s)
+                if not await self._sleep_or_stop(self._backoff(attempt, f)):
+                    return await self._fail(item, attempt, f, cancelled=True)
+                if self.rpm is not None:
+                    await self.rpm.acquire()
+                continue
+            latency = time.perf_counter() - t_attempt
+            await self._succeed(item, parsed, text, attempt, started_us, latency)
+            return
+
+    async def _succeed(
+        self, item: PromptItem, p: ParsedResponse, text: str, attempts: int, started_us: int, latency: float
+    ) -> None:
+        self.consecutive_failures = 0
+        self.c.completed += 1
+        self.ledger.record(p.cost_usd)
+        self.c.prompt_tokens += p.usage_prompt_tokens or 0
+        self.c.completion_tokens += p.usage_completion_tokens or 0
+        values = response_values(
+            self.prov,
+            item,
+            p,
+            latency_s=latency,
+            attempts=attempts,
+            started_us=started_us,
+            finished_us=now_us(),
+            # A body that echoes the key (a misbehaving proxy) must not carry it into the dataset.
+            raw_response_json=self.redact(text),
+        )
+        self.sink.responses.append_values(values)
+        if len(self.sink.responses) >= self.commit_every_rows:
+            await self.sink.commit()
+
+    async def _fail(
+        self, item: PromptItem, attempts: int, f: RequestFailure | None, *, cancelled: bool = False
+    ) -> None:
+        if cancelled or f is None:
+            cls = F.CANCELLED
+            message = f"run stopped ({self.stop_reason}) before " + (
+                f"retrying; last failure: {f}" if f else "the first attempt"
+            )
+        else:
+            cls = f.error_class
+            message = f.message
+            self.consecutive_failures += 1
+        self.c.failed += 1
+        self.c.errors_by_class[cls] = self.c.errors_by_class.get(cls, 0) + 1
+        self.sink.errors.append(
+            error_row(
+                sample_id=item.sample_id,
+                dataset=self.dataset,
+                backend=self.spec.name,
+                error_class=cls,
+                http_status=f.http_status if f is not None else None,
+                message=message,
+                attempts=attempts,
+                redact=self.redact,
+            )
+        )
+        if self.consecutive_failures >= self.spec.circuit_breaker_failures:
+            self.stop(F.STOP_CIRCUIT, f"{self.consecutive_failures} consecutive failed requests; last: {cls}")
+        if len(self.sink.errors) >= self.commit_every_rows:
+            await self.sink.commit()
+
+    def summary(self) -> GenerationSummary:
+        """This run's outcome (elapsed time and shard count are filled in by the caller)."""
+        c = self.c
+        return GenerationSummary(
+            dataset=self.dataset,
+            total_prompts=self.plan.total,
+            already_done=self.plan.already_done,
+            requested=c.requested,
+            completed=c.completed,
+            failed=c.failed,
+            errors_by_class=dict(sorted(c.errors_by_class.items())),
+            spend_usd=self.ledger.this_run_usd,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            stopped_reason=self.stop_reason,
+            elapsed_s=0.0,
+            backend=self.spec.name,
+            simulated=self.spec.kind == "simulated",
+            skipped_duplicates=self.plan.duplicates,
+        )

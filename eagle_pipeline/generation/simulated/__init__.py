@@ -1,0 +1,79 @@
+"""Loopback servers that speak OpenRouter's, vLLM's and SGLang's wire formats, with deterministic answers and faults.
+
+`SimulatedOpenRouterServer` is the offline stand-in for OpenRouter (the 'simulated' backend kind and the test
+double); `SimulatedVLLMServer` and `SimulatedSGLangServer` return token ids through a tokenizer-like `encode`.
+All listen on 127.0.0.1 only, on an aiohttp app in a background thread, and are context managers:
+
+    with SimulatedOpenRouterServer(latency_s=0.01, faults={"http_429": 0.2}) as srv:
+        ... BackendSpec(kind="simulated", endpoint=srv.url, ...)
+
+Answers are a pure function of the request (hash of messages + seed): reasoning that quotes the prompt, an
+answer, and, for ~60% of prompts that offer tools, tool calls whose arguments follow the tool's JSON schema.
+
+Faults (the `faults` dict): a fault name maps to a rate in [0, 1] (chosen per request key by hash, so the same
+prompts are affected on every run), and `select` maps a fault name to explicit request keys (`request_key()`).
+Transient faults hit only the first `fail_first_n_attempts` attempts of a key (default 1), so retries clear them;
+status faults 401/402 and answer-quality faults hit every attempt. `after_requests: {fault: N}` applies a fault
+to every request once the server has seen more than N (a key revoked or credits exhausted mid-run).
+
+  transient: http_429 (Retry-After: retry_after_s), http_500, http_502, http_503, timeout (sleeps
+             timeout_sleep_s, beyond the client's timeout), error_200 (HTTP 200 with an error body), no_choices,
+             cut_body (connection closed mid-body), bad_json (complete HTTP response, truncated JSON)
+  status:    http_401, http_402
+  quality:   length (finish 'length', text cut), empty_content, empty_reasoning, billing_mismatch
+             (usage.completion_tokens +15%), bad_tool_args (malformed JSON arguments), prompt_mismatch
+             (usage.prompt_tokens counts a system prompt the provider injected: +PROMPT_INJECTED_TOKENS)
+
+Modules: `answers` (request keys, token counters, the deterministic answer), `faults` (the fault plan and the HTTP
+response of each fault), `server` (the loopback transport, lifecycle and request log), and one module per wire format:
+`openrouter`, `vllm`, `sglang` (with `id_server`, the token-id rendering the last two share).
+"""
+
+from eagle_pipeline.generation.simulated.answers import (
+    Answer,
+    CountCompletion,
+    CountPrompt,
+    crude_completion_tokens,
+    crude_prompt_tokens,
+    crude_token_count,
+    ids_key,
+    request_key,
+    synthesize,
+    truncate_answer,
+)
+from eagle_pipeline.generation.simulated.faults import (
+    ALL_FAULTS,
+    PROMPT_INJECTED_TOKENS,
+    QUALITY_FAULTS,
+    STATUS_FAULTS,
+    TRANSIENT_FAULTS,
+    FaultPlan,
+)
+from eagle_pipeline.generation.simulated.openrouter import SimulatedOpenRouterServer
+from eagle_pipeline.generation.simulated.server import LoopbackServer, RequestRecord
+from eagle_pipeline.generation.simulated.sglang import SimulatedSGLangServer
+from eagle_pipeline.generation.simulated.vllm import SimulatedVLLMServer
+
+__all__ = [
+    "ALL_FAULTS",
+    "PROMPT_INJECTED_TOKENS",
+    "QUALITY_FAULTS",
+    "STATUS_FAULTS",
+    "TRANSIENT_FAULTS",
+    "Answer",
+    "CountCompletion",
+    "CountPrompt",
+    "FaultPlan",
+    "LoopbackServer",
+    "RequestRecord",
+    "SimulatedOpenRouterServer",
+    "SimulatedSGLangServer",
+    "SimulatedVLLMServer",
+    "crude_completion_tokens",
+    "crude_prompt_tokens",
+    "crude_token_count",
+    "ids_key",
+    "request_key",
+    "synthesize",
+    "truncate_answer",
+]

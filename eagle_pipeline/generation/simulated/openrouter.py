@@ -1,0 +1,179 @@
+"""The OpenRouter double: POST /api/v1/chat/completions with OpenRouter's bodies, usage, cost and error format."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from eagle_pipeline.generation.simulated.answers import (
+    CountCompletion,
+    CountPrompt,
+    crude_completion_tokens,
+    crude_prompt_tokens,
+    request_key,
+    synthesize,
+    truncate_answer,
+)
+from eagle_pipeline.generation.simulated.faults import PROMPT_INJECTED_TOKENS, error_response, fault_response
+from eagle_pipeline.generation.simulated.server import LoopbackServer
+
+
+def _auth_of(request: web.Request) -> str:
+    return request.headers.get("Authorization", "")
+
+
+class SimulatedOpenRouterServer(LoopbackServer):
+    """OpenRouter's POST /api/v1/chat/completions on loopback (`url` is the base URL to put in BackendSpec.endpoint)."""
+
+    base_path = "/api/v1"
+    routes = ("/chat/completions",)
+
+    def __init__(
+        self,
+        *,
+        latency_s: float = 0.0,
+        faults: dict[str, Any] | None = None,
+        count_completion_tokens: CountCompletion | None = None,
+        count_prompt_tokens: CountPrompt | None = None,
+        price_per_m_prompt: float = 0.60,
+        price_per_m_completion: float = 2.50,
+        provider_name: str = "Simulated",
+        api_key: str | None = None,
+        tool_call_rate: float = 0.6,
+        model: str | None = None,
+        port: int = 0,
+    ) -> None:
+        super().__init__(latency_s=latency_s, faults=faults, port=port)
+        self.served_model = model  # reported as `model` in responses; None echoes the requested model
+        self.count_completion = count_completion_tokens or crude_completion_tokens
+        self.count_prompt = count_prompt_tokens or crude_prompt_tokens
+        self.price_prompt = price_per_m_prompt
+        self.price_completion = price_per_m_completion
+        self.provider_name = provider_name
+        self.api_key = api_key
+        self.tool_call_rate = tool_call_rate
+
+    async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not body.get("model"):
+            return error_response(400, "messages and model are required", {"error_type": "invalid_request"})
+        seed = body.get("seed")
+        key = request_key(messages, seed)
+        headers = {k: v for k, v in request.headers.items()}
+        attempt, n_seen = self._note(key, body, headers)
+        echo = f" (received Authorization: {_auth_of(request)})" if self.plan.echo_auth else ""
+        if self.api_key is not None and _auth_of(request) != f"Bearer {self.api_key}":
+            self._record(key, attempt, at, "bad_key", 401)
+            return error_response(401, "User not found." + echo, {"error_type": "authentication"})
+        fault = self.plan.status_fault(key, attempt, n_seen)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        ok = lambda: self._answer_bytes(body, attempt, n_seen)  # noqa: E731
+        if fault is not None:
+            resp = await fault_response(self.plan, request, fault, ok, echo)
+            if resp is not None:
+                self._record(key, attempt, at, fault, resp.status)
+                return resp
+        self._record(key, attempt, at, fault, 200)
+        payload = ok()
+        return web.Response(
+            body=payload,
+            status=200,
+            content_type="application/json",
+            headers={"X-Generation-Id": _gen_id(key, attempt)},
+        )
+
+    def answer(self, body: dict[str, Any], *, attempt: int = 1, n_seen: int = 0) -> dict[str, Any]:
+        """The success body for a request (also used by tests to know what to expect)."""
+        messages = body["messages"]
+        tools = body.get("tools")
+        seed = body.get("seed")
+        key = request_key(messages, seed)
+        reasoning_opt = body["reasoning"] if isinstance(body.get("reasoning"), dict) else {}
+        thinking = reasoning_opt.get("enabled", True) is not False and reasoning_opt.get("effort") != "none"
+        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate)
+        q = self.plan.quality_faults(key, n_seen)
+        if "bad_tool_args" in q and tools and not ans.tool_calls:
+            ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0)
+        if "empty_reasoning" in q:
+            ans.reasoning = ""
+        if "empty_content" in q and not ans.tool_calls:
+            ans.content = ""
+        if "bad_tool_args" in q:
+            for tc in ans.tool_calls:
+                tc["function"]["arguments"] = tc["function"]["arguments"][:-2]
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if "length" in q:
+            full = self.count_completion(ans.reasoning, ans.content, ans.tool_calls)
+            max_tokens = max(1, min(int(max_tokens or full), full // 2))
+        if isinstance(max_tokens, int) and max_tokens > 0:
+            ans = truncate_answer(ans, max_tokens, self.count_completion)
+        completion_tokens = self.count_completion(ans.reasoning, ans.content, ans.tool_calls)
+        reasoning_tokens = self.count_completion(ans.reasoning, "", []) if ans.reasoning else 0
+        if "billing_mismatch" in q:
+            completion_tokens = max(completion_tokens + 1, round(completion_tokens * 1.15))
+        prompt_tokens = self.count_prompt(messages, tools, thinking)
+        if "prompt_mismatch" in q:
+            prompt_tokens += PROMPT_INJECTED_TOKENS
+        cost = (prompt_tokens * self.price_prompt + completion_tokens * self.price_completion) / 1e6
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": ans.content,
+            "refusal": None,
+            "reasoning": ans.reasoning or None,
+            "reasoning_details": (
+                [
+                    {
+                        "type": "reasoning.text",
+                        "text": ans.reasoning,
+                        "signature": None,
+                        "id": None,
+                        "format": "unknown",
+                        "index": 0,
+                    }
+                ]
+                if ans.reasoning
+                else []
+            ),
+        }
+        if ans.tool_calls:
+            message["tool_calls"] = ans.tool_calls
+        out: dict[str, Any] = {
+            "id": _gen_id(key, attempt),
+            "provider": self.provider_name,
+            "model": self.served_model or body["model"],
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": ans.finish_reason,
+                    "native_finish_reason": ans.finish_reason,
+                    "message": message,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "cost": round(cost, 10),
+                "is_byok": False,
+            },
+        }
+        return out
+
+    def _answer_bytes(self, body: dict[str, Any], attempt: int, n_seen: int) -> bytes:
+        return json.dumps(self.answer(body, attempt=attempt, n_seen=n_seen), ensure_ascii=False).encode()
+
+
+def _gen_id(key: str, attempt: int) -> str:
+    return f"gen-{int(time.time())}-{hashlib.sha256(f'{key}:{attempt}'.encode()).hexdigest()[:20]}"

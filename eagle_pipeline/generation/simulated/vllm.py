@@ -1,0 +1,103 @@
+"""The vLLM double: POST /v1/chat/completions with `return_token_ids`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from eagle_pipeline.generation.simulated.answers import request_key, synthesize
+from eagle_pipeline.generation.simulated.faults import fault_response
+from eagle_pipeline.generation.simulated.id_server import IdServer
+
+
+class SimulatedVLLMServer(IdServer):
+    """vLLM's POST /v1/chat/completions with `return_token_ids` (top-level prompt_token_ids, choices[0].token_ids).
+
+    `supports_token_ids=False` imitates a server older than v0.10.2 (the flag is ignored); `reasoning_field`
+    chooses `reasoning` (current) or `reasoning_content` (older releases).
+    """
+
+    base_path = "/v1"
+    routes = ("/chat/completions",)
+
+    def __init__(self, *, supports_token_ids: bool = True, reasoning_field: str = "reasoning", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.supports_token_ids = supports_token_ids
+        self.reasoning_field = reasoning_field
+
+    def prompt_ids(self, messages: list, tools: list | None) -> list[int]:
+        text = "".join(f"<|{m.get('role')}|>{m.get('content') or ''}" for m in messages) + "<|assistant|>"
+        if tools:
+            text = json.dumps(tools) + text
+        return self.encode(text)
+
+    async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return web.json_response(
+                {"error": {"message": "messages required", "type": "BadRequestError", "param": None, "code": 400}},
+                status=400,
+            )
+        seed = body.get("seed")
+        key = request_key(messages, seed)
+        attempt, n_seen = self._note(key, body, dict(request.headers))
+        fault = self.plan.status_fault(key, attempt, n_seen)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        ok = lambda: json.dumps(self.answer(body)).encode()  # noqa: E731
+        if fault is not None:
+            resp = await fault_response(self.plan, request, fault, ok)
+            if resp is not None:
+                self._record(key, attempt, at, fault, resp.status)
+                return resp
+        self._record(key, attempt, at, fault, 200)
+        return web.json_response(self.answer(body))
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages, tools, seed = body["messages"], body.get("tools"), body.get("seed")
+        key = request_key(messages, seed)
+        thinking = (body.get("chat_template_kwargs") or {}).get("thinking", True) is not False
+        ans = synthesize(messages, tools, key, thinking=thinking)
+        q = self.plan.quality_faults(key, 0)
+        count = self._count(thinking)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if "length" in q:
+            max_tokens = max(1, count(ans.reasoning, ans.content, ans.tool_calls) // 2)
+        ans, out_ids = self.generate(
+            ans, thinking=thinking, max_tokens=max_tokens if isinstance(max_tokens, int) else None
+        )
+        p_ids = self.prompt_ids(messages, tools)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": ans.content or None,
+            self.reasoning_field: ans.reasoning or None,
+        }
+        if ans.tool_calls:
+            message["tool_calls"] = ans.tool_calls
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": ans.finish_reason,
+            "stop_reason": None,
+        }
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{key[:16]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or "simulated",
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(p_ids),
+                "completion_tokens": len(out_ids),
+                "total_tokens": len(p_ids) + len(out_ids),
+            },
+        }
+        if self.supports_token_ids and body.get("return_token_ids"):
+            out["prompt_token_ids"] = p_ids
+            choice["token_ids"] = out_ids
+        return out

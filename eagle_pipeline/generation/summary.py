@@ -1,0 +1,86 @@
+"""What a generation run reports: progress events while it runs, its summary when it ends, and the totals of a
+dataset's committed tables (for the Dagster asset's metadata, the CLI, or any script).
+
+Counts labelled "this run" cover only the requests of the current call; "dataset total" (and `done`) include the
+rows committed by earlier runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from eagle_pipeline.dashboards import value_counts
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One progress report of a running dataset."""
+
+    dataset: str
+    done: int  # prompts of this call answered: committed by earlier runs or completed in this one
+    total: int
+    done_this_run: int  # completed in this run
+    rate_per_s: float  # completions per second in this run
+    eta_s: float | None
+    spend_usd: float  # this run
+    spend_total_usd: float  # the dataset's recorded spend: every committed row, earlier runs included, plus this run
+    errors: int  # failed requests of this run
+    elapsed_s: float
+
+    def format(self) -> str:
+        """One log line, each figure labelled with what it counts."""
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        eta = "-" if self.eta_s is None else f"{self.eta_s:,.0f}s"
+        return (
+            f"[{self.dataset}] {self.done:,}/{self.total:,} done ({pct:.1f}%), {self.done_this_run:,} this run "
+            f"at {self.rate_per_s:,.1f}/s, eta {eta}; spend ${self.spend_usd:,.4f} this run, "
+            f"${self.spend_total_usd:,.4f} dataset total; errors {self.errors:,} this run; "
+            f"elapsed {self.elapsed_s:,.0f}s"
+        )
+
+
+@dataclass
+class GenerationSummary:
+    """The outcome of one `generate_dataset` call (counts and spend are this run's; `already_done` earlier runs')."""
+
+    dataset: str
+    total_prompts: int
+    already_done: int
+    requested: int
+    completed: int
+    failed: int
+    errors_by_class: dict[str, int]
+    spend_usd: float
+    prompt_tokens: int
+    completion_tokens: int
+    stopped_reason: str | None
+    elapsed_s: float
+    backend: str
+    simulated: bool
+    skipped_duplicates: int = 0  # prompts sharing a sample_id (requested once), or duplicate import records
+    shards_written: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def committed_totals(responses: pa.Table, errors: pa.Table) -> dict[str, Any]:
+    """Totals of a dataset's committed responses and errors tables: rows, spend, completion tokens, failures by
+    class, and the provider / source / finish-reason splits (plain values, JSON-friendly)."""
+    has_rows = responses.num_rows > 0
+    return {
+        "rows": responses.num_rows,
+        "spend_usd_total": round(float(pc.sum(responses.column("cost_usd")).as_py() or 0.0), 6) if has_rows else 0.0,
+        "completion_tokens_total": int(pc.sum(responses.column("usage_completion_tokens")).as_py() or 0)
+        if has_rows
+        else 0,
+        "errors_total": errors.num_rows,
+        "errors_by_class": value_counts(errors.column("error_class")) if errors.num_rows else {},
+        "provider_split": value_counts(responses.column("provider"), "unknown") if has_rows else {},
+        "source_split": value_counts(responses.column("source")) if has_rows else {},
+        "finish_reasons": value_counts(responses.column("finish_reason")) if has_rows else {},
+    }
