@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_pipeline.arrow_lists import list_rows
+
 MERGED_GLOB = "part-*.parquet"
 EXTRACT_COLUMNS = ("sample_id", "dataset", "input_ids", "loss_mask", "n_tokens")
 
@@ -61,17 +63,6 @@ class MergedRows:
         return [len(x) for x in self.input_ids]
 
 
-def _split_list_column(col: pa.ChunkedArray, dtype: np.dtype) -> list[np.ndarray]:
-    out: list[np.ndarray] = []
-    for chunk in col.chunks:
-        if chunk.null_count:
-            raise ValueError(f"null list in merged column of type {chunk.type}")
-        offsets = chunk.offsets.to_numpy()
-        values = np.array(chunk.values.to_numpy(zero_copy_only=False), dtype=dtype)  # writable copy for torch
-        out.extend(values[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
-    return out
-
-
 def read_rows(merged_dir: str | Path, start: int, stop: int) -> MergedRows:
     """Read global rows [start, stop); rows are checked for consistent n_tokens / ids / mask lengths."""
     tables: list[pa.Table] = []
@@ -101,8 +92,9 @@ def read_rows(merged_dir: str | Path, start: int, stop: int) -> MergedRows:
     table = pa.concat_tables(tables)
     if table.num_rows != stop - start:
         raise IndexError(f"rows [{start}, {stop}) requested, {table.num_rows} found in {merged_dir}")
-    ids = _split_list_column(table.column("input_ids"), np.dtype(np.int32))
-    masks = _split_list_column(table.column("loss_mask"), np.dtype(np.int8))
+    # Writable copies: the extractor hands them to torch.
+    ids = list_rows(table.column("input_ids"), np.int32, name="merged column input_ids", writable=True)
+    masks = list_rows(table.column("loss_mask"), np.int8, name="merged column loss_mask", writable=True)
     n_tokens = table.column("n_tokens").to_numpy()
     sample_ids = table.column("sample_id").to_pylist()
     for i, (a, m, n) in enumerate(zip(ids, masks, n_tokens)):

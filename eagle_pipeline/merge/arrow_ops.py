@@ -1,4 +1,5 @@
-"""Vectorised list-array arithmetic shared by merge, checks, vocab and exports.
+"""Vectorised list-array arithmetic shared by merge, checks, vocab and exports (the generic list-column helpers are
+in `eagle_pipeline.arrow_lists`).
 
 Everything here works on offsets and flat value buffers (numpy views of Arrow memory); no per-row Python.
 """
@@ -9,47 +10,8 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-INT32_MAX = np.iinfo(np.int32).max
-
-
-def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """One contiguous array (a ChunkedArray is combined; a plain array is returned as is)."""
-    if isinstance(arr, pa.ChunkedArray):
-        return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    return arr
-
-
-def list_parts(arr: pa.Array | pa.ChunkedArray, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths int64, flat values) of a list array, honouring slicing; values cast to `value_type`.
-
-    Null lists are rejected: a null token list means a broken upstream row, and silently treating it as
-    empty would hide that.
-    """
-    a = as_array(arr)
-    if a.null_count:
-        raise ValueError(f"list column has {a.null_count} null rows")
-    offsets = np.asarray(a.offsets, dtype=np.int64)
-    values = a.values.slice(offsets[0], offsets[-1] - offsets[0])
-    if values.null_count:
-        raise ValueError(f"list column has {values.null_count} null values")
-    if values.type != value_type:
-        values = pc.cast(values, value_type)
-    return np.diff(offsets), values.to_numpy(zero_copy_only=False)
-
-
-def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
-    """int32 Arrow offsets for the given row lengths (raises past the int32 list limit)."""
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > INT32_MAX:
-        raise ValueError(f"{offsets[-1]} values exceed one list<> array's int32 offsets; use smaller shards")
-    return offsets.astype(np.int32)
-
-
-def make_list(lengths: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets_from_lengths(lengths)), pa.array(values, type=value_type))
+from eagle_pipeline.arrow_lists import list_parts, make_list
 
 
 def concat_prompt_output(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from eagle_pipeline.merge.arrow_ops import list_parts
+from eagle_pipeline.arrow_lists import list_parts
 from eagle_pipeline.merge.core import MANIFEST_NAME, iter_merged_shards
 from eagle_pipeline.storage import atomic_path, file_sha256, write_bytes_atomic, write_json_atomic
 

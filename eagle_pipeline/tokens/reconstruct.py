@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..arrow_lists import make_list, nullable_list_rows
 from ..prompts import normalized_prompt_key
 from .profiles import ModelProfile, ProfileIds, get_profile
 from .render import render_prompt
@@ -444,24 +445,13 @@ def _list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
     """Per-row numpy views of a list<int> column (None for null rows, all None if the column is absent)."""
     if name not in table.column_names:
         return [None] * table.num_rows
-    arr = table.column(name).combine_chunks()
-    if arr.values.null_count:
-        raise ValueError(f"column {name} holds null ids inside its lists")
-    # `offsets` follow any slice of the array while `values` is the whole child, so they index it directly.
-    offsets = arr.offsets.to_numpy()
-    values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-    valid = ~arr.is_null().to_numpy(zero_copy_only=False)
-    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(arr))]
+    return nullable_list_rows(table.column(name), np.int32, name=f"column {name}")
 
 
 def _list_array(pieces: list[np.ndarray], lengths: list[int]) -> pa.Array:
     """A list<int32> Arrow array from row lengths and the concatenation of all row pieces."""
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > np.iinfo(np.int32).max:
-        raise ValueError("token-samples table too large for list<int32> offsets; split the responses")
     values = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=pa.int32()))
+    return make_list(lengths, values, pa.int32(), hint="split the responses")
 
 
 def _count_returned_calls(pids: ProfileIds, ids: Sequence[int], tool_calls_json: str | None, sid: str) -> int:
