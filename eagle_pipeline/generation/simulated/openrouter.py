@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from eagle_pipeline.generation.simulated.answers import (
+    Answer,
     CountCompletion,
     CountPrompt,
     crude_completion_tokens,
@@ -90,14 +91,35 @@ class SimulatedOpenRouterServer(LoopbackServer):
 
     def answer(self, body: dict[str, Any], *, attempt: int = 1, n_seen: int = 0) -> dict[str, Any]:
         """The success body for a request (also used by tests to know what to expect)."""
-        messages = body["messages"]
-        tools = body.get("tools")
-        seed = body.get("seed")
-        key = request_key(messages, seed)
+        messages, tools = body["messages"], body.get("tools")
+        key = request_key(messages, body.get("seed"))
         reasoning_opt = body["reasoning"] if isinstance(body.get("reasoning"), dict) else {}
         thinking = reasoning_opt.get("enabled", True) is not False and reasoning_opt.get("effort") != "none"
-        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate)
         q = self.plan.quality_faults(key, n_seen)
+        ans = self._final_answer(body, key, thinking, q)
+        return {
+            "id": _gen_id(key, attempt),
+            "provider": self.provider_name,
+            "model": self.served_model or body["model"],
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": ans.finish_reason,
+                    "native_finish_reason": ans.finish_reason,
+                    "message": _message(ans),
+                }
+            ],
+            "usage": self._usage(messages, tools, thinking, ans, q),
+        }
+
+    def _final_answer(self, body: dict[str, Any], key: str, thinking: bool, q: set[str]) -> Answer:
+        """The deterministic answer with this request's quality faults applied and cut to its `max_tokens`."""
+        messages, tools = body["messages"], body.get("tools")
+        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate)
         if "bad_tool_args" in q and tools and not ans.tool_calls:
             ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0)
         if "empty_reasoning" in q:
@@ -113,6 +135,10 @@ class SimulatedOpenRouterServer(LoopbackServer):
             max_tokens = max(1, min(int(max_tokens or full), full // 2))
         if isinstance(max_tokens, int) and max_tokens > 0:
             ans = truncate_answer(ans, max_tokens, self.count_completion)
+        return ans
+
+    def _usage(self, messages: list, tools: list | None, thinking: bool, ans: Answer, q: set[str]) -> dict[str, Any]:
+        """OpenRouter's `usage` for an answer: token counts (wrong on purpose under billing faults) and cost."""
         completion_tokens = self.count_completion(ans.reasoning, ans.content, ans.tool_calls)
         reasoning_tokens = self.count_completion(ans.reasoning, "", []) if ans.reasoning else 0
         if "billing_mismatch" in q:
@@ -121,55 +147,15 @@ class SimulatedOpenRouterServer(LoopbackServer):
         if "prompt_mismatch" in q:
             prompt_tokens += PROMPT_INJECTED_TOKENS
         cost = (prompt_tokens * self.price_prompt + completion_tokens * self.price_completion) / 1e6
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": ans.content,
-            "refusal": None,
-            "reasoning": ans.reasoning or None,
-            "reasoning_details": (
-                [
-                    {
-                        "type": "reasoning.text",
-                        "text": ans.reasoning,
-                        "signature": None,
-                        "id": None,
-                        "format": "unknown",
-                        "index": 0,
-                    }
-                ]
-                if ans.reasoning
-                else []
-            ),
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "cost": round(cost, 10),
+            "is_byok": False,
         }
-        if ans.tool_calls:
-            message["tool_calls"] = ans.tool_calls
-        out: dict[str, Any] = {
-            "id": _gen_id(key, attempt),
-            "provider": self.provider_name,
-            "model": self.served_model or body["model"],
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "logprobs": None,
-                    "finish_reason": ans.finish_reason,
-                    "native_finish_reason": ans.finish_reason,
-                    "message": message,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0},
-                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "cost": round(cost, 10),
-                "is_byok": False,
-            },
-        }
-        return out
 
     def _answer_bytes(self, body: dict[str, Any], attempt: int, n_seen: int) -> bytes:
         return json.dumps(self.answer(body, attempt=attempt, n_seen=n_seen), ensure_ascii=False).encode()
@@ -177,3 +163,30 @@ class SimulatedOpenRouterServer(LoopbackServer):
 
 def _gen_id(key: str, attempt: int) -> str:
     return f"gen-{int(time.time())}-{hashlib.sha256(f'{key}:{attempt}'.encode()).hexdigest()[:20]}"
+
+
+def _message(ans: Answer) -> dict[str, Any]:
+    """The assistant message of an OpenRouter completion: content, reasoning (and its details), tool calls."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": ans.content,
+        "refusal": None,
+        "reasoning": ans.reasoning or None,
+        "reasoning_details": (
+            [
+                {
+                    "type": "reasoning.text",
+                    "text": ans.reasoning,
+                    "signature": None,
+                    "id": None,
+                    "format": "unknown",
+                    "index": 0,
+                }
+            ]
+            if ans.reasoning
+            else []
+        ),
+    }
+    if ans.tool_calls:
+        message["tool_calls"] = ans.tool_calls
+    return message
