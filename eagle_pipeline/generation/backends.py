@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
@@ -210,7 +210,6 @@ class HttpBackend:
     """Base of the live backends: a URL, a body per prompt, a parser per response."""
 
     path = "/chat/completions"
-    headers: ClassVar[dict[str, str]] = {}
 
     def __init__(self, spec: BackendSpec, sampling: SamplingSpec) -> None:
         self.spec = spec
