@@ -130,6 +130,7 @@ class LiveRun:
 
     # ---- control -------------------------------------------------------------------------------------------
     def stop(self, reason: str, detail: str = "") -> None:
+        """Stop issuing requests (the first reason wins); requests in flight finish, pending retries are cancelled."""
         if self.stop_reason is None:
             self.stop_reason = reason
             self._stop_event.set()
@@ -174,6 +175,7 @@ class LiveRun:
 
     # ---- main loop -----------------------------------------------------------------------------------------
     async def run(self, client: HttpClient) -> None:
+        """Request every prompt of the plan (until a stop) through `n_workers` workers sharing `client`."""
         self.client = client
         ticker = asyncio.create_task(self._ticker())
         workers = [asyncio.create_task(self._worker()) for _ in range(self.n_workers)]
