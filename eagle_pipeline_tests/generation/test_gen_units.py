@@ -6,12 +6,14 @@ import email.utils
 import json
 import time
 
+import pyarrow as pa
 import pytest
 
 from eagle_pipeline.generation import BackendSpec, SamplingSpec, SimulatedOpenRouterServer, request_key
 from eagle_pipeline.generation import failures as F
-from eagle_pipeline.generation.backends import OpenRouterBackend, PromptItem, parse_chat_completion
+from eagle_pipeline.generation.backends import OpenRouterBackend, ParsedResponse, PromptItem, parse_chat_completion
 from eagle_pipeline.generation.failures import Redactor, RequestFailure, classify_status, parse_retry_after
+from eagle_pipeline.generation.rows import RESPONSES_SCHEMA, RowProvenance, error_row, response_values
 from eagle_pipeline.generation.simulated import Answer, FaultPlan, synthesize, truncate_answer
 
 from .generation_helpers import SEARCH_TOOL, WEATHER_TOOL
@@ -279,3 +281,70 @@ def test_simulated_usage_uses_given_counters():
     # max_tokens below the answer's size: finish 'length', usage within the cap.
     out = srv.answer(dict(body, max_tokens=1010))
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] <= 1010
+
+
+def test_response_row_builder_fills_every_column_from_its_source():
+    prov = RowProvenance("B3", "vllm", "be", "http://h/v1", "fallback-model", "fp8", '{"seed":1}', False)
+    parsed = ParsedResponse(
+        model=None,
+        provider="P",
+        reasoning="r",
+        content="c",
+        tool_calls_json="[]",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3],
+        finish_reason="stop",
+        native_finish_reason="eos",
+        usage_prompt_tokens=2,
+        usage_completion_tokens=1,
+        usage_reasoning_tokens=0,
+        cost_usd=0.5,
+        generation_id="g",
+    )
+    item = PromptItem("sid", "[]", None)
+    values = response_values(
+        prov, item, parsed, latency_s=1.5, attempts=2, started_us=10, finished_us=20, raw_response_json="{}"
+    )
+    row = pa.table({n: [v] for n, v in zip(RESPONSES_SCHEMA.names, values)}, schema=RESPONSES_SCHEMA).to_pylist()[0]
+    expected = {
+        "sample_id": "sid",
+        "dataset": "B3",
+        "messages_json": "[]",
+        "tools_json": None,
+        "source": "vllm",
+        "backend": "be",
+        "endpoint": "http://h/v1",
+        "model": "fallback-model",  # the response named none
+        "provider": "P",
+        "quantization": "fp8",
+        "reasoning": "r",
+        "content": "c",
+        "tool_calls_json": "[]",
+        "prompt_token_ids": [1, 2],
+        "output_token_ids": [3],
+        "finish_reason": "stop",
+        "native_finish_reason": "eos",
+        "usage_prompt_tokens": 2,
+        "usage_completion_tokens": 1,
+        "usage_reasoning_tokens": 0,
+        "cost_usd": 0.5,
+        "generation_id": "g",
+        "sampling_json": '{"seed":1}',
+        "thinking": False,
+        "latency_s": 1.5,
+        "attempts": 2,
+        "raw_response_json": "{}",
+    }
+    assert len(values) == len(RESPONSES_SCHEMA) and {k: row[k] for k in expected} == expected
+    assert [row["started_at"].microsecond, row["finished_at"].microsecond] == [10, 20]
+    err = error_row(
+        sample_id="sid",
+        dataset="B3",
+        backend="be",
+        error_class="auth",
+        http_status=401,
+        message="key sk-SECRET-123 rejected " + "x" * 2000,
+        attempts=1,
+        redact=Redactor(["sk-SECRET-123"]),
+    )
+    assert err["message"].startswith("key *** rejected") and len(err["message"]) <= 1000
