@@ -121,7 +121,7 @@ class StreamingSafetensorsWriter:
             )
         if nbytes:
             buf = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._emit(memoryview(buf))
+            self._emit(buf.data)
         self._next += 1
 
     def finish(self) -> str:
