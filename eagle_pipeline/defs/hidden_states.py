@@ -202,7 +202,7 @@ hidden_state_checks = [
     owners=["team:ml"],
     description="Trainer-ready exports: SpecForge pre-tokenized JSONL, HF-datasets Parquet, and a manifest of states.",
 )
-def trainer_exports(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.runtime import fingerprint_for_config
     from eagle_pipeline.hidden_states.shards import ShardsNotReadyError, require_shards_ready
     from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
