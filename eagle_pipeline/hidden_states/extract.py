@@ -175,30 +175,7 @@ def extract_shard(
     written = _write_states(
         target, rows, batches, meta, st_path, dev=dev, out_dtype=out_dtype, post_norm=post_norm, progress=progress
     )
-    real, padded = padding_of(rows.lengths, batches)
-    summary = ShardSummary(
-        shard_index=shard_index,
-        row_start=rows.row_start,
-        row_stop=rows.row_start + len(rows),
-        rows=len(rows),
-        tokens=real,
-        padded_tokens=padded,
-        padding_fraction=padded / max(real + padded, 1),
-        batches=len(batches),
-        seconds=written.seconds,
-        tokens_per_s=real / written.seconds if written.seconds > 0 else float("inf"),
-        path=str(st_path),
-        index_path=str(idx_path),
-        sha256=written.sha256,
-        size_bytes=written.size_bytes,
-        dtype=dtype_name(out_dtype),
-        aux_layers=list(target.aux),
-        final_state_is_post_norm=post_norm,
-        n_nonfinite_samples=int((written.nonfinite > 0).sum()),
-        compute_seconds=written.compute_seconds,
-        write_wait_seconds=written.write_wait_seconds,
-        fingerprint=wanted.to_dict(),
-    )
+    summary = _shard_summary(shard_index, rows, batches, written, st_path, idx_path, out_dtype, post_norm, wanted)
     _write_shard_index(
         idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"])
     )
@@ -355,6 +332,43 @@ def _write_states(
         for h in handles:
             h.remove()
     return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s)
+
+
+def _shard_summary(
+    shard_index: int,
+    rows: MergedRows,
+    batches: Sequence[Sequence[int]],
+    written: _Written,
+    st_path: Path,
+    idx_path: Path,
+    out_dtype: torch.dtype,
+    post_norm: bool,
+    fingerprint: ExtractionFingerprint,
+) -> ShardSummary:
+    real, padded = padding_of(rows.lengths, batches)
+    return ShardSummary(
+        shard_index=shard_index,
+        row_start=rows.row_start,
+        row_stop=rows.row_start + len(rows),
+        rows=len(rows),
+        tokens=real,
+        padded_tokens=padded,
+        padding_fraction=padded / max(real + padded, 1),
+        batches=len(batches),
+        seconds=written.seconds,
+        tokens_per_s=real / written.seconds if written.seconds > 0 else float("inf"),
+        path=str(st_path),
+        index_path=str(idx_path),
+        sha256=written.sha256,
+        size_bytes=written.size_bytes,
+        dtype=dtype_name(out_dtype),
+        aux_layers=list(fingerprint.aux_layers),
+        final_state_is_post_norm=post_norm,
+        n_nonfinite_samples=int((written.nonfinite > 0).sum()),
+        compute_seconds=written.compute_seconds,
+        write_wait_seconds=written.write_wait_seconds,
+        fingerprint=fingerprint.to_dict(),
+    )
 
 
 def _write_shard_index(

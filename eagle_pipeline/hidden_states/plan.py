@@ -186,6 +186,7 @@ class DiskBudgetExceeded(RuntimeError):
     """This run's plan needs more bytes on disk than the budget allows; nothing has been written."""
 
     def __init__(self, planned_bytes: int, budget_gb: float, plan: dict[str, Any]):
+        self.budget_gb = budget_gb
         self.planned_bytes = planned_bytes
         self.budget_bytes = int(budget_gb * 1e9)
         self.plan = plan
@@ -194,6 +195,9 @@ class DiskBudgetExceeded(RuntimeError):
             f"disk, over the budget of {self.budget_bytes:,} bytes ({budget_gb:g} GB, hidden_states.disk_budget_gb). "
             "Raise the budget, shrink the merged dataset, or extract fewer layers."
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across process pools despite the custom signature
+        return type(self), (self.planned_bytes, self.budget_gb, self.plan)
 
 
 def check_disk_budget(plan_path: str | Path, disk_budget_gb: float | None) -> None:

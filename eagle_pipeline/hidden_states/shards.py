@@ -61,6 +61,7 @@ class ShardMismatchError(ValueError):
     """A finished shard was extracted under other settings than the ones asked for now."""
 
     def __init__(self, out_dir: Path, shard_index: int, differences: dict[str, tuple[Any, Any]]):
+        self.out_dir = out_dir
         self.shard_index = shard_index
         self.differences = differences
         st_path, _ = shard_paths(out_dir, shard_index)
@@ -72,6 +73,9 @@ class ShardMismatchError(ValueError):
             "settings they were extracted with."
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across process pools despite the custom signature
+        return type(self), (self.out_dir, self.shard_index, self.differences)
+
 
 class ShardsNotReadyError(RuntimeError):
     """Not every shard of the merged table is done under the wanted fingerprint (raised before any export)."""
@@ -79,6 +83,9 @@ class ShardsNotReadyError(RuntimeError):
     def __init__(self, message: str, states: list[ShardState]):
         super().__init__(message)
         self.states = states
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.states)
 
 
 def stored_fingerprint(out_dir: str | Path, shard_index: int) -> ExtractionFingerprint | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import pyarrow.parquet as pq
 import pytest
@@ -77,6 +78,7 @@ def test_a_done_shard_under_other_settings_is_refused_naming_what_differs(change
     assert expected in message and "shard 00000" in message
     assert "hidden_states.on_settings_change: redo" in message and "on_mismatch='redo'" in message
     assert err.value.shard_index == 0 and err.value.differences
+    assert str(pickle.loads(pickle.dumps(err.value))) == message  # survives a process pool
     assert _files(out) == before  # neither reused nor touched
     # The same settings still reuse it.
     again = _extract(tiny_ds, merged, out)
