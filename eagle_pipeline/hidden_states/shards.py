@@ -179,9 +179,7 @@ def require_shards_ready(
         shown = "; ".join(f"{s.shard_index:05d} ({describe_diff(s.differences)})" for s in stale[:5])
         more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
         problems.append(f"extracted under other settings: {shown}{more}")
-    extra = sorted(
-        p.name for p in out_dir.glob("shard-*.index.parquet") if int(p.name[len("shard-") :].split(".")[0]) >= n
-    )
+    extra = sorted(p.name for p in out_dir.glob("shard-*.*") if _shard_number(p.name) >= n)
     if extra:
         problems.append(f"shard files beyond the {n} shards of the current merged table: {extra}")
     digests = {d for s in states if s.status == "done" and (d := _digest(out_dir, s.shard_index))}
@@ -194,6 +192,12 @@ def require_shards_ready(
             states,
         )
     return states
+
+
+def _shard_number(name: str) -> int:
+    """NNNNN of `shard-NNNNN.<ext>`; -1 for a name that is not a shard file."""
+    number = name[len("shard-") :].split(".", 1)[0]
+    return int(number) if number.isdigit() else -1
 
 
 def _digest(out_dir: Path, shard_index: int) -> str | None:
