@@ -201,6 +201,8 @@ class HiddenStatesConfig(SpecBase):
     max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
     device: Str = "auto"
     disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
+    # A finished shard extracted under other settings: refuse (naming what differs) or redo (old files kept aside).
+    on_settings_change: Literal["refuse", "redo"] = "refuse"
 
     @_field_validator("model")
     @classmethod

@@ -288,3 +288,19 @@ def test_target_references_are_checked_and_paths_resolve_against_the_file(tmp_pa
         f"target.profile: unknown model profile 'kimi'; known: ['kimi-k2.5', 'qwen3'] (line {_line_of(p, 'profile:')})",
         f"target.tokenizer: directory not found: {tmp_path / 'absent'} (line {_line_of(p, 'tokenizer:')})",
     ]
+
+
+def test_on_settings_change_takes_refuse_or_redo(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    assert load_config(DEFAULT_CONFIG).hidden_states.on_settings_change == "refuse"  # the safe default
+    raw["hidden_states"]["on_settings_change"] = "overwrite"
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"hidden_states\.on_settings_change") as exc:
+        load_config(p)
+    assert len(exc.value.problems) == 1
+    raw["hidden_states"]["on_settings_change"] = "redo"
+    p.write_text(yaml.safe_dump(raw))
+    assert load_config(p).hidden_states.on_settings_change == "redo"

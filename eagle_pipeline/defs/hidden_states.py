@@ -2,9 +2,8 @@
 
 import os
 import socket
-import threading
 import warnings
-from typing import Any
+from pathlib import Path
 
 import dagster as dg
 
@@ -13,7 +12,7 @@ from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.progress import progress_reporter
-from eagle_pipeline.storage import read_json, write_json_atomic
+from eagle_pipeline.storage import write_json_atomic
 
 warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
@@ -70,46 +69,6 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
     )
 
 
-_MAX_MODELS = 2
-_MODELS: dict[tuple, Any] = {}  # (model, family, seed, vocab_size, device) -> model, least recently used first
-_MODELS_LOCK = threading.Lock()
-_INHERITED: list[dict] = []  # a forked child's copies of its parent's models: never used, never freed
-
-
-def _forget_parent_models() -> None:
-    # CUDA state does not survive fork: a child must load its own model. Its copies of the parent's stay referenced
-    # so that no tensor destructor runs against the parent's device memory; a lock held by another parent thread
-    # at fork time would never be released in the child, so the child gets a new one.
-    global _MODELS, _MODELS_LOCK
-    _INHERITED.append(_MODELS)
-    _MODELS, _MODELS_LOCK = {}, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_parent_models)
-
-
-def _cached_devices() -> list[str]:
-    """Devices this process holds an extraction model on, most recently used first."""
-    return [key[-1] for key in reversed(list(_MODELS))]
-
-
-def _model_cached(model: str, family: str, seed: int, vocab_size: int, device: str):
-    """The extraction model, loaded once per (configuration, device) per process, so consecutive shards in one
-    process (in-process executor, `execute_in_process`) skip the load. Spawned step processes (the multiprocess
-    executor's default) start empty; forked ones drop what they inherited; the lock stops threads loading twice."""
-    from eagle_pipeline.hidden_states.runtime import load_extraction_model
-
-    key = (model, family, seed, vocab_size, device)
-    with _MODELS_LOCK:
-        if key in _MODELS:
-            _MODELS[key] = _MODELS.pop(key)
-            return _MODELS[key]
-        while len(_MODELS) >= _MAX_MODELS:
-            del _MODELS[next(iter(_MODELS))]
-        _MODELS[key] = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device=device)
-        return _MODELS[key]
-
-
 @dg.asset(
     partitions_def=shard_partitions,
     deps=[merged_dataset, hidden_state_plan],
@@ -126,28 +85,31 @@ def _model_cached(model: str, family: str, seed: int, vocab_size: int, device: s
     ),
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states import ShardSummary, extract_shard, shard_paths, shard_status
-    from eagle_pipeline.hidden_states.format import read_index_meta
-    from eagle_pipeline.hidden_states.runtime import shard_device
+    from eagle_pipeline.hidden_states import extract_shard
+    from eagle_pipeline.hidden_states.runtime import MODEL_CACHE, fingerprint_for_config, shard_device
+    from eagle_pipeline.hidden_states.shards import ShardMismatchError, prepare_shard
 
-    cfg = pipeline.config()
     root = pipeline.data_root()
-    h = cfg.hidden_states
-    _refuse_over_budget(root.hidden_states_dir / "plan.json", h.disk_budget_gb)
+    h = pipeline.config().hidden_states
+    _check_disk_budget(root.hidden_states_dir / "plan.json", h.disk_budget_gb)
     shard = int(context.partition_key)
-    # Hashing a done shard here (extract_shard would hash it anyway) spares loading the model, minutes for a large
-    # target, just to skip it; and it tells what a rerun found.
-    before = shard_status(root.hidden_states_dir, shard)
-    if before == "done":
-        summary = ShardSummary(
-            **{**read_index_meta(shard_paths(root.hidden_states_dir, shard)[1])["summary"], "skipped": True}
-        )
-        device = "none (already done)"
+    vocab = pipeline.tokenizer().vocab_size
+    wanted = fingerprint_for_config(h, merged_dir=root.merged_dir, vocab_size=vocab)
+    # Deciding before the model loads spares minutes of loading a large target just to skip a done shard.
+    try:
+        decision = prepare_shard(root.hidden_states_dir, shard, wanted, on_mismatch=h.on_settings_change)
+    except ShardMismatchError as exc:
+        raise dg.Failure(
+            str(exc),
+            metadata={"differences": dg.MetadataValue.json({k: list(v) for k, v in exc.differences.items()})},
+            allow_retries=False,
+        ) from exc
+    if decision.reuse is not None:
+        summary, device = decision.reuse, "none (already done)"
     else:
-        with shard_device(h.device, shard, prefer=_cached_devices(), log=context.log.info) as device:
-            model = _model_cached(h.model, h.family, h.seed, pipeline.tokenizer().vocab_size, device)
+        with shard_device(h.device, shard, prefer=MODEL_CACHE.devices(), log=context.log.info) as device:
             summary = extract_shard(
-                model,
+                MODEL_CACHE.get(h.model, h.family, h.seed, vocab, device),
                 root.merged_dir,
                 shard_index=shard,
                 shard_size=h.shard_size,
@@ -155,52 +117,46 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
                 aux_layers=h.aux_layers,
                 max_tokens_per_batch=h.max_tokens_per_batch,
                 device=device,
+                on_mismatch=h.on_settings_change,
+                model_identity=wanted.model,
                 progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
             )
-    s = summary.to_dict()
-    skipped = bool(s.get("skipped", False))
     return dg.MaterializeResult(
         metadata={
-            "dagster/row_count": int(s["rows"]),
-            "path": dg.MetadataValue.path(str(s["path"])),
-            "tokens": int(s["tokens"]),
-            "padding_fraction": float(s["padding_fraction"]),
-            "tokens_per_s": float(s["tokens_per_s"]),
+            "dagster/row_count": summary.rows,
+            "path": dg.MetadataValue.path(summary.path),
+            "tokens": summary.tokens,
+            "padding_fraction": float(summary.padding_fraction),
+            "tokens_per_s": float(summary.tokens_per_s),
             "device": device,
             "model": h.model,
-            "skipped_already_done": skipped,
-            "shard_status_before": before,
+            "fingerprint": dg.MetadataValue.json(summary.fingerprint),
+            "skipped_already_done": summary.skipped,
+            "shard_status_before": decision.state.status,
             "host": socket.gethostname(),  # the pod's name on Kubernetes
             "pid": os.getpid(),
         }
     )
 
 
-def _refuse_over_budget(plan_path, disk_budget_gb: float | None) -> None:
-    """Raise a non-retryable Failure when this run's planned bytes exceed the disk budget in force now.
+def _check_disk_budget(plan_path: Path, disk_budget_gb: float | None) -> None:
+    """`check_disk_budget` as a non-retryable Failure with the planned bytes and the budget as metadata."""
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded, check_disk_budget
 
-    The budget is read from the current configuration, not from plan.json, so lowering it takes effect without
-    replanning.
-    """
-    if not plan_path.exists():
+    try:
+        check_disk_budget(plan_path, disk_budget_gb)
+    except FileNotFoundError as exc:
+        raise dg.Failure(str(exc), allow_retries=False) from exc
+    except DiskBudgetExceeded as exc:
         raise dg.Failure(
-            f"No extraction plan at {plan_path}: materialize hidden_state_plan first.", allow_retries=False
-        )
-    plan = read_json(plan_path)["this_run"]
-    planned = int(plan["bytes_on_disk"])
-    if disk_budget_gb is None or planned <= disk_budget_gb * 1e9:
-        return
-    raise dg.Failure(
-        f"Extraction refused: this run's plan needs {planned:,} bytes ({planned / 1e9:.3g} GB) on disk, over the "
-        f"budget of {int(disk_budget_gb * 1e9):,} bytes ({disk_budget_gb:g} GB, hidden_states.disk_budget_gb). "
-        "Raise the budget, shrink the merged dataset, or extract fewer layers.",
-        metadata={
-            "planned_bytes": planned,
-            "budget_bytes": int(disk_budget_gb * 1e9),
-            "plan": dg.MetadataValue.json(plan),
-        },
-        allow_retries=False,
-    )
+            str(exc),
+            metadata={
+                "planned_bytes": exc.planned_bytes,
+                "budget_bytes": exc.budget_bytes,
+                "plan": dg.MetadataValue.json(exc.plan),
+            },
+            allow_retries=False,
+        ) from exc
 
 
 def _shard_check(name: str, verify_key: str, description: str):
@@ -246,25 +202,34 @@ hidden_state_checks = [
     owners=["team:ml"],
     description="Trainer-ready exports: SpecForge pre-tokenized JSONL, HF-datasets Parquet, and a manifest of states.",
 )
-def trainer_exports(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states import shard_status
+def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.hidden_states.runtime import fingerprint_for_config
+    from eagle_pipeline.hidden_states.shards import ShardsNotReadyError, require_shards_ready
     from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
 
     root = pipeline.data_root()
     cfg = pipeline.config()
     out = root.exports_dir
+    # Every shard is checked before anything is written: a refused export leaves the previous one whole. The dtype
+    # is left open because this step may run on another host than the extraction (a CPU pod after GPU pods).
+    wanted = fingerprint_for_config(
+        cfg.hidden_states, merged_dir=root.merged_dir, vocab_size=pipeline.tokenizer().vocab_size, pin_dtype=False
+    )
+    try:
+        states = require_shards_ready(root.hidden_states_dir, root.merged_dir, wanted)
+    except ShardsNotReadyError as exc:
+        raise dg.Failure(
+            str(exc),
+            metadata={"shards": dg.MetadataValue.json({f"{s.shard_index:05d}": s.status for s in exc.states})},
+        ) from exc
+    shard_keys = [f"{s.shard_index:05d}" for s in states]
     spec = export_specforge_jsonl(root.merged_dir, out / "specforge" / "train.jsonl", split="train")
     hf = export_hf_parquet(root.merged_dir, out / "hf_parquet")
-    shard_keys = context.instance.get_dynamic_partitions("hidden_state_shards")
-    states = {k: shard_status(root.hidden_states_dir, int(k)) for k in shard_keys}
-    not_done = sorted(k for k, st in states.items() if st != "done")
-    if not_done:
-        raise dg.Failure(f"Hidden-state shards not complete: {not_done}; materialize hidden_states for them first.")
     manifest = {
         "specforge_jsonl": spec.to_dict(),
         "hf_parquet": hf.to_dict(),
         "hidden_states_dir": str(root.hidden_states_dir),
-        "hidden_state_shards": sorted(shard_keys),
+        "hidden_state_shards": shard_keys,
         "draft_vocab_dir": str(root.draft_vocab_dir),
         "config_hash": cfg.config_hash(),
     }

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,54 +14,34 @@ import numpy as np
 import torch
 
 from ..storage import atomic_path
+from .fingerprint import FINAL_STATES, ExtractionFingerprint, merged_version
+from .fingerprint import model_identity as identity_of_model
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     TENSOR_NAMES,
     StreamingSafetensorsWriter,
     dtype_name,
-    read_index_meta,
-    remove_shard,
     shard_paths,
-    shard_status,
     tensor_key,
     write_index,
 )
-from .layers import _layer_output, aux_layer_to_hf_index, default_aux_layers, get_backbone, validate_aux_layers
-from .merged import count_rows, read_rows, shard_row_range
+from .layers import (
+    _layer_output,
+    aux_layer_to_hf_index,
+    decoder_layers,
+    default_aux_layers,
+    final_state_hf_index,
+    get_backbone,
+    token_embedding,
+    validate_aux_layers,
+)
+from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
+from .shards import FINGERPRINT_META_KEY, ShardSummary, prepare_shard
 
 IDS_DTYPE = torch.int32
 MASK_DTYPE = torch.int8
-FINAL_STATES = ("post_norm", "pre_norm")
-
-
-@dataclass
-class ShardSummary:
-    shard_index: int
-    row_start: int
-    row_stop: int
-    rows: int
-    tokens: int
-    padded_tokens: int
-    padding_fraction: float
-    batches: int
-    seconds: float
-    tokens_per_s: float
-    path: str
-    index_path: str
-    sha256: str
-    size_bytes: int
-    dtype: str
-    aux_layers: list[int]
-    final_state_is_post_norm: bool
-    n_nonfinite_samples: int
-    compute_seconds: float = 0.0  # forward + device-to-host copy (the GPU-bound part)
-    write_wait_seconds: float = 0.0  # time the forward loop stalled on the disk writer
-    skipped: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def plan_batches(lengths: Sequence[int], max_tokens_per_batch: int, *, sort: bool = True) -> list[list[int]]:
@@ -93,9 +73,8 @@ def padding_of(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> tupl
     return real, padded
 
 
-def _resolve_dtype(dtype: torch.dtype | None, device: str) -> torch.dtype:
-    if dtype is not None:
-        return dtype
+def default_state_dtype(device: str) -> torch.dtype:
+    """bf16 on CUDA, fp32 on CPU: the stored dtype when none is given, and the dtype models are loaded in."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -107,6 +86,36 @@ def _model_description(model: torch.nn.Module) -> dict[str, Any]:
         return describe_model_config(cfg)
     except Exception:  # an unknown architecture still extracts; it just isn't described
         return {"model_type": str(getattr(cfg, "model_type", "unknown"))}
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The parts of the model that extraction touches, resolved once."""
+
+    backbone: torch.nn.Module
+    layers: torch.nn.ModuleList
+    aux: tuple[int, ...]
+    hidden: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, aux_layers: Sequence[int] | None) -> _Target:
+        backbone = get_backbone(model)
+        layers = decoder_layers(backbone)
+        embed = token_embedding(backbone)
+        n = len(layers)
+        aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n), n)
+        return cls(backbone, layers, aux, int(embed.embedding_dim), int(embed.num_embeddings))
+
+
+@dataclass
+class _Written:
+    sha256: str
+    size_bytes: int
+    nonfinite: np.ndarray  # per row: NaN/Inf values among its real tokens
+    seconds: float
+    compute_seconds: float
+    write_wait_seconds: float
 
 
 def extract_shard(
@@ -122,88 +131,170 @@ def extract_shard(
     dtype: torch.dtype | None = None,
     final_state: str = "post_norm",
     force: bool = False,
+    on_mismatch: str = "refuse",
+    model_identity: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ShardSummary:
     """Extract aux-layer and final hidden states for global rows of shard `shard_index` into
-    `out_dir/shard-NNNNN.safetensors` + `.index.parquet`.
+    `out_dir/shard-NNNNN.safetensors` + `.index.parquet`, with the extraction fingerprint recorded.
 
-    A done shard is skipped (unless `force`); a partial one is deleted and redone. Samples with NaN/Inf are
-    written as they are and counted (index column `n_nonfinite`, `n_nonfinite_samples`), never dropped.
-    `final_state`: 'post_norm' (after the final RMSNorm, what the lm_head consumes; SpecForge/EAGLE/
-    Model-Optimizer HF convention) or 'pre_norm' (output of the last decoder layer; vLLM/speculators).
-    An exception from `progress(rows_done, rows_total)` aborts cleanly: atomic_path removes the temporary file.
+    A done shard with the same fingerprint is skipped (unless `force`); one extracted under other settings is
+    refused with what differs (`ShardMismatchError`), or with `on_mismatch='redo'` moved to `superseded/` and
+    redone; a partial one is deleted and redone. `model_identity` overrides the identity taken from the model
+    (`fingerprint.model_identity`). Samples with NaN/Inf are written as they are and counted (index column
+    `n_nonfinite`, `n_nonfinite_samples`), never dropped. `final_state`: 'post_norm' (after the final RMSNorm, what
+    the lm_head consumes; SpecForge/EAGLE/Model-Optimizer HF convention) or 'pre_norm' (output of the last decoder
+    layer; vLLM/speculators). An exception from `progress(rows_done, rows_total)` aborts cleanly: atomic_path removes
+    the temporary file.
     """
     if final_state not in FINAL_STATES:
         raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
     out_dir = Path(out_dir)
-    st_path, idx_path = shard_paths(out_dir, shard_index)
-    n_rows = count_rows(merged_dir)
-    row_start, row_stop = shard_row_range(shard_index, shard_size, n_rows)
+    target = _Target.of(model, aux_layers)
+    out_dtype = dtype if dtype is not None else default_state_dtype(device)
+    wanted = ExtractionFingerprint(
+        model=dict(model_identity) if model_identity is not None else identity_of_model(model),
+        aux_layers=target.aux,
+        final_state=final_state,
+        shard_size=shard_size,
+        dtype=dtype_name(out_dtype),
+        merged_version=merged_version(merged_dir),
+    )
+    decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
+    if decision.reuse is not None:
+        return decision.reuse
 
-    status = shard_status(out_dir, shard_index)
-    if status == "done" and not force:
-        summary = dict(read_index_meta(idx_path)["summary"])
-        summary["skipped"] = True
-        return ShardSummary(**summary)
-    remove_shard(out_dir, shard_index)
-
-    backbone = get_backbone(model)
-    layers = backbone.layers
-    n_layers = len(layers)
-    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n_layers), n_layers)
-    out_dtype = _resolve_dtype(dtype, device)
-    hidden = int(backbone.embed_tokens.embedding_dim)
-    vocab = int(backbone.embed_tokens.num_embeddings)
-
-    rows = read_rows(merged_dir, row_start, row_stop)
-    lengths = rows.lengths
-    _check_rows(rows, vocab)
-    batches = plan_batches(lengths, max_tokens_per_batch)
-    real, padded = padding_of(lengths, batches)
-
+    rows = _shard_rows(merged_dir, shard_index, shard_size, target.vocab)
+    batches = plan_batches(rows.lengths, max_tokens_per_batch)
     dev = torch.device(device)
     if next(model.parameters()).device.type != dev.type:
         model.to(dev)
-
     post_norm = final_state == "post_norm"
-    meta = {
+    meta = _safetensors_metadata(model, target, rows, shard_index, out_dtype, post_norm, wanted)
+    st_path, idx_path = shard_paths(out_dir, shard_index)
+    written = _write_states(
+        target, rows, batches, meta, st_path, dev=dev, out_dtype=out_dtype, post_norm=post_norm, progress=progress
+    )
+    summary = _shard_summary(shard_index, rows, batches, written, st_path, idx_path, out_dtype, post_norm, wanted)
+    _write_shard_index(
+        idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"])
+    )
+    return summary
+
+
+def _shard_rows(merged_dir: str | Path, shard_index: int, shard_size: int, vocab: int) -> MergedRows:
+    """The merged rows of the shard, checked for what would corrupt the file or the forward."""
+    row_start, row_stop = shard_row_range(shard_index, shard_size, count_rows(merged_dir))
+    rows = read_rows(merged_dir, row_start, row_stop)
+    _check_rows(rows, vocab)
+    return rows
+
+
+def _safetensors_metadata(
+    model: torch.nn.Module,
+    target: _Target,
+    rows: MergedRows,
+    shard_index: int,
+    out_dtype: torch.dtype,
+    post_norm: bool,
+    fingerprint: ExtractionFingerprint,
+) -> dict[str, str]:
+    n_layers = len(target.layers)
+    return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
-        "aux_layers": json.dumps(list(aux)),
+        "aux_layers": json.dumps(list(target.aux)),
         "aux_layers_convention": "0-based decoder-layer outputs",
-        "hf_hidden_states_indices": json.dumps([aux_layer_to_hf_index(x) for x in aux]),
+        # null where the tensor is not in transformers' tuple (the last layer's raw output; a pre-norm final state)
+        "hf_hidden_states_indices": json.dumps([aux_layer_to_hf_index(x, n_layers) for x in target.aux]),
+        "hf_hidden_states_final_index": json.dumps(final_state_hf_index(n_layers, post_norm=post_norm)),
         "final_state_is_post_norm": json.dumps(post_norm),
-        "hidden_size": str(hidden),
+        "hidden_size": str(target.hidden),
         "dtype": dtype_name(out_dtype),
         "ids_dtype": dtype_name(IDS_DTYPE),
         "mask_dtype": dtype_name(MASK_DTYPE),
         "shard_index": str(shard_index),
-        "row_start": str(row_start),
-        "row_stop": str(row_stop),
+        "row_start": str(rows.row_start),
+        "row_stop": str(rows.row_start + len(rows)),
         "rows": str(len(rows)),
-        "tokens": str(real),
+        "tokens": str(sum(rows.lengths)),
         "model": json.dumps(_model_description(model), sort_keys=True),
+        "fingerprint": json.dumps(fingerprint.to_dict(), sort_keys=True),
         "torch_version": torch.__version__,
         "transformers_version": _transformers_version(),
     }
-    # File layout: samples in processing order (aux, final, ids each), then every loss mask. Keeps 4-byte
-    # tensors ahead of the 1-byte masks so all offsets stay aligned, and makes the file strictly sequential.
-    order = [i for b in batches for i in b]
-    n_aux = len(aux)
+
+
+def _tensor_layout(
+    rows: MergedRows, order: Sequence[int], target: _Target, out_dtype: torch.dtype
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    # Samples in processing order (aux, final, ids each), then every loss mask: keeps 4-byte tensors ahead of the
+    # 1-byte masks so all offsets stay aligned, and makes the file strictly sequential.
+    lengths = rows.lengths
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for i in order:
         sid, t = rows.sample_ids[i], lengths[i]
         layout += [
-            (tensor_key(sid, "aux_hidden_states"), out_dtype, (t, n_aux * hidden)),
-            (tensor_key(sid, "final_hidden_state"), out_dtype, (t, hidden)),
+            (tensor_key(sid, "aux_hidden_states"), out_dtype, (t, len(target.aux) * target.hidden)),
+            (tensor_key(sid, "final_hidden_state"), out_dtype, (t, target.hidden)),
             (tensor_key(sid, "input_ids"), IDS_DTYPE, (t,)),
         ]
     layout += [(tensor_key(rows.sample_ids[i], "loss_mask"), MASK_DTYPE, (lengths[i],)) for i in order]
+    return layout
 
+
+def _forward_batch(
+    target: _Target,
+    rows: MergedRows,
+    batch: Sequence[int],
+    captured: dict[int, torch.Tensor],
+    *,
+    dev: torch.device,
+    out_dtype: torch.dtype,
+    post_norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(aux [B, W, n_aux*H], final [B, W, H]) on the CPU and the NaN/Inf count per row over its real tokens."""
+    lengths = rows.lengths
+    width = max(lengths[i] for i in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    real = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, i in enumerate(batch):
+        ids[r, : lengths[i]] = torch.from_numpy(rows.input_ids[i].astype(np.int64))
+        real[r, : lengths[i]] = 1
+    ids, real = ids.to(dev), real.to(dev)
+    last = len(target.layers) - 1
+    captured.clear()
+    with torch.inference_mode():
+        # No attention_mask on purpose: with right padding in a causal model a real token never sees a pad, and
+        # mask-free SDPA can take the is_causal (flash) path. Pad outputs are dropped when written.
+        out = target.backbone(input_ids=ids, use_cache=False)
+        final = (out.last_hidden_state if post_norm else captured[last]).to(out_dtype)
+        aux_cat = torch.cat([captured[k] for k in target.aux], dim=-1).to(out_dtype)
+        bad = (~torch.isfinite(aux_cat)).sum(-1) + (~torch.isfinite(final)).sum(-1)
+        bad_rows = (bad * real).sum(-1).cpu().numpy()
+        aux_cpu, final_cpu = aux_cat.cpu(), final.cpu()
+    captured.clear()
+    return aux_cpu, final_cpu, bad_rows
+
+
+def _write_states(
+    target: _Target,
+    rows: MergedRows,
+    batches: Sequence[Sequence[int]],
+    meta: dict[str, str],
+    st_path: Path,
+    *,
+    dev: torch.device,
+    out_dtype: torch.dtype,
+    post_norm: bool,
+    progress: Callable[[int, int], None] | None,
+) -> _Written:
+    """Run every batch and stream the safetensors file, a writer thread overlapping the disk with the next forward."""
+    order = [i for b in batches for i in b]
     captured: dict[int, torch.Tensor] = {}
-    hook_layers = set(aux) | (set() if post_norm else {n_layers - 1})
+    hook_layers = set(target.aux) | (set() if post_norm else {len(target.layers) - 1})
     handles = [
-        layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_output(out)))
+        target.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_output(out)))
         for k in sorted(hook_layers)
     ]
     nonfinite = np.zeros(len(rows), dtype=np.int64)
@@ -212,34 +303,17 @@ def extract_shard(
     done_rows = 0
     try:
         with atomic_path(st_path) as tmp, open(tmp, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
-            writer = StreamingSafetensorsWriter(fh, layout, meta)
-            pending: list[Future] = []
+            writer = StreamingSafetensorsWriter(fh, _tensor_layout(rows, order, target, out_dtype), meta)
+            pending: list[Future[None]] = []
             for batch in batches:
                 tb = time.perf_counter()
-                width = max(lengths[i] for i in batch)
-                ids = torch.zeros((len(batch), width), dtype=torch.long)
-                attn = torch.zeros((len(batch), width), dtype=torch.long)
-                for r, i in enumerate(batch):
-                    ids[r, : lengths[i]] = torch.from_numpy(rows.input_ids[i].astype(np.int64))
-                    attn[r, : lengths[i]] = 1
-                ids, attn = ids.to(dev), attn.to(dev)
-                captured.clear()
-                with torch.inference_mode():
-                    # No attention_mask on purpose: with right padding in a causal model a real token never sees
-                    # a pad, and mask-free SDPA can take the is_causal (flash) path. Pad outputs are dropped below.
-                    out = backbone(input_ids=ids, use_cache=False)
-                    final = (out.last_hidden_state if post_norm else captured[n_layers - 1]).to(out_dtype)
-                    aux_cat = torch.cat([captured[k] for k in aux], dim=-1).to(out_dtype)
-                    bad = (~torch.isfinite(aux_cat)).sum(-1) + (~torch.isfinite(final)).sum(-1)
-                    bad = (bad * attn).sum(-1).cpu().numpy()
-                    aux_cpu, final_cpu = aux_cat.cpu(), final.cpu()
-                captured.clear()
-                del out, aux_cat, final
-                for r, i in enumerate(batch):
-                    nonfinite[i] = int(bad[r])
+                aux_cpu, final_cpu, bad = _forward_batch(
+                    target, rows, batch, captured, dev=dev, out_dtype=out_dtype, post_norm=post_norm
+                )
+                nonfinite[list(batch)] = bad
                 tw = time.perf_counter()
                 compute_s += tw - tb
-                pending.append(pool.submit(_write_batch, writer, rows, batch, lengths, aux_cpu, final_cpu))
+                pending.append(pool.submit(_write_batch, writer, rows, batch, aux_cpu, final_cpu))
                 # Back-pressure: at most two batches in host memory waiting for the disk.
                 while len(pending) > 1:
                     pending.pop(0).result()
@@ -254,48 +328,74 @@ def extract_shard(
             for i in order:
                 writer.write(tensor_key(rows.sample_ids[i], "loss_mask"), torch.from_numpy(rows.loss_mask[i]))
             sha = writer.finish()
-            size = writer.total_bytes
     finally:
         for h in handles:
             h.remove()
-    seconds = time.perf_counter() - t0
+    return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s)
 
-    summary = ShardSummary(
+
+def _shard_summary(
+    shard_index: int,
+    rows: MergedRows,
+    batches: Sequence[Sequence[int]],
+    written: _Written,
+    st_path: Path,
+    idx_path: Path,
+    out_dtype: torch.dtype,
+    post_norm: bool,
+    fingerprint: ExtractionFingerprint,
+) -> ShardSummary:
+    real, padded = padding_of(rows.lengths, batches)
+    return ShardSummary(
         shard_index=shard_index,
-        row_start=row_start,
-        row_stop=row_stop,
+        row_start=rows.row_start,
+        row_stop=rows.row_start + len(rows),
         rows=len(rows),
         tokens=real,
         padded_tokens=padded,
         padding_fraction=padded / max(real + padded, 1),
         batches=len(batches),
-        seconds=seconds,
-        tokens_per_s=real / seconds if seconds > 0 else float("inf"),
+        seconds=written.seconds,
+        tokens_per_s=real / written.seconds if written.seconds > 0 else float("inf"),
         path=str(st_path),
         index_path=str(idx_path),
-        sha256=sha,
-        size_bytes=size,
+        sha256=written.sha256,
+        size_bytes=written.size_bytes,
         dtype=dtype_name(out_dtype),
-        aux_layers=list(aux),
+        aux_layers=list(fingerprint.aux_layers),
         final_state_is_post_norm=post_norm,
-        n_nonfinite_samples=int((nonfinite > 0).sum()),
-        compute_seconds=compute_s,
-        write_wait_seconds=wait_s,
+        n_nonfinite_samples=int((written.nonfinite > 0).sum()),
+        compute_seconds=written.compute_seconds,
+        write_wait_seconds=written.write_wait_seconds,
+        fingerprint=fingerprint.to_dict(),
     )
+
+
+def _write_shard_index(
+    idx_path: Path,
+    rows: MergedRows,
+    summary: ShardSummary,
+    nonfinite: np.ndarray,
+    *,
+    hidden: int,
+    model: dict[str, Any],
+) -> None:
+    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint."""
     index_meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "safetensors_file": st_path.name,
-        "sha256": sha,
-        "size_bytes": size,
-        "shard_index": shard_index,
-        "row_start": row_start,
-        "row_stop": row_stop,
-        "aux_layers": list(aux),
+        "safetensors_file": Path(summary.path).name,
+        "sha256": summary.sha256,
+        "size_bytes": summary.size_bytes,
+        "shard_index": summary.shard_index,
+        "row_start": summary.row_start,
+        "row_stop": summary.row_stop,
+        "aux_layers": summary.aux_layers,
         "hidden_size": hidden,
-        "dtype": dtype_name(out_dtype),
-        "final_state_is_post_norm": post_norm,
-        "model": json.loads(meta["model"]),
+        "dtype": summary.dtype,
+        "final_state_is_post_norm": summary.final_state_is_post_norm,
+        "model": model,
+        FINGERPRINT_META_KEY: summary.fingerprint,
         "summary": summary.to_dict(),
     }
     write_index(
@@ -303,18 +403,24 @@ def extract_shard(
         {
             "sample_id": rows.sample_ids,
             "dataset": rows.datasets,
-            "row_index": [row_start + i for i in range(len(rows))],
-            "n_tokens": lengths,
+            "row_index": [rows.row_start + i for i in range(len(rows))],
+            "n_tokens": rows.lengths,
             "n_supervised": [int((m != 0).sum()) for m in rows.loss_mask],
             "n_nonfinite": nonfinite.tolist(),
             "keys": [[tensor_key(sid, k) for k in TENSOR_NAMES] for sid in rows.sample_ids],
         },
         index_meta,
     )
-    return summary
 
 
-def _write_batch(writer, rows, batch, lengths, aux_cpu: torch.Tensor, final_cpu: torch.Tensor) -> None:
+def _write_batch(
+    writer: StreamingSafetensorsWriter,
+    rows: MergedRows,
+    batch: Sequence[int],
+    aux_cpu: torch.Tensor,
+    final_cpu: torch.Tensor,
+) -> None:
+    lengths = rows.lengths
     for r, i in enumerate(batch):
         t, sid = lengths[i], rows.sample_ids[i]
         writer.write(tensor_key(sid, "aux_hidden_states"), aux_cpu[r, :t])
@@ -322,7 +428,7 @@ def _write_batch(writer, rows, batch, lengths, aux_cpu: torch.Tensor, final_cpu:
         writer.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
 
 
-def _check_rows(rows, vocab: int) -> None:
+def _check_rows(rows: MergedRows, vocab: int) -> None:
     seen: set[str] = set()
     for i, (sid, ids) in enumerate(zip(rows.sample_ids, rows.input_ids)):
         where = f"merged row {rows.row_start + i} ({sid})"

@@ -121,7 +121,7 @@ class StreamingSafetensorsWriter:
             )
         if nbytes:
             buf = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._emit(memoryview(buf))
+            self._emit(buf.data)
         self._next += 1
 
     def finish(self) -> str:
@@ -175,7 +175,8 @@ def shard_status(out_dir: str | Path, shard_index: int, *, check_hash: bool = Tr
 
     partial = anything a killed or interrupted run can leave: tmp files, a safetensors file without its index, an
     index without its file, or a file whose size/sha256 differs from what the index recorded. `check_hash=False`
-    compares sizes only (cheap; use for listings, not before trusting the data).
+    compares sizes only (cheap; use for listings, not before trusting the data). This compares the files with their
+    own index only; `shards.shard_state` also tells whether they were extracted under the settings asked for now.
     """
     st_path, idx_path = shard_paths(out_dir, shard_index)
     if shard_tmp_leftovers(out_dir, shard_index):

@@ -42,9 +42,18 @@ def validate_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int
     return layers
 
 
-def aux_layer_to_hf_index(layer: int) -> int:
-    """Index into transformers' `outputs.hidden_states` holding the output of decoder layer `layer`."""
-    return layer + 1
+def aux_layer_to_hf_index(layer: int, num_layers: int) -> int | None:
+    """Index into transformers' `outputs.hidden_states` holding the output of decoder layer `layer`, or None for the
+    last layer: its entry (`num_layers`) holds the post-final-norm state instead, so its raw output is not there."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} out of range for a {num_layers}-layer model")
+    return layer + 1 if layer < num_layers - 1 else None
+
+
+def final_state_hf_index(num_layers: int, *, post_norm: bool) -> int | None:
+    """Index into `outputs.hidden_states` of the stored final state: the last entry when post-norm; None when
+    pre-norm (the last decoder layer's raw output is not in the tuple)."""
+    return num_layers if post_norm else None
 
 
 def aux_layer_to_vllm_id(layer: int) -> int:
@@ -66,7 +75,7 @@ def hf_hidden_states_convention(model: torch.nn.Module, *, seq_len: int = 8) -> 
     `last_is_post_norm`, `last_is_last_layer_output` (pre-norm).
     """
     backbone = get_backbone(model)
-    layers = backbone.layers
+    layers = decoder_layers(backbone)
     n = len(layers)
     captured: dict[int, torch.Tensor] = {}
     handles = [
@@ -74,17 +83,17 @@ def hf_hidden_states_convention(model: torch.nn.Module, *, seq_len: int = 8) -> 
         for i, layer in enumerate(layers)
     ]
     emb: dict[str, torch.Tensor] = {}
-    handles.append(backbone.embed_tokens.register_forward_hook(lambda _m, _a, out: emb.__setitem__("e", out)))
+    embed = token_embedding(backbone)
+    handles.append(embed.register_forward_hook(lambda _m, _a, out: emb.__setitem__("e", out)))
     try:
         device = next(backbone.parameters()).device
-        vocab = backbone.embed_tokens.num_embeddings
-        ids = torch.arange(2, 2 + seq_len, device=device).remainder(vocab).unsqueeze(0)
+        ids = torch.arange(2, 2 + seq_len, device=device).remainder(embed.num_embeddings).unsqueeze(0)
         out = backbone(input_ids=ids, output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
     hs = out.hidden_states
-    post_norm = backbone.norm(captured[n - 1])
+    post_norm = final_norm(backbone)(captured[n - 1])
     return {
         "num_hidden_states": len(hs),
         "num_layers": n,
@@ -107,3 +116,27 @@ def get_backbone(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(model, "layers") and hasattr(model, "norm"):
         return model
     raise TypeError(f"{type(model).__name__}: cannot find a decoder stack with .layers and .norm")
+
+
+def decoder_layers(backbone: torch.nn.Module) -> torch.nn.ModuleList:
+    """The backbone's decoder layers, in order."""
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(backbone).__name__}.layers is not a ModuleList of decoder layers")
+    return layers
+
+
+def token_embedding(backbone: torch.nn.Module) -> torch.nn.Embedding:
+    """The backbone's input embedding (its width is the hidden size, its rows the vocabulary)."""
+    embed = getattr(backbone, "embed_tokens", None)
+    if not isinstance(embed, torch.nn.Embedding):
+        raise TypeError(f"{type(backbone).__name__}.embed_tokens is not an Embedding")
+    return embed
+
+
+def final_norm(backbone: torch.nn.Module) -> torch.nn.Module:
+    """The backbone's final norm (what turns the last layer's output into `last_hidden_state`)."""
+    norm = getattr(backbone, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise TypeError(f"{type(backbone).__name__}.norm is not a module")
+    return norm

@@ -75,13 +75,14 @@ def read_rows(merged_dir: str | Path, start: int, stop: int) -> MergedRows:
             continue
         rg_offset = offset
         groups: list[int] = []
-        first_row = None
+        first_row: int | None = None
         for g in range(pf.metadata.num_row_groups):
             g_rows = pf.metadata.row_group(g).num_rows
             if rg_offset + g_rows > start and rg_offset < stop:
                 groups.append(g)
                 first_row = rg_offset if first_row is None else first_row
             rg_offset += g_rows
+        assert first_row is not None  # the file overlaps [start, stop), so one of its row groups does
         table = pf.read_row_groups(groups, columns=list(EXTRACT_COLUMNS))
         lo = max(start - first_row, 0)
         hi = min(stop - first_row, table.num_rows)

@@ -160,7 +160,7 @@ def tiny_config(
     """A small transformers config of the given family. The larger-than-default init std makes every layer move
     the residual stream visibly, so layer-mapping and padding bugs show up in tests instead of hiding under 1e-4."""
     inter = intermediate_size or 2 * hidden_size
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=inter,
@@ -178,6 +178,8 @@ def tiny_config(
         from transformers import DeepseekV3Config
 
         head = max(hidden_size // num_heads, 4)
+        # Not a declared field of transformers 5's config (kept as a plain attribute): no multi-token-prediction layer.
+        no_mtp: dict[str, Any] = {"num_nextn_predict_layers": 0}
         return DeepseekV3Config(
             **common,
             num_key_value_heads=num_heads,
@@ -194,7 +196,7 @@ def tiny_config(
             qk_nope_head_dim=head // 2,
             qk_rope_head_dim=head // 2,
             v_head_dim=head,
-            num_nextn_predict_layers=0,
+            **no_mtp,
         )
     if family == "llama":
         from transformers import LlamaConfig
@@ -216,7 +218,7 @@ def llama_8b_config(vocab_size: int = 128256):
         num_key_value_heads=8,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-        rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,

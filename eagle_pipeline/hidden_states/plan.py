@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from ..storage import read_json
 from .layers import default_aux_layers
 
 IDS_BYTES = 4  # int32 input_ids
@@ -178,3 +180,36 @@ def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, *
         n_samples=n_samples,
         **kwargs,
     )
+
+
+class DiskBudgetExceeded(RuntimeError):
+    """This run's plan needs more bytes on disk than the budget allows; nothing has been written."""
+
+    def __init__(self, planned_bytes: int, budget_gb: float, plan: dict[str, Any]):
+        self.budget_gb = budget_gb
+        self.planned_bytes = planned_bytes
+        self.budget_bytes = int(budget_gb * 1e9)
+        self.plan = plan
+        super().__init__(
+            f"Extraction refused: this run's plan needs {planned_bytes:,} bytes ({planned_bytes / 1e9:.3g} GB) on "
+            f"disk, over the budget of {self.budget_bytes:,} bytes ({budget_gb:g} GB, hidden_states.disk_budget_gb). "
+            "Raise the budget, shrink the merged dataset, or extract fewer layers."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across process pools despite the custom signature
+        return type(self), (self.planned_bytes, self.budget_gb, self.plan)
+
+
+def check_disk_budget(plan_path: str | Path, disk_budget_gb: float | None) -> None:
+    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now.
+
+    The budget is the caller's current setting, not the one plan.json was made under, so lowering it takes effect
+    without replanning. A missing plan is a FileNotFoundError that says how to make one.
+    """
+    plan_path = Path(plan_path)
+    if not plan_path.exists():
+        raise FileNotFoundError(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.")
+    plan = read_json(plan_path)["this_run"]
+    planned = int(plan["bytes_on_disk"])
+    if disk_budget_gb is not None and planned > disk_budget_gb * 1e9:
+        raise DiskBudgetExceeded(planned, disk_budget_gb, plan)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .extract import default_state_dtype
+from .fingerprint import ExtractionFingerprint, config_sha256, merged_version, model_dir_identity
+from .format import dtype_name
+from .layers import default_aux_layers, validate_aux_layers
 from .model import KIMI_K25_TEXT_CONFIG, build_tiny_model, describe_model_config, load_text_config, tiny_config
 from .plan import ExtractionPlan, plan_for_model
+
+if TYPE_CHECKING:
+    from ..config import HiddenStatesConfig
 
 TINY_RANDOM = "tiny-random"
 
@@ -112,7 +120,7 @@ def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int
 
     bf16 on CUDA, fp32 on CPU. Nothing is ever fetched from a hub.
     """
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = default_state_dtype(device)
     if model == TINY_RANDOM:
         return build_tiny_model(vocab_size, family=family, seed=seed, device=device, dtype=dtype)
     path = Path(model)
@@ -122,8 +130,105 @@ def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int
         )
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    loaded = cast(torch.nn.Module, AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype))
     return loaded.to(device).eval()
+
+
+def model_identity_for_spec(model: str, *, family: str, seed: int, vocab_size: int) -> dict[str, Any]:
+    """The identity of the model `load_extraction_model` would load, computed without loading it.
+
+    A tiny random model is named by its recipe (family, seed, vocabulary and the config's hash); whether it was
+    initialised on CUDA or the CPU (different random streams) follows the stored dtype, a field of its own."""
+    if model == TINY_RANDOM:
+        return {
+            "kind": TINY_RANDOM,
+            "family": family,
+            "seed": seed,
+            "vocab_size": vocab_size,
+            "config_sha256": config_sha256(tiny_config(vocab_size, family=family)),
+        }
+    return model_dir_identity(model)
+
+
+def _num_layers(model: str, family: str, vocab_size: int) -> int:
+    if model == TINY_RANDOM:
+        return int(tiny_config(vocab_size, family=family).num_hidden_layers)
+    return int(describe_model_config(load_text_config(model))["num_layers"])
+
+
+def fingerprint_for_config(
+    h: HiddenStatesConfig,
+    *,
+    merged_dir: str | Path,
+    vocab_size: int,
+    final_state: str = "post_norm",
+    pin_dtype: bool = True,
+) -> ExtractionFingerprint:
+    """The fingerprint extraction under the configuration `h` gives its shards, without loading the model.
+
+    `pin_dtype=False` leaves the dtype open, for a check that runs on a host other than the extraction's (a CPU
+    step checking shards written on a GPU host); otherwise it is the dtype this host's device would store."""
+    n_layers = _num_layers(h.model, h.family, vocab_size)
+    aux = validate_aux_layers(h.aux_layers if h.aux_layers else default_aux_layers(n_layers), n_layers)
+    return ExtractionFingerprint(
+        model=model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
+        aux_layers=aux,
+        final_state=final_state,
+        shard_size=h.shard_size,
+        dtype=dtype_name(default_state_dtype(_device_type(h.device))) if pin_dtype else None,
+        merged_version=merged_version(merged_dir),
+    )
+
+
+def _device_type(device: str) -> str:
+    """'cuda' or 'cpu': the kind of device `shard_device` gives a shard on this host (no lease is taken)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+class ModelCache:
+    """Extraction models loaded once per (model, family, seed, vocab_size, device) per process, least recently
+    used evicted first, so consecutive shards in one process (in-process executor, `execute_in_process`) skip the
+    load. Spawned step processes start empty; a forked child drops what it inherited (CUDA state does not survive
+    fork); the lock stops two threads loading the same model twice."""
+
+    def __init__(self, max_models: int = 2):
+        self.max_models = max_models
+        self._models: dict[tuple[str, str, int, int, str], torch.nn.Module] = {}
+        self._lock = threading.Lock()
+        self._inherited: list[dict[tuple[str, str, int, int, str], torch.nn.Module]] = []
+
+    def get(self, model: str, family: str, seed: int, vocab_size: int, device: str) -> torch.nn.Module:
+        key = (model, family, seed, vocab_size, device)
+        with self._lock:
+            if key in self._models:
+                self._models[key] = self._models.pop(key)
+                return self._models[key]
+            while len(self._models) >= self.max_models:
+                del self._models[next(iter(self._models))]
+            self._models[key] = load_extraction_model(
+                model, family=family, seed=seed, vocab_size=vocab_size, device=device
+            )
+            return self._models[key]
+
+    def devices(self) -> list[str]:
+        """Devices this process holds an extraction model on, most recently used first."""
+        return [key[-1] for key in reversed(list(self._models))]
+
+    def models(self) -> list[torch.nn.Module]:
+        return list(self._models.values())
+
+    def forget_after_fork(self) -> None:
+        # The child's copies of its parent's models stay referenced, so that no tensor destructor runs against the
+        # parent's device memory; a lock held by another parent thread at fork time would never be released in the
+        # child, so the child gets a new one.
+        self._inherited.append(self._models)
+        self._models, self._lock = {}, threading.Lock()
+
+
+MODEL_CACHE = ModelCache()
+os.register_at_fork(after_in_child=MODEL_CACHE.forget_after_fork)
 
 
 def _facts(config: Any, name: str) -> dict[str, Any]:

@@ -30,7 +30,9 @@ class CheckResult:
 
 class _Tally:
     def __init__(self, name: str):
-        self.name, self.checked, self.failing, self.ids, self.notes = name, 0, 0, [], []
+        self.name, self.checked, self.failing = name, 0, 0
+        self.ids: list[str] = []
+        self.notes: list[str] = []
 
     def record(self, sample_id: str, ok: bool, note: str = "") -> None:
         self.checked += 1

@@ -31,12 +31,13 @@ N_ROWS = 10  # three shards: 4 + 4 + 2 rows
 # A small merged dataset, its shard partitions and its plan (the merge itself is covered by test_pipeline_run)
 
 
-def _config(tmp_path: Path, monkeypatch, *, budget_gb: float = 1.0) -> Path:
+def _config(tmp_path: Path, monkeypatch, *, budget_gb: float = 1.0, **hidden_states) -> Path:
     path = write_config(tmp_path, datasets=("B1",))
     raw = yaml.safe_load(path.read_text())
     raw["target"]["tokenizer"] = "demo"  # a 2,560-token vocabulary keeps the tiny model's embedding small
     raw["hidden_states"]["shard_size"] = SHARD_SIZE
     raw["hidden_states"]["disk_budget_gb"] = budget_gb
+    raw["hidden_states"].update(hidden_states)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     monkeypatch.setenv("EAGLE_PIPELINE_CONFIG", str(path))
     return path
@@ -378,32 +379,32 @@ def test_a_lease_is_held_across_processes(tmp_path):
 
 
 def test_model_cache_is_per_process(monkeypatch):
-    from eagle_pipeline.defs import hidden_states as hs
     from eagle_pipeline.hidden_states import runtime
 
-    monkeypatch.setattr(hs, "_MODELS", {})
+    cache = runtime.MODEL_CACHE  # the process-wide cache the asset uses, emptied for the test
+    monkeypatch.setattr(cache, "_models", {})
     monkeypatch.setattr(runtime, "load_extraction_model", lambda *a, **k: object())
-    first = hs._model_cached("tiny-random", "llama", 0, 64, "cpu")
-    assert hs._model_cached("tiny-random", "llama", 0, 64, "cpu") is first  # consecutive shards reuse it
-    other = hs._model_cached("tiny-random", "llama", 0, 64, "cuda:1")
-    assert hs._cached_devices() == ["cuda:1", "cpu"]
-    hs._model_cached("tiny-random", "llama", 0, 64, "cpu")
-    assert hs._cached_devices() == ["cpu", "cuda:1"]  # most recently used first
-    hs._model_cached("tiny-random", "llama", 1, 64, "cpu")  # a third model evicts the least recently used
-    assert other not in hs._MODELS.values() and first in hs._MODELS.values()
+    first = cache.get("tiny-random", "llama", 0, 64, "cpu")
+    assert cache.get("tiny-random", "llama", 0, 64, "cpu") is first  # consecutive shards reuse it
+    other = cache.get("tiny-random", "llama", 0, 64, "cuda:1")
+    assert cache.devices() == ["cuda:1", "cpu"]
+    cache.get("tiny-random", "llama", 0, 64, "cpu")
+    assert cache.devices() == ["cpu", "cuda:1"]  # most recently used first
+    cache.get("tiny-random", "llama", 1, 64, "cpu")  # a third model evicts the least recently used
+    assert other not in cache.models() and first in cache.models()
 
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # a forked child must not reuse its parent's (CUDA) model, and must load its own
         try:
-            fresh = hs._model_cached("tiny-random", "llama", 0, 64, "cpu")
-            os.write(write, b"ok" if fresh is not first and hs._cached_devices() == ["cpu"] else b"reused")
+            fresh = cache.get("tiny-random", "llama", 0, 64, "cpu")
+            os.write(write, b"ok" if fresh is not first and cache.devices() == ["cpu"] else b"reused")
         finally:
             os._exit(0)
     os.close(write)
     assert os.read(read, 16) == b"ok"
     os.waitpid(pid, 0)
-    assert hs._model_cached("tiny-random", "llama", 0, 64, "cpu") is first  # the parent's cache is intact
+    assert cache.get("tiny-random", "llama", 0, 64, "cpu") is first  # the parent's cache is intact
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -481,3 +482,95 @@ def test_a_corrupted_shard_is_partial_and_rematerializing_it_alone_repairs_it(tm
     assert mat.metadata["skipped_already_done"].value is True and mat.metadata["shard_status_before"].value == "done"
     assert mat.metadata["device"].value == "none (already done)"  # no model was loaded for a no-op
     assert [p.stat().st_mtime_ns for p in files["00000"]] == stamps["00000"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. A done shard is reused only under the settings it was extracted with (issue 14 item 3)
+
+
+def _failure_message(result) -> str:
+    return next(e for e in result.all_events if e.is_step_failure).event_specific_data.error.message
+
+
+def test_a_shard_done_under_other_settings_is_refused_then_redone_on_request(tmp_path, monkeypatch, instance):
+    from eagle_pipeline.hidden_states import shard_paths, shard_status, verify_shard
+    from eagle_pipeline.hidden_states.shards import SUPERSEDED_DIR
+
+    _config(tmp_path, monkeypatch)
+    root = _merged(tmp_path, instance)
+    assert _run_shard(instance, "00000").success
+    files = shard_paths(root.hidden_states_dir, 0)
+    before = [p.read_bytes() for p in files]
+
+    for change, expected in (
+        ({"aux_layers": [0, 2, 5]}, "aux_layers: [1, 3, 4] (on disk) -> [0, 2, 5] (now)"),
+        ({"seed": 1}, "model.seed: 0 (on disk) -> 1 (now)"),  # another model: the materialisation named it
+        ({"family": "llama"}, "model.family: deepseek_v3 (on disk) -> llama (now)"),
+        ({"shard_size": SHARD_SIZE + 1}, f"shard_size: {SHARD_SIZE} (on disk) -> {SHARD_SIZE + 1} (now)"),
+    ):
+        _config(tmp_path, monkeypatch, **change)
+        result = _run_shard(instance, "00000")
+        assert not result.success, change
+        message = _failure_message(result)
+        assert expected in message and "hidden_states.on_settings_change: redo" in message, message
+        assert [p.read_bytes() for p in files] == before  # the old states are neither reused nor overwritten
+        assert not result.asset_materializations_for_node("hidden_states")
+
+    _config(tmp_path, monkeypatch, aux_layers=[0, 2, 5], on_settings_change="redo")
+    result = _run_shard(instance, "00000")
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("hidden_states")
+    assert mat.metadata["shard_status_before"].value == "stale"
+    assert mat.metadata["skipped_already_done"].value is False
+    assert mat.metadata["fingerprint"].value["aux_layers"] == [0, 2, 5]
+    assert all(e.passed for e in result.get_asset_check_evaluations())
+    assert shard_status(root.hidden_states_dir, 0) == "done"
+    assert all(c.passed for c in verify_shard(root.hidden_states_dir, 0, root.merged_dir).values())
+    (kept,) = (root.hidden_states_dir / SUPERSEDED_DIR).iterdir()
+    assert [(kept / p.name).read_bytes() for p in files] == before  # the old shard is kept, moved aside
+
+    again = _run_shard(instance, "00000")  # the shell's fingerprint and the extractor's agree: a no-op now
+    (mat,) = again.asset_materializations_for_node("hidden_states")
+    assert mat.metadata["skipped_already_done"].value is True and mat.metadata["device"].value == "none (already done)"
+
+
+def test_trainer_exports_checks_every_shard_before_writing_anything(tmp_path, monkeypatch, instance):
+    from eagle_pipeline.defs.hidden_states import trainer_exports
+    from eagle_pipeline.defs.resources import PipelineResource
+
+    _config(tmp_path, monkeypatch)
+    root = _merged(tmp_path, instance)
+    defs = build_defs()
+    for key in ("00000", "00001"):
+        assert _run_shard(instance, key, defs).success
+    previous = root.exports_dir / "specforge" / "train.jsonl"
+    previous.parent.mkdir(parents=True)
+    previous.write_text("the export a trainer is reading now\n")
+
+    def export():
+        return dg.materialize(
+            [trainer_exports], instance=instance, resources={"pipeline": PipelineResource()}, raise_on_error=False
+        )
+
+    result = export()
+    assert not result.success
+    assert "missing: ['00002']" in _failure_message(result) and "nothing was exported" in _failure_message(result)
+    assert previous.read_text() == "the export a trainer is reading now\n"
+    assert not (root.exports_dir / "hf_parquet").exists() and not (root.exports_dir / "manifest.json").exists()
+
+    assert _run_shard(instance, "00002", defs).success
+    _config(tmp_path, monkeypatch, aux_layers=[0, 2, 5], on_settings_change="redo")
+    assert _run_shard(instance, "00001", defs).success  # one shard now holds other layers than the rest
+    _config(tmp_path, monkeypatch)
+    result = export()
+    assert not result.success
+    assert "00001 (aux_layers: [0, 2, 5] (on disk) -> [1, 3, 4] (now))" in _failure_message(result)
+    assert previous.read_text() == "the export a trainer is reading now\n"
+
+    _config(tmp_path, monkeypatch, on_settings_change="redo")
+    assert _run_shard(instance, "00001", defs).success
+    result = export()
+    assert result.success
+    assert previous.read_text() != "the export a trainer is reading now\n"
+    (mat,) = result.asset_materializations_for_node("trainer_exports")
+    assert mat.metadata["hidden_state_shards"].value == 3

@@ -94,7 +94,7 @@ def test_default_aux_layers_and_their_other_names():
     for n in (8, 32, 61):
         # speculators/vLLM and EAGLE name the same tensors [2, L//2, L-3] ("input of layer k").
         assert [aux_layer_to_vllm_id(x) for x in default_aux_layers(n)] == [2, n // 2, n - 3]
-        assert [aux_layer_to_hf_index(x) for x in default_aux_layers(n)] == [2, n // 2, n - 3]
+        assert [aux_layer_to_hf_index(x, n) for x in default_aux_layers(n)] == [2, n // 2, n - 3]
     with pytest.raises(ValueError):
         default_aux_layers(4)
     with pytest.raises(ValueError, match="collide"):
