@@ -4,6 +4,8 @@ No Dagster imports: this is part of the functional core.
 """
 
 from .demo import DEMO_CHAT_TEMPLATE, build_demo_tokenizer
+from .kimi import KIMI_PAT_STR, KIMI_VOCAB_SIZE, kimi_special_names, split_like_kimi
+from .loading import load_tokenizer, resolve_tokenizer
 from .profiles import KIMI_K25, PROFILES, QWEN3, ModelProfile, ProfileIds, get_profile
 from .reconstruct import (
     IDS_RECONSTRUCTED,
@@ -15,16 +17,7 @@ from .reconstruct import (
     reconstruct_table,
 )
 from .render import TemplateRenderError, normalize_messages, render_prompt, render_prompt_ids
-from .tokenizer import (
-    KIMI_PAT_STR,
-    KIMI_VOCAB_SIZE,
-    TargetTokenizer,
-    TokenizerLoadError,
-    kimi_special_names,
-    load_tokenizer,
-    resolve_tokenizer,
-    split_like_kimi,
-)
+from .tokenizer import TargetTokenizer, TokenizerLoadError
 from .tool_declarations import ToolDeclarationError, typescript_tool_declarations
 
 __all__ = [

@@ -6,7 +6,8 @@ profile works with the real Kimi tokenizer, the demo tokenizer, or any transform
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class ModelProfile:
         def maybe(token: str | None) -> int | None:
             return None if token is None else tokenizer.special_tokens.get(token)
 
-        ids = dict(
+        ids = ProfileIds(
             think_open_id=need(self.think_open),
             think_close_id=need(self.think_close),
             eot_id=need(self.eot),
@@ -73,9 +74,20 @@ class ModelProfile:
             tool_call_begin_id=maybe(self.tool_call_begin),
             tool_call_end_id=maybe(self.tool_call_end),
             tool_arg_begin_id=maybe(self.tool_arg_begin),
+            structural_ids=(),
+            profile=self,
         )
-        structural = tuple(v for v in ids.values() if v is not None)
-        return ProfileIds(**ids, structural_ids=structural, profile=self)
+        structural = (
+            ids.think_open_id,
+            ids.think_close_id,
+            ids.eot_id,
+            ids.tool_section_begin_id,
+            ids.tool_section_end_id,
+            ids.tool_call_begin_id,
+            ids.tool_call_end_id,
+            ids.tool_arg_begin_id,
+        )
+        return dataclasses.replace(ids, structural_ids=tuple(i for i in structural if i is not None))
 
 
 @dataclass(frozen=True)
@@ -92,12 +104,6 @@ class ProfileIds:
     tool_arg_begin_id: int | None
     structural_ids: tuple[int, ...]
     profile: ModelProfile
-
-    def as_dict(self) -> dict[str, object]:
-        """The ids as a plain dict (for reports and run metadata)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "profile"} | {
-            "profile": self.profile.name
-        }
 
 
 KIMI_K25 = ModelProfile(name="kimi-k2.5")

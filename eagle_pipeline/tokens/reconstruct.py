@@ -152,7 +152,8 @@ def _tool_call_fields(call: Any, index: int, where: str) -> tuple[str, str, str]
     """(id, name, arguments text) of one OpenAI-style tool call; a missing id becomes `functions.{name}:{index}`."""
     if not isinstance(call, Mapping):
         raise ValueError(f"{where}: tool_calls[{index}] is not an object")
-    fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
+    nested = call.get("function")
+    fn: Mapping[str, Any] = nested if isinstance(nested, Mapping) else call
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: tool_calls[{index}] has no function name")
@@ -350,8 +351,9 @@ def reconstruct_table(
         key, messages = key_cache[mj]
         prompt_keys.append(key)
 
-        if returned_prompt[i] is not None:
-            prompt_ids.append(returned_prompt[i])
+        given_prompt = returned_prompt[i]
+        if given_prompt is not None:
+            prompt_ids.append(given_prompt)
         else:
             pkey = (mj, tj, thinking[i])
             if pkey not in prompt_cache:
@@ -393,15 +395,17 @@ def reconstruct_table(
     origin: list[str] = []
     literal: list[bool] = []
     n_calls: list[int] = []
-    for i, plan in enumerate(plans):
-        if plan is None:
+    for i, maybe_plan in enumerate(plans):
+        if maybe_plan is None:
             ids = returned_output[i]
+            assert ids is not None  # rows without a plan are exactly those with returned ids
             out_pieces.append(ids)
             out_lens.append(len(ids))
             origin.append(IDS_RETURNED)
             literal.append(ids_contain_literal_special(tokenizer, ids))
             n_calls.append(_count_returned_calls(pids, ids, col["tool_calls_json"][i], col["sample_id"][i]))
             continue
+        plan = maybe_plan
         length = 0
         row_literal = False
         for part in plan.parts:
@@ -409,9 +413,10 @@ def reconstruct_table(
                 arr = next(encoded)
                 row_literal |= next(flag_iter)
             else:
-                arr = single.get(part)
-                if arr is None:
-                    arr = single[part] = np.array([part], dtype=np.int32)
+                one = single.get(part)
+                if one is None:
+                    one = single[part] = np.array([part], dtype=np.int32)
+                arr = one
             out_pieces.append(arr)
             length += len(arr)
         out_lens.append(length)
@@ -454,7 +459,9 @@ def _list_array(pieces: list[np.ndarray], lengths: list[int]) -> pa.Array:
     return make_list(lengths, values, pa.int32(), hint="split the responses")
 
 
-def _count_returned_calls(pids: ProfileIds, ids: Sequence[int], tool_calls_json: str | None, sid: str) -> int:
+def _count_returned_calls(
+    pids: ProfileIds, ids: Sequence[int] | np.ndarray, tool_calls_json: str | None, sid: str
+) -> int:
     # Count the tool-call markers the model actually emitted; fall back to the parsed list for formats without them.
     if pids.tool_call_begin_id is not None:
         return int(np.count_nonzero(np.asarray(ids, dtype=np.int64) == pids.tool_call_begin_id))

@@ -23,8 +23,12 @@ from .tool_declarations import ToolDeclarationError, sort_keys_deep, typescript_
 
 logger = logging.getLogger(__name__)
 
-# Names under which APIs return a message's reasoning; templates read `reasoning_content`.
-_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+# Names under which APIs return a message's reasoning, in the order the project prefers them when a message holds
+# several: `reasoning` (what OpenRouter and our responses table call it) before `thinking`. Templates read one of them
+# (Kimi and Qwen3 `reasoning_content`, Kimi-K2.6 also `reasoning`, gpt-oss `thinking`), so the chosen text is given
+# under every name. transformers 5 orders these names differently (`thinking` before `reasoning`), so on a message with
+# both, its own apply_chat_template would render the `thinking` text; this renderer renders `reasoning`.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 class TemplateRenderError(ValueError):
@@ -59,17 +63,19 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Drop None-valued keys (templates would print 'None') and expose reasoning as `reasoning_content`."""
+    """Drop None-valued keys (templates would print 'None') and give a message's reasoning under every name in
+    REASONING_KEYS: the first of them that holds a string wins, so a template renders that text whichever it reads."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise TemplateRenderError(f"messages[{i}] is not an object: {m!r}")
         msg = {k: v for k, v in m.items() if v is not None}
-        if "reasoning_content" not in msg:
-            for key in _REASONING_KEYS[1:]:
-                if isinstance(msg.get(key), str):
-                    msg["reasoning_content"] = msg[key]
-                    break
+        reasoning = next((msg[k] for k in REASONING_KEYS if isinstance(msg.get(k), str)), None)
+        if reasoning is not None:
+            for key in REASONING_KEYS:
+                # A non-string under one of these names (a template's own flag, say) is not reasoning: kept as is.
+                if key not in msg or isinstance(msg[key], str):
+                    msg[key] = reasoning
         out.append(msg)
     return out
 
@@ -105,15 +111,15 @@ def render_prompt(
         messages = json.loads(messages)
     if isinstance(tools, str):
         tools = json.loads(tools)
-    tools = list(tools) if tools else None
+    tool_list: list[Any] | None = list(tools) if tools else None
     context: dict[str, Any] = dict(tokenizer.template_vars)
-    if tools and "tools_ts_str" in tokenizer.chat_template and "tools_ts_str" not in template_kwargs:
-        tools, ts = _moonshot_tools(json.dumps(tools, ensure_ascii=False))
+    if tool_list and "tools_ts_str" in tokenizer.chat_template and "tools_ts_str" not in template_kwargs:
+        tool_list, ts = _moonshot_tools(json.dumps(tool_list, ensure_ascii=False))
         if ts is not None:
             context["tools_ts_str"] = ts
     context.update(
         messages=normalize_messages(messages),  # type: ignore[arg-type]
-        tools=tools,
+        tools=tool_list,
         add_generation_prompt=add_generation_prompt,
         thinking=thinking,
         enable_thinking=thinking,

@@ -10,8 +10,8 @@ import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditInputError, run_audit, run_gate, tool_call_id_ok
 from eagle_pipeline.tokens import KIMI_PAT_STR, TOKEN_SAMPLES_SCHEMA, get_profile, reconstruct_output
+from eagle_pipeline.tokens.kimi import tiktoken_tokenizer
 from eagle_pipeline.tokens.text_hash import text_hash_int64
-from eagle_pipeline.tokens.tokenizer import tiktoken_tokenizer
 
 from .corpus import build_clean_table, mutate
 from .helpers import assert_caught, pick_rows

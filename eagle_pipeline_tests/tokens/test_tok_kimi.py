@@ -20,7 +20,7 @@ from eagle_pipeline.tokens import (
     load_tokenizer,
     split_like_kimi,
 )
-from eagle_pipeline.tokens.tokenizer import read_tiktoken_ranks
+from eagle_pipeline.tokens.kimi import read_tiktoken_ranks
 
 # FACTS.md §2, verbatim.
 SPECIAL_TABLE = {

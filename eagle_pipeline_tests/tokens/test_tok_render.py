@@ -133,6 +133,33 @@ def test_reasoning_alias_and_none_keys(tok):
     assert "<think></think>" in text and "None" not in text
 
 
+def test_reasoning_is_preferred_over_thinking_whichever_name_the_template_reads(tok):
+    """A message with both `reasoning` and `thinking` renders its `reasoning` (transformers 5 would render
+    `thinking`), under every name a template may read; `reasoning_content` still beats both."""
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "R",
+        "thinking": "T",
+        "tool_calls": [{"id": "x:0", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    msgs = [{"role": "user", "content": "q"}, turn, {"role": "tool", "tool_call_id": "x:0", "content": "ok"}]
+    text = render_prompt(tok, msgs)
+    assert "<think>R</think>" in text and "T" not in text.replace("Tool", "")
+    per_name = _template_tok(
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{{ m.reasoning_content }}|{{ m.reasoning }}|{{ m.thinking }}{% endif %}{% endfor %}"
+    )
+    assert render_prompt(per_name, msgs, add_generation_prompt=False) == "R|R|R"
+    only_thinking = [msgs[0], {k: v for k, v in turn.items() if k != "reasoning"}]
+    assert render_prompt(per_name, only_thinking, add_generation_prompt=False) == "T|T|T"
+    with_content = [msgs[0], dict(turn, reasoning_content="C")]
+    assert render_prompt(per_name, with_content, add_generation_prompt=False) == "C|C|C"
+    # A non-string under one of the names is not reasoning and is left alone.
+    flagged = [msgs[0], dict(turn, thinking=True)]
+    assert render_prompt(per_name, flagged, add_generation_prompt=False) == "R|R|True"
+
+
 def _template_tok(template: str) -> TargetTokenizer:
     from eagle_pipeline.tokens import build_demo_tokenizer
 
