@@ -7,8 +7,7 @@ See docs/audit.md for what each gate catches and what to do when it fails.
 """
 
 from eagle_pipeline.audit.context import COMPLETE_FINISH_REASONS, ORIGINS, AuditInputError
-from eagle_pipeline.audit.gates import tool_call_id_ok
-from eagle_pipeline.audit.report import AuditReport, GateResult, run_audit, run_gate
+from eagle_pipeline.audit.report import AuditReport, GateResult, gate_verdict, report_markdown, run_audit, run_gate
 from eagle_pipeline.audit.spec import (
     ACTIONS,
     GATE_NAMES,
@@ -17,7 +16,10 @@ from eagle_pipeline.audit.spec import (
     AuditSettings,
     AuditSettingsError,
     GateSpec,
+    SettingsProblem,
+    audit_settings_problems,
 )
+from eagle_pipeline.audit.tool_sections import tool_call_id_ok
 
 __all__ = [
     "ACTIONS",
@@ -32,6 +34,10 @@ __all__ = [
     "AuditSettingsError",
     "GateResult",
     "GateSpec",
+    "SettingsProblem",
+    "audit_settings_problems",
+    "gate_verdict",
+    "report_markdown",
     "run_audit",
     "run_gate",
     "tool_call_id_ok",

@@ -86,9 +86,9 @@ def build_token_classes(tokenizer: Any, profile_ids: Any) -> TokenClasses:
     ids: dict[int, int | None] = {}
     profile_set: set[int] = set()
     for attr, code in _PROFILE_FIELDS:
-        ids[code] = _opt_id(profile_ids, attr)
-        if ids[code] is not None:
-            profile_set.add(ids[code])
+        found = ids[code] = _opt_id(profile_ids, attr)
+        if found is not None:
+            profile_set.add(found)
     structural = {int(x) for x in (getattr(profile_ids, "structural_ids", None) or ())}
     low = min([*specials.values(), *profile_set, *structural, vocab_size])
     # Ids between the lowest special and vocab_size that have no name are unassigned slots: as bad as reserved.
@@ -100,9 +100,9 @@ def build_token_classes(tokenizer: Any, profile_ids: Any) -> TokenClasses:
         if 0 <= i < vocab_size:
             lut[i] = STRUCTURAL
     for _attr, code in _PROFILE_FIELDS:
-        i = ids[code]
-        if i is not None and 0 <= i < vocab_size:
-            lut[i] = code
+        pid = ids[code]
+        if pid is not None and 0 <= pid < vocab_size:
+            lut[pid] = code
     return TokenClasses(lut=lut, threshold=low, vocab_size=vocab_size, names=names, ids=ids)
 
 
@@ -173,7 +173,7 @@ class AuditContext:
         """(pos, code, row) of every non-ordinary token, in buffer order."""
         vals = self.values
         # Viewing signed ids as unsigned maps negatives to huge values, so one compare catches both ends.
-        unsigned = vals.view(np.uint32 if vals.dtype == np.int32 else np.uint64)
+        unsigned: np.ndarray = vals.view(np.uint32 if vals.dtype == np.int32 else np.uint64)
         thr = self.classes.threshold
         found = []
         for start in range(0, unsigned.size, _SCAN_BLOCK):

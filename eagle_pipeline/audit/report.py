@@ -1,9 +1,10 @@
-"""Running gates and the results they produce: per-gate results, the audit report, and the row filter mask."""
+"""Running gates and the results they produce: per-gate results, the audit report, the row filter mask, and the
+verdict each gate's result reads as (for the asset checks and the UI)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_pipeline.audit.context import ORIGINS, AuditContext
-from eagle_pipeline.audit.gates import GATE_FUNCTIONS, Outcome
+from eagle_pipeline.audit.gates import Outcome
 from eagle_pipeline.audit.spec import GATE_NAMES, GATES_BY_NAME, AuditSettings, AuditSettingsError
 
 EXCLUDING_ACTIONS = ("block", "filter")
@@ -225,7 +226,7 @@ def _finish(name: str, ctx: AuditContext, out: Outcome, settings: AuditSettings)
 
 def _check_gate_names(gates: Iterable[str]) -> list[str]:
     names = list(gates)
-    unknown = [g for g in names if g not in GATE_FUNCTIONS]
+    unknown = [g for g in names if g not in GATES_BY_NAME]
     if unknown:
         raise AuditSettingsError(f"unknown gate(s) {unknown}; gates: {', '.join(GATE_NAMES)}")
     return names
@@ -238,7 +239,7 @@ def run_gate(
     _check_gate_names([name])
     settings = settings or AuditSettings()
     ctx = AuditContext(table, tokenizer, profile_ids)
-    return _finish(name, ctx, GATE_FUNCTIONS[name](ctx, settings), settings)
+    return _finish(name, ctx, GATES_BY_NAME[name].run(ctx, settings), settings)
 
 
 def run_audit(
@@ -253,7 +254,7 @@ def run_audit(
     names = _check_gate_names(GATE_NAMES if gates is None else gates)
     settings = settings or AuditSettings()
     ctx = AuditContext(table, tokenizer, profile_ids)
-    results = [_finish(name, ctx, GATE_FUNCTIONS[name](ctx, settings), settings) for name in names]
+    results = [_finish(name, ctx, GATES_BY_NAME[name].run(ctx, settings), settings) for name in names]
     return AuditReport(
         results=results,
         n_rows=ctx.n,
@@ -269,3 +270,26 @@ def _tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     if callable(fingerprint):
         info["fingerprint"] = fingerprint()
     return info
+
+
+def gate_verdict(gate: Mapping[str, Any]) -> str:
+    """What one gate's result (`GateResult.to_dict()`) means for the data: `FAIL (blocks)`, `pass`, or how many
+    failing rows are filtered out and how many are only warned about."""
+    if gate["blocking"]:
+        return "FAIL (blocks)"
+    if gate["failing"] == 0:
+        return "pass"
+    warned = gate["failing"] - gate["excluded"]
+    return f"{gate['excluded']} rows filtered" + (f", {warned} warned" if warned else "")
+
+
+def report_markdown(report: Mapping[str, Any]) -> str:
+    """A Markdown table of a report (`AuditReport.to_dict()`), one row per gate in catalogue order."""
+    gates = report["gates"]
+    lines = ["| gate | action | checked | failing | rate | verdict |", "|---|---|---|---|---|---|"]
+    for name in [*(n for n in GATE_NAMES if n in gates), *(n for n in gates if n not in GATE_NAMES)]:
+        r = gates[name]
+        lines.append(
+            f"| {name} | {r['action']} | {r['checked']} | {r['failing']} | {r['rate']:.4%} | {gate_verdict(r)} |"
+        )
+    return "\n".join(lines)

@@ -1,14 +1,17 @@
-"""The catalogue of audit gates and the settings that choose what each gate's failure does."""
+"""The gate registry (one table: every gate's name, what it catches, its default action and its implementation) and
+the settings that choose what each gate's failure does, with their one validation (`audit_settings_problems`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from eagle_pipeline.audit.context import ORIGINS
+from eagle_pipeline.audit import gates as g
+from eagle_pipeline.audit.context import ORIGINS, AuditContext
+from eagle_pipeline.audit.tool_sections import gate_tool_sections_well_formed
 
 ACTIONS = ("block", "filter", "warn")
 
@@ -29,11 +32,19 @@ class GateSpec:
     title: str
     description: str
     default_action: str
+    run: Callable[[AuditContext, Any], g.Outcome]  # (context, AuditSettings) -> Outcome
     origin_defaults: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
-def _spec(name: str, title: str, description: str, default_action: str, **origin_defaults: str) -> GateSpec:
-    return GateSpec(name, title, description, default_action, MappingProxyType(dict(origin_defaults)))
+def _spec(
+    name: str,
+    title: str,
+    description: str,
+    default_action: str,
+    run: Callable[[AuditContext, Any], g.Outcome],
+    **origin_defaults: str,
+) -> GateSpec:
+    return GateSpec(name, title, description, default_action, run, MappingProxyType(dict(origin_defaults)))
 
 
 GATES: tuple[GateSpec, ...] = (
@@ -44,6 +55,7 @@ GATES: tuple[GateSpec, ...] = (
         "model output (e.g. [PAD], <|im_user|>). Catches a wrong tokenizer, id arithmetic bugs and corrupt buffers; "
         "such ids crash or silently poison embedding lookups in training.",
         "block",
+        g.gate_ids_in_vocab,
     ),
     _spec(
         "ends_with_eot",
@@ -51,6 +63,7 @@ GATES: tuple[GateSpec, ...] = (
         "Complete rows (finish_reason stop/tool_calls) whose last id is not the end-of-turn id: a lost <|im_end|> or a "
         "cut tail. The drafter must learn where turns end.",
         "block",
+        g.gate_ends_with_eot,
     ),
     _spec(
         "single_eot",
@@ -58,6 +71,7 @@ GATES: tuple[GateSpec, ...] = (
         "Complete rows with zero or several end-of-turn ids (incomplete rows: more than one). Catches doubled or "
         "concatenated turns.",
         "block",
+        g.gate_single_eot,
     ),
     _spec(
         "single_think_close",
@@ -66,6 +80,7 @@ GATES: tuple[GateSpec, ...] = (
         "thinking off it holds none (the prompt already closed the think block). Catches dropped or doubled </think> "
         "and a wrong `thinking` flag.",
         "block",
+        g.gate_single_think_close,
     ),
     _spec(
         "think_close_before_eot",
@@ -73,6 +88,7 @@ GATES: tuple[GateSpec, ...] = (
         "Rows holding both ids where a think-close id follows the first end-of-turn id: swapped or misplaced "
         "structure.",
         "block",
+        g.gate_think_close_before_eot,
     ),
     _spec(
         "no_think_open",
@@ -80,6 +96,7 @@ GATES: tuple[GateSpec, ...] = (
         "The think-open id belongs to the prompt (the generation prompt ends with it), never to the output. Catches "
         "prompt/output boundary mistakes and a template that double-opens the think block.",
         "block",
+        g.gate_no_think_open,
     ),
     _spec(
         "reasoning_nonempty",
@@ -87,6 +104,7 @@ GATES: tuple[GateSpec, ...] = (
         "Thinking-on rows whose think-close id is the very first output id: the provider dropped the reasoning (or "
         "it was never requested). The ids would teach the drafter a turn the target never produced.",
         "filter",
+        g.gate_reasoning_nonempty,
     ),
     _spec(
         "tool_tokens_declared",
@@ -95,6 +113,7 @@ GATES: tuple[GateSpec, ...] = (
         "means tools were sent for a dataset not flagged as a tool dataset (a configuration bug); for returned ids it "
         "is the model calling tools it was never given.",
         "block",
+        g.gate_tool_tokens_declared,
         returned="filter",
     ),
     _spec(
@@ -104,6 +123,7 @@ GATES: tuple[GateSpec, ...] = (
         "the end of turn; ID is non-empty without whitespace (and `functions.NAME:INDEX` when it starts with "
         "'functions.'); ARGS decode to a JSON object; the number of calls equals n_tool_calls.",
         "filter",
+        gate_tool_sections_well_formed,
     ),
     _spec(
         "round_trip",
@@ -113,6 +133,7 @@ GATES: tuple[GateSpec, ...] = (
         "A server's returned ids can legitimately be non-canonical (the model sampled an unusual split), so "
         "returned rows only warn by default.",
         "block",
+        g.gate_round_trip,
         returned="warn",
     ),
     _spec(
@@ -125,6 +146,7 @@ GATES: tuple[GateSpec, ...] = (
         "round_trip misses), shifted vocabularies, and ids mixed up between rows. Rows without a hash (returned "
         "ids) are not checked.",
         "block",
+        g.gate_text_agreement,
     ),
     _spec(
         "billing_agreement",
@@ -134,6 +156,7 @@ GATES: tuple[GateSpec, ...] = (
         "aggregate decides pass/fail; failing rows are listed (and excluded). Catches dropped reasoning, a "
         "tokenizer other than the target's and template tokens counted twice.",
         "block",
+        g.gate_billing_agreement,
     ),
     _spec(
         "prompt_agreement",
@@ -144,6 +167,7 @@ GATES: tuple[GateSpec, ...] = (
         "rendered differently. The output ids stay right, but the hidden states would be extracted under a prompt "
         "the target never saw. Warns by default: providers are known to count prompts their own way.",
         "warn",
+        g.gate_prompt_agreement,
     ),
     _spec(
         "not_truncated",
@@ -151,6 +175,7 @@ GATES: tuple[GateSpec, ...] = (
         "finish_reason other than stop/tool_calls (length, content_filter, error, abort, missing): the output may be "
         "cut short. Such rows are excluded and counted, never silently kept.",
         "filter",
+        g.gate_not_truncated,
     ),
 )
 
@@ -175,34 +200,19 @@ class AuditSettings:
     excerpt_tokens: int = 24
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
-        if not isinstance(self.actions, Mapping):
-            problems.append(f"actions must be a mapping of gate -> action, got {type(self.actions).__name__}")
-        else:
-            self.actions = dict(self.actions)
-            for key, action in self.actions.items():
-                problems.extend(_check_action_key(key, action))
-        problems.extend(_check_number("billing_row_abs_tolerance", self.billing_row_abs_tolerance, int, 0, None))
-        problems.extend(_check_number("billing_row_rel_tolerance", self.billing_row_rel_tolerance, float, 0, 1))
-        problems.extend(_check_number("billing_aggregate_bound", self.billing_aggregate_bound, float, 0, 1))
-        problems.extend(_check_number("prompt_row_abs_tolerance", self.prompt_row_abs_tolerance, int, 0, None))
-        problems.extend(_check_number("max_examples", self.max_examples, int, 0, None))
-        problems.extend(_check_number("excerpt_tokens", self.excerpt_tokens, int, 1, None))
+        problems = _value_problems(vars(self))
         if problems:
-            raise AuditSettingsError("invalid audit settings:\n  - " + "\n  - ".join(problems))
+            raise AuditSettingsError(_message(problems))
+        self.actions = dict(self.actions)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AuditSettings:
-        """Settings from plain data (YAML/JSON); unknown keys, gates, origins or actions are errors."""
-        if data is None:
-            return cls()
-        if not isinstance(data, Mapping):
-            raise AuditSettingsError(f"audit settings must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise AuditSettingsError(f"invalid audit settings:\n  - unknown key(s) {unknown}; known: {sorted(known)}")
-        kwargs = dict(data)
+        """Settings from plain data (YAML/JSON); unknown keys, gates, origins or actions are errors, all listed in
+        one AuditSettingsError (the problems of `audit_settings_problems`)."""
+        problems = audit_settings_problems(data)
+        if problems:
+            raise AuditSettingsError(_message(problems))
+        kwargs = dict(data or {})
         if kwargs.get("actions") is None:
             kwargs.pop("actions", None)
         return cls(**kwargs)
@@ -235,25 +245,92 @@ class AuditSettings:
         return dataclasses.asdict(self)
 
 
-def _check_action_key(key: Any, action: Any) -> list[str]:
+@dataclass(frozen=True)
+class SettingsProblem:
+    """One problem of audit settings. `key` says where, relative to the audit section: `actions.round_trip@returned`,
+    `billing_aggregate_bound`, `actions`, or "" for the section as a whole; str() is the message."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(AuditSettings))
+# Type, lower and upper bound of each numeric setting.
+_NUMBERS: dict[str, tuple[type, float, float | None]] = {
+    "billing_row_abs_tolerance": (int, 0, None),
+    "billing_row_rel_tolerance": (float, 0, 1),
+    "billing_aggregate_bound": (float, 0, 1),
+    "prompt_row_abs_tolerance": (int, 0, None),
+    "max_examples": (int, 0, None),
+    "excerpt_tokens": (int, 1, None),
+}
+
+
+def audit_settings_problems(data: Mapping[str, Any] | None) -> list[SettingsProblem]:
+    """Every problem of plain audit settings (as `AuditSettings.from_dict` takes them): unknown keys, gates, origins
+    or actions, and numbers of the wrong type or out of range. [] when valid. This is the one validation of audit
+    settings: `AuditSettings` raises with exactly these problems, and the configuration loader reports them."""
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        return [SettingsProblem("", f"audit settings must be a mapping, got {type(data).__name__}")]
     problems = []
-    if not isinstance(key, str):
-        return [f"action key {key!r} is not a string"]
-    gate, _, origin = key.partition("@")
-    if gate not in GATES_BY_NAME:
-        problems.append(f"unknown gate {gate!r} in actions; gates: {', '.join(GATE_NAMES)}")
-    if "@" in key and origin not in ORIGINS:
-        problems.append(f"unknown ids origin {origin!r} in actions key {key!r}; origins: {', '.join(ORIGINS)}")
-    if action not in ACTIONS:
-        problems.append(f"action {action!r} for {key!r} is not one of {', '.join(ACTIONS)}")
+    unknown = sorted(set(data) - set(_FIELDS), key=str)
+    if unknown:
+        problems.append(SettingsProblem("", f"unknown key(s) {unknown}; known: {sorted(_FIELDS)}"))
+    defaults = dataclasses.asdict(AuditSettings())
+    values = {k: data.get(k, defaults[k]) for k in _FIELDS}
+    if values["actions"] is None:
+        values["actions"] = {}
+    return problems + _value_problems(values)
+
+
+def _message(problems: list[SettingsProblem]) -> str:
+    return "invalid audit settings:\n  - " + "\n  - ".join(map(str, problems))
+
+
+def _value_problems(values: Mapping[str, Any]) -> list[SettingsProblem]:
+    problems = []
+    actions = values["actions"]
+    if not isinstance(actions, Mapping):
+        problems.append(
+            SettingsProblem("actions", f"actions must be a mapping of gate -> action, got {type(actions).__name__}")
+        )
+    else:
+        for key, action in actions.items():
+            problems.extend(_check_action_key(key, action))
+    for name, (kind, lo, hi) in _NUMBERS.items():
+        problems.extend(_check_number(name, values[name], kind, lo, hi))
     return problems
 
 
-def _check_number(name: str, value: Any, kind: type, lo: float, hi: float | None) -> list[str]:
+def _check_action_key(key: Any, action: Any) -> list[SettingsProblem]:
+    where = f"actions.{key}"
+    if not isinstance(key, str):
+        return [SettingsProblem(where, f"action key {key!r} is not a string")]
+    problems = []
+    gate, _, origin = key.partition("@")
+    if gate not in GATES_BY_NAME:
+        problems.append(SettingsProblem(where, f"unknown gate {gate!r} in actions; gates: {', '.join(GATE_NAMES)}"))
+    if "@" in key and origin not in ORIGINS:
+        problems.append(
+            SettingsProblem(
+                where, f"unknown ids origin {origin!r} in actions key {key!r}; origins: {', '.join(ORIGINS)}"
+            )
+        )
+    if action not in ACTIONS:
+        problems.append(SettingsProblem(where, f"action {action!r} for {key!r} is not one of {', '.join(ACTIONS)}"))
+    return problems
+
+
+def _check_number(name: str, value: Any, kind: type, lo: float, hi: float | None) -> list[SettingsProblem]:
     # bool is an int subclass; True as a tolerance is surely a mistake.
     ok_types = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        return [f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"]
+        return [SettingsProblem(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")]
     if value < lo or (hi is not None and value > hi):
-        return [f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}"]
+        return [SettingsProblem(name, f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}")]
     return []

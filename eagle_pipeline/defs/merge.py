@@ -2,15 +2,13 @@
 
 import dagster as dg
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from eagle_pipeline.audit_records import audit_problems
+from eagle_pipeline.audit_records import audits_for_merge
 from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
-from eagle_pipeline.storage import file_sha256
 
 
 @dg.asset(
@@ -25,13 +23,14 @@ from eagle_pipeline.storage import file_sha256
     ),
 )
 def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.audit import GATES, run_audit
     from eagle_pipeline.hidden_states import num_shards
     from eagle_pipeline.merge import MergeInput, merge_datasets, read_merged
 
     cfg = pipeline.config()
     root = pipeline.data_root()
-    problems = audit_problems(root, cfg.dataset_names, [g.name for g in GATES])
+    problems, audits = audits_for_merge(
+        root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
+    )
     if problems:
         raise dg.Failure(
             description="Merge refused: not every dataset passed its audit on its latest token samples:\n"
@@ -39,23 +38,18 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
             metadata={"problems": dg.MetadataValue.json([str(p) for p in problems])},
             allow_retries=False,
         )
-    settings = pipeline.audit_settings()
-    # Rows failing a filtering gate (or a per-row billing check) are excluded here and counted in the manifest.
-    filter_gates = settings.row_filter_gates()
-    inputs = []
-    for ds in cfg.dataset_names:
-        path = root.tokens(ds)
-        table = pq.read_table(path)
-        report = run_audit(table, pipeline.tokenizer(), pipeline.profile_ids(), settings, gates=filter_gates)
-        inputs.append(
-            MergeInput(
-                dataset=ds,
-                tokens_path=path,
-                keep_mask=report.filter_mask,
-                excluded_by_gate=report.excluded_counts,
-                upstream_version=file_sha256(path)[:16],
-            )
+    # Rows failing a filtering gate (or a per-row billing check) are excluded here and counted in the manifest; the
+    # rows to keep come from each dataset's stored audit, bound to its current token samples.
+    inputs = [
+        MergeInput(
+            dataset=ds,
+            tokens_path=root.tokens(ds),
+            keep_mask=audit.keep_mask,
+            excluded_by_gate=audit.excluded_counts,
+            upstream_version=audit.tokens_sha256[:16],
         )
+        for ds, audit in audits.items()
+    ]
     m = cfg.merge
     manifest = merge_datasets(inputs, root.merged_dir, m.settings(), config_hash=cfg.config_hash())
     summary = manifest.to_dict()

@@ -4,14 +4,14 @@ import warnings
 
 import dagster as dg
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from eagle_pipeline.audit_records import write_gate_record
+from eagle_pipeline.audit import GATES, GateSpec, gate_verdict, report_markdown
+from eagle_pipeline.audit_records import audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.dashboards import histogram_markdown, list_lengths, value_counts
 from eagle_pipeline.defs.generation import responses
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.storage import file_sha256, write_json_atomic, write_parquet_atomic
+from eagle_pipeline.storage import file_sha256, write_parquet_atomic
 
 # Partitioned asset checks are a preview feature in Dagster 1.13; we run them one partition per run, where they work.
 warnings.filterwarnings("ignore", category=dg.PreviewWarning)
@@ -30,7 +30,6 @@ warnings.filterwarnings("ignore", category=dg.PreviewWarning)
     ),
 )
 def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.audit import run_audit
     from eagle_pipeline.generation import read_responses
     from eagle_pipeline.tokens import reconstruct_table
 
@@ -52,8 +51,10 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     )
     path = write_parquet_atomic(table, root.tokens(ds.name))
     digest = file_sha256(path)
-    report = run_audit(table, tok, pipeline.profile_ids(), pipeline.audit_settings())
-    write_json_atomic({"tokens_sha256": digest, **report.to_dict()}, root.audit_report(ds.name))
+    # The dataset's one audit: every check and the merge read this stored result (bound to the file's sha256).
+    audit = audit_token_samples(
+        root, ds.name, tok, pipeline.profile_ids(), pipeline.audit_settings(), table=table, tokens_sha256=digest
+    )
 
     lengths = pc.list_value_length(table.column("output_ids"))
     prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
@@ -74,8 +75,8 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "rows_with_literal_special_strings": int(
                 pc.sum(table.column("literal_special").cast("int64")).as_py() or 0
             ),
-            "audit_summary": dg.MetadataValue.md(report_markdown(report)),
-            "rows_kept_after_filters": int(report.filter_mask.sum()),
+            "audit_summary": dg.MetadataValue.md(report_markdown(audit.report)),
+            "rows_kept_after_filters": int(audit.keep_mask.sum()),
             "token_lengths": dg.MetadataValue.md(
                 histogram_markdown(
                     {
@@ -92,30 +93,15 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     )
 
 
-def gate_verdict(result) -> str:
-    if result.blocking:
-        return "FAIL (blocks)"
-    if result.failing == 0:
-        return "pass"
-    warned = result.failing - result.excluded
-    return f"{result.excluded} rows filtered" + (f", {warned} warned" if warned else "")
-
-
-def report_markdown(report) -> str:
-    lines = ["| gate | action | checked | failing | rate | verdict |", "|---|---|---|---|---|---|"]
-    for r in report.results:
-        lines.append(f"| {r.name} | {r.action} | {r.checked} | {r.failing} | {r.rate:.4%} | {gate_verdict(r)} |")
-    return "\n".join(lines)
-
-
-def gate_check_result(result) -> dg.AssetCheckResult:
-    """Blocking failure -> ERROR (stops downstream); rows only filtered -> pass, counted; rows only warned -> WARN."""
-    metadata = {**gate_check_metadata(result), "rows_excluded_downstream": result.excluded}
-    if result.blocking:
+def gate_check_result(result: dict) -> dg.AssetCheckResult:
+    """One gate's stored result (`GateResult.to_dict()`) as a check result: blocking failure -> ERROR (stops
+    downstream); rows only filtered -> pass, counted; rows only warned -> WARN."""
+    metadata = {**gate_check_metadata(result), "rows_excluded_downstream": result["excluded"]}
+    if result["blocking"]:
         return dg.AssetCheckResult(
             passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata, description=gate_verdict(result)
         )
-    warned = result.failing - result.excluded
+    warned = result["failing"] - result["excluded"]
     if warned:
         return dg.AssetCheckResult(
             passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata, description=gate_verdict(result)
@@ -123,31 +109,31 @@ def gate_check_result(result) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=True, metadata=metadata, description=gate_verdict(result))
 
 
-def gate_check_metadata(result) -> dict:
+def gate_check_metadata(result: dict) -> dict:
     examples = "\n".join(
         f"- `{e['sample_id']}`: "
         + (f"{e['problem']}; " if e.get("problem") else "")
         + f"`{str(e.get('excerpt', ''))[:160].replace('`', chr(39))}`"
-        for e in result.examples
+        for e in result["examples"]
     )
     meta = {
-        "action": result.action,
-        "actions_by_origin": dg.MetadataValue.json(result.origin_actions),
-        "rows_checked": result.checked,
-        "rows_failing": result.failing,
-        "failure_rate": float(result.rate),
-        "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)),
-        "by_backend_provider": dg.MetadataValue.json(result.by_source),
-        "by_ids_origin": dg.MetadataValue.json(result.by_origin),
+        "action": result["action"],
+        "actions_by_origin": dg.MetadataValue.json(result["origin_actions"]),
+        "rows_checked": result["checked"],
+        "rows_failing": result["failing"],
+        "failure_rate": float(result["rate"]),
+        "failing_sample_ids": dg.MetadataValue.json(list(result["failing_sample_ids"])),
+        "by_backend_provider": dg.MetadataValue.json(result["by_source"]),
+        "by_ids_origin": dg.MetadataValue.json(result["by_origin"]),
     }
     if examples:
         meta["failure_examples"] = dg.MetadataValue.md(examples)
-    if result.details:
-        meta["details"] = dg.MetadataValue.json(result.details)
+    if result["details"]:
+        meta["details"] = dg.MetadataValue.json(result["details"])
     return meta
 
 
-def build_gate_check(gate) -> dg.AssetChecksDefinition:
+def build_gate_check(gate: GateSpec) -> dg.AssetChecksDefinition:
     """One blocking asset check for one audit gate, so a passing gate never blocks through a failing neighbour."""
 
     @dg.asset_check(
@@ -158,29 +144,15 @@ def build_gate_check(gate) -> dg.AssetChecksDefinition:
         partitions_def=dataset_partitions,
     )
     def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
-        from eagle_pipeline.audit import run_gate
-
+        # Reads the dataset's stored audit (recomputed only if it is not bound to the current file and settings).
         root = pipeline.data_root()
-        ds = context.partition_key
-        path = root.tokens(ds)
-        table = pq.read_table(path)
-        result = run_gate(gate.name, table, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
-        write_gate_record(
-            root,
-            ds,
-            gate.name,
-            tokens_sha256=file_sha256(path),
-            action=result.action,
-            blocking_failed=result.blocking,
-            checked=result.checked,
-            failing=result.failing,
+        audit = current_audit(
+            root, context.partition_key, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
         )
-        return gate_check_result(result)
+        return gate_check_result(record_gate_verdict(root, audit, gate.name))
 
     return _gate_check
 
 
 def build_gate_checks() -> list[dg.AssetChecksDefinition]:
-    from eagle_pipeline.audit import GATES
-
     return [build_gate_check(g) for g in GATES]
