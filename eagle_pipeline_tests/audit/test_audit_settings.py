@@ -14,6 +14,7 @@ from eagle_pipeline.audit import (
     GATES,
     AuditSettings,
     AuditSettingsError,
+    audit_settings_problems,
     run_audit,
     run_gate,
 )
@@ -103,6 +104,31 @@ def test_every_problem_listed_at_once():
         AuditSettings.from_dict({"actions": {"x": "y"}, "max_examples": -1})
     msg = str(exc.value)
     assert "unknown gate 'x'" in msg and "action 'y'" in msg and "max_examples" in msg
+
+
+def test_one_validation_names_where_each_problem_is():
+    """`audit_settings_problems` is the one check of audit settings: AuditSettings raises with exactly its problems,
+    and each says where it is (for the configuration loader's `audit.<key>` paths)."""
+    data = {
+        "actions": {"ends_with_eot": "ignore", "no_such_gate": "block", "round_trip@server": "warn"},
+        "max_examples": -1,
+        "bogus": 1,
+    }
+    problems = audit_settings_problems(data)
+    assert [p.key for p in problems] == [
+        "",
+        "actions.ends_with_eot",
+        "actions.no_such_gate",
+        "actions.round_trip@server",
+        "max_examples",
+    ]
+    assert "action 'ignore' for 'ends_with_eot' is not one of block, filter, warn" in str(problems[1])
+    with pytest.raises(AuditSettingsError) as exc:
+        AuditSettings.from_dict(data)
+    assert str(exc.value).count("\n  - ") == len(problems) and all(str(p) in str(exc.value) for p in problems)
+    assert audit_settings_problems(None) == [] and audit_settings_problems(AuditSettings().to_dict()) == []
+    assert [p.key for p in audit_settings_problems({"actions": ["round_trip"]})] == ["actions"]
+    assert audit_settings_problems([1]) and audit_settings_problems([1])[0].key == ""
 
 
 # ---- a small table with one known defect per row ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.generation import read_responses
-from eagle_pipeline.storage import DataRoot
+from eagle_pipeline.storage import DataRoot, file_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +155,40 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     assert not result.success
     message = next(e for e in result.all_events if e.is_step_failure).event_specific_data.error.message
     assert "did not run on the latest token samples" in message
+
+
+def test_checks_and_merge_read_the_one_stored_audit_of_the_current_file(pipeline_config, instance, tmp_path):
+    """token_samples audits its file once and stores the result; the 14 checks and the merge read that result
+    (an edit that keeps its binding shows), and a result bound to another file is recomputed, never trusted."""
+    pipeline_config(datasets=("B1",))
+    root = DataRoot(tmp_path / "data")
+    materialize = dg.define_asset_job(
+        "tokens_only", selection=dg.AssetSelection.assets(prompts, responses, token_samples).without_checks()
+    )
+    # Dagster cannot run partitioned checks without a partitioned asset in the job: prompts is the cheapest one.
+    checks = dg.define_asset_job(
+        "checks_only",
+        selection=dg.AssetSelection.checks_for_assets(token_samples) | dg.AssetSelection.assets(prompts),
+    )
+    defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=[materialize, checks]))
+    assert _run(defs, "tokens_only", instance, "B1").success
+    report = json.loads(root.audit_report("B1").read_text())
+    assert report["tokens_sha256"] == file_sha256(root.tokens("B1")) and report["passed"]
+
+    # Bound to the current file and settings: the checks take the stored verdicts as they are.
+    report["gates"]["single_eot"].update(blocking=True, failing=2)
+    root.audit_report("B1").write_text(json.dumps(report))
+    result = _run(defs, "checks_only", instance, "B1")
+    evaluations = _check_evaluations(result)
+    assert len(evaluations) == 14
+    assert evaluations["single_eot"].passed is False and evaluations["single_eot"].metadata["rows_failing"].value == 2
+    assert all(e.passed for name, e in evaluations.items() if name != "single_eot")
+    assert not _run(defs, "merge_job", instance).success  # the recorded blocking verdict stops the merge
+
+    # Bound to another file: recomputed from the data, so the verdict is the data's own again.
+    report["tokens_sha256"] = "0" * 64
+    root.audit_report("B1").write_text(json.dumps(report))
+    result = _run(defs, "checks_only", instance, "B1")
+    assert all(e.passed for e in _check_evaluations(result).values())
+    assert json.loads(root.audit_report("B1").read_text())["gates"]["single_eot"]["failing"] == 0
+    assert _run(defs, "merge_job", instance).success
