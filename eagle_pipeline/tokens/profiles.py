@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .tokenizer import TargetTokenizer
+from .tokenizer import TargetTokenizer
 
 TOOL_FORMATS = ("kimi", "qwen3")
 
