@@ -7,16 +7,9 @@ from .demo import DEMO_CHAT_TEMPLATE, build_demo_tokenizer
 from .kimi import KIMI_PAT_STR, KIMI_VOCAB_SIZE, kimi_special_names, split_like_kimi
 from .loading import load_tokenizer, resolve_tokenizer
 from .profiles import KIMI_K25, PROFILES, QWEN3, ModelProfile, ProfileIds, get_profile
-from .reconstruct import (
-    IDS_RECONSTRUCTED,
-    IDS_RETURNED,
-    TOKEN_SAMPLES_SCHEMA,
-    Reconstruction,
-    ids_contain_literal_special,
-    reconstruct_output,
-    reconstruct_table,
-)
+from .reconstruct import Reconstruction, ids_contain_literal_special, reconstruct_output
 from .render import TemplateRenderError, normalize_messages, render_prompt, render_prompt_ids
+from .samples import IDS_RECONSTRUCTED, IDS_RETURNED, TOKEN_SAMPLES_SCHEMA, reconstruct_table
 from .tokenizer import TargetTokenizer, TokenizerLoadError
 from .tool_declarations import ToolDeclarationError, typescript_tool_declarations
 

@@ -1,0 +1,252 @@
+"""The token-samples table: `reconstruct_table` turns a responses table into exact target ids per row.
+
+Each row's prompt is rendered through the target's chat template (or taken as the server returned it) and its output
+rebuilt from the API text as `reconstruct.py` lays it out (or taken as returned); all texts of all rows are encoded in
+one batch. See docs/tokens.md and the table contract in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..arrow_lists import make_list, nullable_list_rows
+from ..prompts import normalized_prompt_key
+from .profiles import ModelProfile, ProfileIds
+from .reconstruct import (
+    OutputPlan,
+    as_profile_ids,
+    ids_contain_literal_special,
+    plan_output,
+    plan_text_bytes,
+    structural_strings,
+)
+from .render import render_prompt
+from .text_hash import as_int64, text_hash
+from .tokenizer import TargetTokenizer
+
+TOKEN_SAMPLES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("source", pa.string()),
+        ("backend", pa.string()),
+        ("provider", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),
+        ("ids_origin", pa.string()),
+        ("finish_reason", pa.string()),
+        ("usage_completion_tokens", pa.int64()),
+        # The provider's count of the prompt it saw (null: not reported); prompt_agreement compares it to prompt_ids.
+        ("usage_prompt_tokens", pa.int64()),
+        ("thinking", pa.bool_()),
+        ("dataset_has_tools", pa.bool_()),
+        ("n_tool_calls", pa.int32()),
+        ("literal_special", pa.bool_()),
+        ("prompt_key", pa.string()),
+        # text_hash of the bytes output_ids must decode to (tokenizer.decode_bytes), computed from the source text,
+        # not from the ids, as the int64 bit pattern; null where the pipeline does not know that text exactly
+        # (returned ids).
+        ("output_text_hash", pa.int64()),
+    ]
+)
+
+IDS_RECONSTRUCTED = "reconstructed"
+IDS_RETURNED = "returned"
+
+
+_REQUIRED_COLUMNS = ("sample_id", "dataset", "source", "backend", "messages_json")
+_OPTIONAL_COLUMNS = (
+    "provider",
+    "tools_json",
+    "reasoning",
+    "content",
+    "tool_calls_json",
+    "prompt_token_ids",
+    "output_token_ids",
+    "finish_reason",
+    "usage_completion_tokens",
+    "usage_prompt_tokens",
+    "thinking",
+)
+
+
+def _parse_json(text: str | None, sample_id: str, field: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"sample {sample_id}: field {field} is not valid JSON ({exc})") from exc
+
+
+def reconstruct_table(
+    responses: pa.Table,
+    tokenizer: TargetTokenizer,
+    profile: ProfileIds | ModelProfile | str,
+    *,
+    dataset_has_tools: bool,
+) -> pa.Table:
+    """The token-samples table (TOKEN_SAMPLES_SCHEMA) for a responses table.
+
+    Rows with `output_token_ids` keep the server's ids (ids_origin='returned'); the others are reconstructed from
+    their text ('reconstructed') and get `output_text_hash`, the hash of the bytes their ids must decode to,
+    computed from that text. Returned rows get null there: the server's text fields are not the exact decoding of
+    its ids (see docs/tokens.md). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
+    rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). All texts are
+    encoded in one batch. Raises ValueError naming the sample_id and field of a malformed row.
+    """
+    missing = [c for c in _REQUIRED_COLUMNS if c not in responses.column_names]
+    if missing:
+        raise ValueError(f"responses table lacks column(s) {missing}")
+    pids = as_profile_ids(tokenizer, profile)
+    n = responses.num_rows
+    col: dict[str, list[Any]] = {}
+    for name in _REQUIRED_COLUMNS + _OPTIONAL_COLUMNS:
+        if name in ("prompt_token_ids", "output_token_ids"):
+            continue
+        col[name] = responses.column(name).to_pylist() if name in responses.column_names else [None] * n
+    returned_prompt = _list_rows(responses, "prompt_token_ids")
+    returned_output = _list_rows(responses, "output_token_ids")
+
+    thinking = [True if t is None else bool(t) for t in col["thinking"]]
+    prompt_cache: dict[tuple[str, str | None, bool], np.ndarray] = {}
+    key_cache: dict[str, tuple[str, list[Any]]] = {}  # messages_json -> (prompt key, parsed messages)
+    prompt_ids: list[np.ndarray] = []
+    prompt_keys: list[str] = []
+    plans: list[OutputPlan | None] = []
+    texts: list[str] = []
+    digests: list[int | None] = []
+    special_strings = structural_strings(pids)
+
+    for i in range(n):
+        sid = col["sample_id"][i]
+        mj, tj = col["messages_json"][i], col["tools_json"][i]
+        if mj not in key_cache:
+            parsed = _parse_json(mj, sid, "messages_json")
+            if not isinstance(parsed, list):
+                raise ValueError(f"sample {sid}: field messages_json must be a JSON list of messages")
+            key_cache[mj] = (normalized_prompt_key(parsed), parsed)
+        key, messages = key_cache[mj]
+        prompt_keys.append(key)
+
+        given_prompt = returned_prompt[i]
+        if given_prompt is not None:
+            prompt_ids.append(given_prompt)
+        else:
+            pkey = (mj, tj, thinking[i])
+            if pkey not in prompt_cache:
+                tools = _parse_json(tj, sid, "tools_json")
+                try:
+                    rendered = render_prompt(tokenizer, messages, tools, thinking=thinking[i])
+                except Exception as exc:
+                    raise ValueError(f"sample {sid}: cannot render messages_json/tools_json: {exc}") from exc
+                prompt_cache[pkey] = np.asarray(tokenizer.encode_with_specials(rendered), dtype=np.int32)
+            prompt_ids.append(prompt_cache[pkey])
+
+        if returned_output[i] is not None:
+            plans.append(None)
+            digests.append(None)
+            continue
+        calls = _parse_json(col["tool_calls_json"][i], sid, "tool_calls_json")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"sample {sid}: field tool_calls_json must be a JSON list")
+        plan = plan_output(
+            tokenizer,
+            pids,
+            col["reasoning"][i],
+            col["content"][i],
+            calls,
+            thinking[i],
+            f"sample {sid}: tool_calls_json",
+        )
+        plans.append(plan)
+        texts.extend(plan.texts())
+        digests.append(as_int64(text_hash(plan_text_bytes(plan.parts, special_strings))))
+
+    # One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
+    # numpy arrays up to the Arrow column, so no Python int is made per token.
+    arrays, flags = tokenizer.encode_ordinary_arrays_flagged(texts)
+    encoded, flag_iter = iter(arrays), iter(flags)
+    single: dict[int, np.ndarray] = {}
+    out_pieces: list[np.ndarray] = []
+    out_lens: list[int] = []
+    origin: list[str] = []
+    literal: list[bool] = []
+    n_calls: list[int] = []
+    for i, maybe_plan in enumerate(plans):
+        if maybe_plan is None:
+            ids = returned_output[i]
+            assert ids is not None  # rows without a plan are exactly those with returned ids
+            out_pieces.append(ids)
+            out_lens.append(len(ids))
+            origin.append(IDS_RETURNED)
+            literal.append(ids_contain_literal_special(tokenizer, ids))
+            n_calls.append(_count_returned_calls(pids, ids, col["tool_calls_json"][i], col["sample_id"][i]))
+            continue
+        plan = maybe_plan
+        length = 0
+        row_literal = False
+        for part in plan.parts:
+            if isinstance(part, str):
+                arr = next(encoded)
+                row_literal |= next(flag_iter)
+            else:
+                one = single.get(part)
+                if one is None:
+                    one = single[part] = np.array([part], dtype=np.int32)
+                arr = one
+            out_pieces.append(arr)
+            length += len(arr)
+        out_lens.append(length)
+        origin.append(IDS_RECONSTRUCTED)
+        literal.append(row_literal)
+        n_calls.append(plan.n_tool_calls)
+
+    data = {
+        "sample_id": col["sample_id"],
+        "dataset": col["dataset"],
+        "source": col["source"],
+        "backend": col["backend"],
+        "provider": col["provider"],
+        "prompt_ids": _list_array(prompt_ids, [len(a) for a in prompt_ids]),
+        "output_ids": _list_array(out_pieces, out_lens),
+        "ids_origin": origin,
+        "finish_reason": col["finish_reason"],
+        "usage_completion_tokens": col["usage_completion_tokens"],
+        "usage_prompt_tokens": col["usage_prompt_tokens"],
+        "thinking": thinking,
+        "dataset_has_tools": [bool(dataset_has_tools)] * n,
+        "n_tool_calls": n_calls,
+        "literal_special": literal,
+        "prompt_key": prompt_keys,
+        "output_text_hash": digests,
+    }
+    return pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
+
+
+def _list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
+    """Per-row numpy views of a list<int> column (None for null rows, all None if the column is absent)."""
+    if name not in table.column_names:
+        return [None] * table.num_rows
+    return nullable_list_rows(table.column(name), np.int32, name=f"column {name}")
+
+
+def _list_array(pieces: list[np.ndarray], lengths: list[int]) -> pa.Array:
+    """A list<int32> Arrow array from row lengths and the concatenation of all row pieces."""
+    values = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
+    return make_list(lengths, values, pa.int32(), hint="split the responses")
+
+
+def _count_returned_calls(
+    pids: ProfileIds, ids: Sequence[int] | np.ndarray, tool_calls_json: str | None, sid: str
+) -> int:
+    # Count the tool-call markers the model actually emitted; fall back to the parsed list for formats without them.
+    if pids.tool_call_begin_id is not None:
+        return int(np.count_nonzero(np.asarray(ids, dtype=np.int64) == pids.tool_call_begin_id))
+    calls = _parse_json(tool_calls_json, sid, "tool_calls_json")
+    return len(calls) if isinstance(calls, list) else 0
