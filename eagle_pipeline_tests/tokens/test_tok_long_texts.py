@@ -8,9 +8,10 @@ import random
 import re
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from eagle_pipeline.tokens import KIMI_K25, reconstruct_output, render_prompt_ids
+from eagle_pipeline.tokens import KIMI_K25, reconstruct_output, reconstruct_table, render_prompt_ids
 from eagle_pipeline.tokens.tokenizer import TargetTokenizer
 
 from .test_tok_kimi import _reference_split
@@ -117,3 +118,28 @@ def test_reconstructed_outputs_are_encoded_piece_by_piece(kimi, kimi_dir, n):
         assert arr.dtype == np.int32
         assert arr.tolist() == [i for part in _reference_split(piece) for i in enc.encode_ordinary(part)]
     assert flags == [False, False]
+
+
+def test_token_samples_table_of_long_prompts_and_outputs(kimi, kimi_dir):
+    """The pipeline's path (reconstruct_table): a prompt whose rendered text has a run of about 25,000 characters
+    keeps its special tokens, and the output ids equal reconstruct_output's."""
+    messages = [{"role": "user", "content": "y" * 24_969}]
+    reasoning, content = "r" * 25_004, "c" * 24_998
+    responses = pa.table(
+        {
+            "sample_id": ["s0"],
+            "dataset": ["B1"],
+            "source": ["openrouter"],
+            "backend": ["openrouter"],
+            "messages_json": [json.dumps(messages)],
+            "reasoning": [reasoning],
+            "content": [content],
+            "finish_reason": ["stop"],
+        }
+    )
+    row = reconstruct_table(responses, kimi, KIMI_K25, dataset_has_tools=False).to_pylist()[0]
+    text = "<|im_user|>user<|im_middle|>" + "y" * 24_969 + "<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+    assert row["prompt_ids"] == _moonshot_ids(kimi, _added_tokens(kimi_dir), text) and IM_END in row["prompt_ids"]
+    expected = reconstruct_output(kimi, KIMI_K25, reasoning=reasoning, content=content, tool_calls=None).ids
+    assert row["output_ids"] == expected
+    assert expected == _moonshot_ids(kimi, _added_tokens(kimi_dir), reasoning + "</think>" + content + "<|im_end|>")
