@@ -247,10 +247,10 @@ class AuditSettings:
 
 @dataclass(frozen=True)
 class SettingsProblem:
-    """One problem of audit settings. `key` says where, relative to the audit section: `actions.round_trip@returned`,
-    `billing_aggregate_bound`, `actions`, or "" for the section as a whole; str() is the message."""
+    """One problem of audit settings. `path` says where, within the audit section: `("actions", "round_trip@returned")`,
+    `("billing_aggregate_bound",)`, `("actions",)`, or `()` for the section as a whole; str() is the message."""
 
-    key: str
+    path: tuple[Any, ...]
     message: str
 
     def __str__(self) -> str:
@@ -276,11 +276,11 @@ def audit_settings_problems(data: Mapping[str, Any] | None) -> list[SettingsProb
     if data is None:
         return []
     if not isinstance(data, Mapping):
-        return [SettingsProblem("", f"audit settings must be a mapping, got {type(data).__name__}")]
+        return [SettingsProblem((), f"audit settings must be a mapping, got {type(data).__name__}")]
     problems = []
     unknown = sorted(set(data) - set(_FIELDS), key=str)
     if unknown:
-        problems.append(SettingsProblem("", f"unknown key(s) {unknown}; known: {sorted(_FIELDS)}"))
+        problems.append(SettingsProblem((), f"unknown key(s) {unknown}; known: {sorted(_FIELDS)}"))
     defaults = dataclasses.asdict(AuditSettings())
     values = {k: data.get(k, defaults[k]) for k in _FIELDS}
     if values["actions"] is None:
@@ -297,7 +297,7 @@ def _value_problems(values: Mapping[str, Any]) -> list[SettingsProblem]:
     actions = values["actions"]
     if not isinstance(actions, Mapping):
         problems.append(
-            SettingsProblem("actions", f"actions must be a mapping of gate -> action, got {type(actions).__name__}")
+            SettingsProblem(("actions",), f"actions must be a mapping of gate -> action, got {type(actions).__name__}")
         )
     else:
         for key, action in actions.items():
@@ -308,7 +308,7 @@ def _value_problems(values: Mapping[str, Any]) -> list[SettingsProblem]:
 
 
 def _check_action_key(key: Any, action: Any) -> list[SettingsProblem]:
-    where = f"actions.{key}"
+    where = ("actions", key)
     if not isinstance(key, str):
         return [SettingsProblem(where, f"action key {key!r} is not a string")]
     problems = []
@@ -330,7 +330,9 @@ def _check_number(name: str, value: Any, kind: type, lo: float, hi: float | None
     # bool is an int subclass; True as a tolerance is surely a mistake.
     ok_types = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        return [SettingsProblem(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")]
+        return [
+            SettingsProblem((name,), f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        ]
     if value < lo or (hi is not None and value > hi):
-        return [SettingsProblem(name, f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}")]
+        return [SettingsProblem((name,), f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}")]
     return []

@@ -108,27 +108,27 @@ def test_every_problem_listed_at_once():
 
 def test_one_validation_names_where_each_problem_is():
     """`audit_settings_problems` is the one check of audit settings: AuditSettings raises with exactly its problems,
-    and each says where it is (for the configuration loader's `audit.<key>` paths)."""
+    and each says where it is (for the configuration loader's `audit.<path>`)."""
     data = {
         "actions": {"ends_with_eot": "ignore", "no_such_gate": "block", "round_trip@server": "warn"},
         "max_examples": -1,
         "bogus": 1,
     }
     problems = audit_settings_problems(data)
-    assert [p.key for p in problems] == [
-        "",
-        "actions.ends_with_eot",
-        "actions.no_such_gate",
-        "actions.round_trip@server",
-        "max_examples",
+    assert [p.path for p in problems] == [
+        (),
+        ("actions", "ends_with_eot"),
+        ("actions", "no_such_gate"),
+        ("actions", "round_trip@server"),
+        ("max_examples",),
     ]
     assert "action 'ignore' for 'ends_with_eot' is not one of block, filter, warn" in str(problems[1])
     with pytest.raises(AuditSettingsError) as exc:
         AuditSettings.from_dict(data)
     assert str(exc.value).count("\n  - ") == len(problems) and all(str(p) in str(exc.value) for p in problems)
     assert audit_settings_problems(None) == [] and audit_settings_problems(AuditSettings().to_dict()) == []
-    assert [p.key for p in audit_settings_problems({"actions": ["round_trip"]})] == ["actions"]
-    assert audit_settings_problems([1]) and audit_settings_problems([1])[0].key == ""
+    assert [p.path for p in audit_settings_problems({"actions": ["round_trip"]})] == [("actions",)]
+    assert [p.path for p in audit_settings_problems([1])] == [()]  # type: ignore[arg-type]  (not a mapping)
 
 
 # ---- a small table with one known defect per row ------------------------------------------------------------------
