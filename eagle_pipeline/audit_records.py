@@ -132,7 +132,7 @@ def audit_token_samples(
 
 def read_stored_audit(root: DataRoot, dataset: str, *, tokens_sha256: str, key: str) -> StoredAudit | None:
     """The stored audit of `dataset` if it judged the file with `tokens_sha256` under `key`; None when it is missing,
-    stale, or written by a version that stored no keep mask."""
+    stale, damaged, or written by a version that stored no keep mask."""
     path = root.audit_report(dataset)
     if not path.exists():
         return None
@@ -145,12 +145,15 @@ def read_stored_audit(root: DataRoot, dataset: str, *, tokens_sha256: str, key: 
     stored_mask = raw.get("keep_mask")
     if not isinstance(stored_mask, Mapping) or stored_mask.get("encoding") != _MASK_ENCODING:
         return None
-    n = int(stored_mask["n_rows"])
-    packed = np.frombuffer(base64.b64decode(stored_mask["data"]), dtype=np.uint8)
-    mask = np.unpackbits(packed, count=n).astype(bool)
     report = {k: v for k, v in raw.items() if k not in ("tokens_sha256", "audit_key", "keep_mask")}
-    if report.get("n_rows") != n:
-        raise AuditRecordError(f"{path}: keep_mask has {n} rows, the report {report.get('n_rows')}")
+    try:
+        n = int(stored_mask["n_rows"])
+        packed = np.frombuffer(base64.b64decode(stored_mask["data"], validate=True), dtype=np.uint8)
+        mask = np.unpackbits(packed, count=n).astype(bool)
+    except (KeyError, TypeError, ValueError):  # binascii.Error is a ValueError
+        return None
+    if mask.size != n or report.get("n_rows") != n or not isinstance(report.get("gates"), Mapping):
+        return None  # damaged: recomputed, never trusted
     return StoredAudit(dataset, tokens_sha256, key, report, mask)
 
 

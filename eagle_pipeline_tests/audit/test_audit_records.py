@@ -71,7 +71,9 @@ def test_checks_read_the_stored_result_instead_of_auditing_again(root, demo_tok,
     assert record["tokens_sha256"] == audit.tokens_sha256 and record["audit_key"] == audit.audit_key
 
 
-@pytest.mark.parametrize("stale", ["missing", "other_file", "other_settings", "no_keep_mask", "unreadable"])
+@pytest.mark.parametrize(
+    "stale", ["missing", "other_file", "other_settings", "no_keep_mask", "short_keep_mask", "unreadable"]
+)
 def test_a_missing_or_stale_result_is_recomputed(root, demo_tok, demo_ids, stale):
     settings = AuditSettings()
     audit_token_samples(root, "B1", demo_tok, demo_ids, settings)
@@ -88,6 +90,8 @@ def test_a_missing_or_stale_result_is_recomputed(root, demo_tok, demo_ids, stale
         settings = AuditSettings(actions={"not_truncated": "warn"})
     elif stale == "no_keep_mask":
         _rewrite_report(root, lambda raw: raw.pop("keep_mask"))  # written before the mask was stored
+    elif stale == "short_keep_mask":
+        _rewrite_report(root, lambda raw: raw["keep_mask"].update(n_rows=3))  # damaged: rows and mask disagree
     else:
         root.audit_report("B1").write_text("{not json")
     audit = current_audit(root, "B1", demo_tok, demo_ids, settings)
