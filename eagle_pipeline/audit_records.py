@@ -81,9 +81,26 @@ class StoredAudit:
         return gates[name]
 
 
-def _file_stamp(path: Path) -> tuple[int, int, int, int]:
+def _file_stamp(path: Path) -> tuple[int, ...]:
     st = path.stat()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# The 14 checks of a run each need the sha256 of the same file: it is hashed once per process while the file's stamp
+# (device, inode, size, mtime, ctime) stays the same; storage's atomic writes give every new file a new inode. The merge's
+# gate (audits_for_merge) always hashes afresh, so a verdict never stands for another file.
+_sha_by_stamp: dict[str, tuple[tuple[int, ...], str]] = {}
+
+
+def _tokens_sha256(path: Path) -> str:
+    stamp = _file_stamp(path)
+    known = _sha_by_stamp.get(str(path))
+    if known is not None and known[0] == stamp:
+        return known[1]
+    sha = file_sha256(path)
+    if _file_stamp(path) == stamp:
+        _sha_by_stamp[str(path)] = (stamp, sha)
+    return sha
 
 
 def audit_token_samples(
@@ -165,7 +182,7 @@ def current_audit(
     path = root.tokens(dataset)
     if not path.exists():
         raise AuditRecordError(f"{dataset}: token samples not materialized ({path})")
-    sha = file_sha256(path)
+    sha = _tokens_sha256(path)
     stored = read_stored_audit(root, dataset, tokens_sha256=sha, key=audit_key(tokenizer, profile_ids, settings))
     if stored is not None:
         return stored
