@@ -44,6 +44,7 @@ bench: venv
 	$(PY) benchmarks/bench_generation.py
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_extract.py
+	$(PY) benchmarks/bench_extract_engine.py
 
 gpu-check: venv
 	$(PY) scripts/gpu_check.py

@@ -3,11 +3,14 @@
     eagle-pipeline reconstruct --tokenizer DIR [--profile kimi-k2.5] --in responses.jsonl --out tokens.parquet
     eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
+    eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--tensor-parallel-size 8]
+    eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3]
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
-Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed, 2 usage or input error.
+Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
+its file is wrong), 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -293,6 +296,90 @@ def _load_target(tokenizer: str, profile_name: str) -> tuple[Any, Any]:
     return tok, profile
 
 
+# ---- vLLM extraction servers ---------------------------------------------------------------------------------------
+
+
+def _hidden_states_config(args: argparse.Namespace):
+    from eagle_pipeline.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    vocab = 0
+    if cfg.hidden_states.model == "tiny-random":  # only the tiny model's shape depends on the tokenizer
+        from eagle_pipeline.tokens import resolve_tokenizer
+
+        vocab = resolve_tokenizer(cfg.target.tokenizer).vocab_size
+    return cfg, vocab
+
+
+def cmd_vllm_command(args: argparse.Namespace) -> int:
+    from eagle_pipeline.hidden_states.engine_vllm import serve_command_from_config
+
+    cfg, vocab = _hidden_states_config(args)
+    try:
+        command = serve_command_from_config(
+            cfg.hidden_states,
+            served_model=args.served_model,
+            vocab_size=vocab,
+            tensor_parallel_size=args.tensor_parallel_size or cfg.hidden_states.vllm.gpus_per_server,
+            port=args.port,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    print(command.shell())
+    return EXIT_OK
+
+
+def cmd_vllm_smoke(args: argparse.Namespace) -> int:
+    from eagle_pipeline.generation.failures import RequestFailure
+    from eagle_pipeline.hidden_states.engine_vllm import (
+        describe_engine_model,
+        resolved_endpoints,
+        smoke_request,
+        vllm_layer_ids,
+    )
+    from eagle_pipeline.hidden_states.layers import default_aux_layers
+
+    cfg, vocab = _hidden_states_config(args)
+    h = cfg.hidden_states
+    endpoint = args.endpoint or (h.vllm.endpoints[0] if h.vllm.endpoints else None)
+    if endpoint is None:
+        raise CliError("no endpoint: pass --endpoint or set hidden_states.vllm.endpoints")
+    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
+    n_layers = int(desc["num_layers"])
+    layer_ids = vllm_layer_ids(h.aux_layers or default_aux_layers(n_layers), n_layers)
+    ids = [int(x) for x in args.ids.split(",")] if args.ids else list(range(100, 164))
+    with resolved_endpoints(
+        [endpoint],
+        storage_path=h.vllm.storage_path,
+        model=h.model,
+        family=h.family,
+        seed=h.seed,
+        vocab_size=vocab,
+        layer_ids=layer_ids,
+    ) as (url,):
+        try:
+            facts = smoke_request(
+                url,
+                storage_path=h.vllm.storage_path,
+                ids=ids,
+                layer_ids=layer_ids,
+                hidden_size=int(desc["hidden_size"]),
+                timeout_s=h.vllm.timeout_s,
+            )
+        except RequestFailure as exc:
+            print(f"{PROG} vllm-smoke: FAILED against {endpoint}: {exc}", file=sys.stderr)
+            return EXIT_BLOCKED
+    print(
+        f"OK {endpoint}: hidden_states [{facts.tokens}, {len(layer_ids)}, {facts.hidden_size}] {facts.dtype} for "
+        f"{len(ids)} ids, vLLM layer ids {list(layer_ids)} (aux + final pre-norm); finite, no all-zero state, "
+        f"token ids equal; file read from {h.vllm.storage_path} and deleted"
+    )
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps."
@@ -343,6 +430,32 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--gates", help="comma-separated subset of gates (default: all)")
     aud.add_argument("--kept-out", metavar="PARQUET", help="also write the rows that pass the filter")
     aud.set_defaults(func=cmd_audit)
+
+    def config_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", default=None, help="pipeline YAML (default: $EAGLE_PIPELINE_CONFIG, pipeline.yaml)")
+
+    vc = sub.add_parser(
+        "vllm-command",
+        help="print the `vllm serve` command for extraction with this configuration",
+        description="The extract_hidden_states server for the configured model, aux layers and storage path.",
+    )
+    config_option(vc)
+    vc.add_argument("--served-model", help="what `vllm serve` loads (default: hidden_states.model)")
+    vc.add_argument(
+        "--tensor-parallel-size", type=int, help="GPUs per server (default: hidden_states.vllm.gpus_per_server, 8)"
+    )
+    vc.add_argument("--port", type=int, default=8000)
+    vc.set_defaults(func=cmd_vllm_command)
+
+    vs = sub.add_parser(
+        "vllm-smoke",
+        help="send one row to a running extraction server and validate the file it returns",
+        description="Exit status 0 when the file is valid, 1 when the server or its file is wrong.",
+    )
+    config_option(vs)
+    vs.add_argument("--endpoint", help="base URL (default: the first of hidden_states.vllm.endpoints)")
+    vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
+    vs.set_defaults(func=cmd_vllm_smoke)
     return parser
 
 

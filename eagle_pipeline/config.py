@@ -188,6 +188,50 @@ class MergeConfig(SpecBase):
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
+class VLLMEngineConfig(SpecBase):
+    """`hidden_states.vllm`: the running `vllm serve` servers the `vllm` engine sends shards to."""
+
+    label = "hidden_states.vllm"
+
+    endpoints: tuple[Str, ...] = ()  # base URLs, or 'simulated' (a loopback double serving tiny-random)
+    storage_path: Str = "/dev/shm/hidden_states"  # the connector's shared_storage_path, as this process sees it
+    concurrency: Annotated[Int, Field(ge=1)] = 8  # requests in flight per endpoint
+    timeout_s: Annotated[Float, Field(gt=0)] = 600.0
+    max_retries: Annotated[Int, Field(ge=0)] = 4
+    gpus_per_server: Annotated[Int, Field(ge=1)] = 8  # each server's TP size: the plan and `vllm-command`
+
+    @_field_validator("endpoints")
+    @classmethod
+    def _base_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for e in value:
+            if not (e == "simulated" or e.startswith(("http://", "https://"))):
+                raise ValueError(f"expected http(s):// base URLs or 'simulated', got {e!r}")
+        return value
+
+    @_field_validator("storage_path")
+    @classmethod
+    def _resolve_storage(cls, value: str, info: ValidationInfo) -> str:
+        return str(resolve_path(value, info))
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class TorchrunConfig(SpecBase):
+    """`hidden_states.torchrun`: one shard per torchrun world of `tp_size` processes (transformers' DistributedConfig)."""
+
+    label = "hidden_states.torchrun"
+
+    tp_size: Annotated[Int, Field(ge=1)] = 2
+    ep_size: Annotated[Int, Field(ge=1)] | None = None
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        tp, ep = data.get("tp_size", 2), data.get("ep_size")
+        if isinstance(tp, int) and isinstance(ep, int) and ep >= 1 and tp % ep:
+            return [(("ep_size",), f"must divide tp_size ({tp}): transformers refuses expert parallelism alone")]
+        return []
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
 class HiddenStatesConfig(SpecBase):
     """Hidden-state extraction: the model run, its shards, batching and disk budget."""
 
@@ -203,6 +247,17 @@ class HiddenStatesConfig(SpecBase):
     disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
     # A finished shard extracted under other settings: refuse (naming what differs) or redo (old files kept aside).
     on_settings_change: Literal["refuse", "redo"] = "refuse"
+    # in_process: the model loaded in the shard run; vllm: HTTP clients of vLLM extract_hidden_states servers;
+    # torchrun: one tensor-parallel transformers world per shard (docs/hidden_states.md §10-13).
+    engine: Literal["in_process", "vllm", "torchrun"] = "in_process"
+    vllm: VLLMEngineConfig = VLLMEngineConfig()
+    torchrun: TorchrunConfig = TorchrunConfig()
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        if data.get("engine") == "vllm" and not _get(data.get("vllm"), "endpoints"):
+            return [(("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers")]
+        return []
 
     @_field_validator("model")
     @classmethod

@@ -99,7 +99,9 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
         m = read_json(manifest)
         print(f"\nmerged: {m['rows_total']} rows, {m['tokens_total']} tokens -> {root.merged_dir}")
     shards = sorted(root.hidden_states_dir.glob("shard-*.safetensors"))
-    print(f"hidden states: {len(shards)} shard(s) -> {root.hidden_states_dir}")
+    h = cfg.hidden_states
+    engine = "vLLM engine, " + ", ".join(h.vllm.endpoints) if h.engine == "vllm" else "in process"
+    print(f"hidden states: {len(shards)} shard(s) ({engine}) -> {root.hidden_states_dir}")
     print(f"draft vocabulary -> {root.draft_vocab_dir}")
     print(f"trainer exports -> {root.exports_dir}")
     if failures:

@@ -16,6 +16,8 @@ from eagle_pipeline.config import (
     MergeConfig,
     PipelineConfig,
     TargetConfig,
+    TorchrunConfig,
+    VLLMEngineConfig,
     load_config,
 )
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
@@ -215,6 +217,8 @@ DOCUMENTED = {
     "`audit`": AuditSettings,
     "`merge`": MergeConfig,
     "`hidden_states`": HiddenStatesConfig,
+    "`hidden_states.vllm`": VLLMEngineConfig,
+    "`hidden_states.torchrun`": TorchrunConfig,
 }
 
 
@@ -304,3 +308,55 @@ def test_on_settings_change_takes_refuse_or_redo(tmp_path):
     raw["hidden_states"]["on_settings_change"] = "redo"
     p.write_text(yaml.safe_dump(raw))
     assert load_config(p).hidden_states.on_settings_change == "redo"
+
+
+def _with_hidden_states(tmp_path: Path, hidden_states: dict) -> Path:
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    raw["hidden_states"].update(hidden_states)
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_vllm_engine_keys_parse_with_defaults(tmp_path):
+    assert load_config(DEFAULT_CONFIG).hidden_states.engine == "in_process"
+    cfg = load_config(
+        _with_hidden_states(tmp_path, {"engine": "vllm", "vllm": {"endpoints": ["http://gpu-node-0:8000"]}})
+    )
+    v = cfg.hidden_states.vllm
+    assert cfg.hidden_states.engine == "vllm" and v.endpoints == ("http://gpu-node-0:8000",)
+    assert (v.storage_path, v.concurrency, v.timeout_s, v.max_retries) == ("/dev/shm/hidden_states", 8, 600.0, 4)
+    rel = load_config(
+        _with_hidden_states(tmp_path, {"engine": "vllm", "vllm": {"endpoints": ["simulated"], "storage_path": "st"}})
+    )
+    assert rel.hidden_states.vllm.storage_path == str((tmp_path / "st").resolve())
+
+
+def test_vllm_engine_problems_name_their_paths(tmp_path):
+    bad = {
+        "engine": "vllm",
+        "vllm": {"endpoints": [], "concurrency": 0, "timeout_s": -1, "max_retries": -2, "colour": 1},
+    }
+    with pytest.raises(ConfigError) as exc:
+        load_config(_with_hidden_states(tmp_path, bad))
+    text = str(exc.value)
+    for expected in (
+        "hidden_states.vllm.endpoints: required for engine 'vllm'",
+        "hidden_states.vllm.concurrency: must be >= 1",
+        "hidden_states.vllm.timeout_s: must be > 0",  # 0.0
+        "hidden_states.vllm.max_retries: must be >= 0",
+        "hidden_states.vllm.colour: unknown key",
+    ):
+        assert expected in text
+    with pytest.raises(ConfigError, match=r"hidden_states.vllm.endpoints: expected http\(s\):// base URLs"):
+        load_config(_with_hidden_states(tmp_path, {"engine": "vllm", "vllm": {"endpoints": ["gpu-node-0:8000"]}}))
+    with pytest.raises(
+        ConfigError, match=r"hidden_states.engine: must be one of 'in_process', 'vllm' or 'torchrun', got 'sglang'"
+    ):
+        load_config(_with_hidden_states(tmp_path, {"engine": "sglang"}))
+    t = load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 2}}))
+    assert (t.hidden_states.torchrun.tp_size, t.hidden_states.torchrun.ep_size) == (4, 2)
+    with pytest.raises(ConfigError, match=r"hidden_states.torchrun.ep_size: must divide tp_size \(4\)"):
+        load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 3}}))

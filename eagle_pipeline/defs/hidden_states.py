@@ -34,27 +34,26 @@ GPU_OP_TAGS = {
     owners=["team:ml"],
     description=(
         "Before any GPU time: bytes on disk and GPU-hours of extraction for the target model over the merged tokens, "
-        "with the assumptions shown. Extraction refuses to start when this run's plan exceeds the disk budget."
+        "with the assumptions shown, under the configured engine. Refused when the engine cannot hold the weights; "
+        "extraction refuses to start when this run's plan exceeds the disk budget."
     ),
 )
 def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.runtime import plan_for_run
+    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_config
     from eagle_pipeline.merge import MergeManifest
 
     cfg = pipeline.config()
     root = pipeline.data_root()
     manifest = MergeManifest.read(root.merged_dir)
-    plans = plan_for_run(
-        n_tokens=manifest.tokens_total,
-        n_samples=manifest.rows_total,
-        target_model_config=cfg.target.model_config,
-        extraction_model=cfg.hidden_states.model,
-        extraction_family=cfg.hidden_states.family,
-        vocab_size=pipeline.tokenizer().vocab_size,
-        aux_layers=cfg.hidden_states.aux_layers,
-        shard_size=cfg.hidden_states.shard_size,
-        disk_budget_gb=cfg.hidden_states.disk_budget_gb,
-    )
+    try:
+        plans = plan_for_config(
+            cfg,
+            n_tokens=manifest.tokens_total,
+            n_samples=manifest.rows_total,
+            vocab_size=pipeline.tokenizer().vocab_size,
+        )
+    except PlanRefused as exc:
+        raise dg.Failure(f"Extraction plan refused: {exc}", allow_retries=False) from None
     write_json_atomic({k: p.to_dict() for k, p in plans.items()}, root.hidden_states_dir / "plan.json")
     target, this_run = plans["target"], plans["this_run"]
     return dg.MaterializeResult(
@@ -106,6 +105,30 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
         ) from exc
     if decision.reuse is not None:
         summary, device = decision.reuse, "none (already done)"
+    elif h.engine == "vllm":  # HTTP clients of running vLLM servers: no GPU, no model load here
+        from eagle_pipeline.hidden_states.engine_vllm import extract_shard_from_config
+
+        summary, device = extract_shard_from_config(
+            h,
+            merged_dir=root.merged_dir,
+            out_dir=root.hidden_states_dir,
+            shard_index=shard,
+            vocab_size=vocab,
+            log=context.log.info,
+            progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
+        )
+    elif h.engine == "torchrun":  # one torchrun world of tp_size processes, started by this step
+        from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_from_config as extract_torchrun
+
+        summary, device = extract_torchrun(
+            h,
+            merged_dir=root.merged_dir,
+            out_dir=root.hidden_states_dir,
+            shard_index=shard,
+            vocab_size=vocab,
+            model_identity=wanted.model,
+            log=context.log.info,
+        )
     else:
         with shard_device(h.device, shard, prefer=MODEL_CACHE.devices(), log=context.log.info) as device:
             summary = extract_shard(
@@ -130,6 +153,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "tokens_per_s": float(summary.tokens_per_s),
             "device": device,
             "model": h.model,
+            "engine": h.engine,
             "fingerprint": dg.MetadataValue.json(summary.fingerprint),
             "skipped_already_done": summary.skipped,
             "shard_status_before": decision.state.status,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..storage import atomic_path
-from .fingerprint import FINAL_STATES, ExtractionFingerprint, merged_version
+from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
 from .fingerprint import model_identity as identity_of_model
 from .format import (
     FORMAT_NAME,
@@ -22,6 +22,7 @@ from .format import (
     TENSOR_NAMES,
     StreamingSafetensorsWriter,
     dtype_name,
+    shard_layout,
     shard_paths,
     tensor_key,
     write_index,
@@ -133,6 +134,7 @@ def extract_shard(
     force: bool = False,
     on_mismatch: str = "refuse",
     model_identity: Mapping[str, Any] | None = None,
+    engine: str = ENGINE_IN_PROCESS,
     progress: Callable[[int, int], None] | None = None,
 ) -> ShardSummary:
     """Extract aux-layer and final hidden states for global rows of shard `shard_index` into
@@ -159,6 +161,7 @@ def extract_shard(
         shard_size=shard_size,
         dtype=dtype_name(out_dtype),
         merged_version=merged_version(merged_dir),
+        engine=engine,
     )
     decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
     if decision.reuse is not None:
@@ -228,19 +231,16 @@ def _safetensors_metadata(
 def _tensor_layout(
     rows: MergedRows, order: Sequence[int], target: _Target, out_dtype: torch.dtype
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    # Samples in processing order (aux, final, ids each), then every loss mask: keeps 4-byte tensors ahead of the
-    # 1-byte masks so all offsets stay aligned, and makes the file strictly sequential.
-    lengths = rows.lengths
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    for i in order:
-        sid, t = rows.sample_ids[i], lengths[i]
-        layout += [
-            (tensor_key(sid, "aux_hidden_states"), out_dtype, (t, len(target.aux) * target.hidden)),
-            (tensor_key(sid, "final_hidden_state"), out_dtype, (t, target.hidden)),
-            (tensor_key(sid, "input_ids"), IDS_DTYPE, (t,)),
-        ]
-    layout += [(tensor_key(rows.sample_ids[i], "loss_mask"), MASK_DTYPE, (lengths[i],)) for i in order]
-    return layout
+    return shard_layout(
+        rows.sample_ids,
+        rows.lengths,
+        list(order),
+        n_aux=len(target.aux),
+        hidden=target.hidden,
+        state_dtype=out_dtype,
+        ids_dtype=IDS_DTYPE,
+        mask_dtype=MASK_DTYPE,
+    )
 
 
 def _forward_batch(
@@ -379,8 +379,10 @@ def _write_shard_index(
     *,
     hidden: int,
     model: dict[str, Any],
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint."""
+    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint (and `extra`,
+    what an engine records of its own)."""
     index_meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -397,6 +399,7 @@ def _write_shard_index(
         "model": model,
         FINGERPRINT_META_KEY: summary.fingerprint,
         "summary": summary.to_dict(),
+        **(extra or {}),
     }
     write_index(
         idx_path,

@@ -21,7 +21,7 @@ from ..storage import file_sha256, read_json
 from .format import FORMAT_VERSION
 from .merged import merged_parts
 
-ENGINE_IN_PROCESS = "in_process"  # transformers forward in this process; the vLLM engine will record its own name
+ENGINE_IN_PROCESS = "in_process"  # transformers forward in this process; 'vllm' and 'torchrun' record their own
 LAYOUT_SHARDS = "shards"  # shard-NNNNN.safetensors + index; trainer-native layouts will record theirs
 FINAL_STATES = ("post_norm", "pre_norm")
 # Keys of a transformers config that do not change what the model computes (or are recorded elsewhere: the stored

@@ -147,6 +147,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def shard_layout(
+    sample_ids: list[str],
+    lengths: list[int],
+    order: list[int],
+    *,
+    n_aux: int,
+    hidden: int,
+    state_dtype: torch.dtype,
+    ids_dtype: torch.dtype,
+    mask_dtype: torch.dtype,
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensor layout of a shard file, shared by every engine: samples in `order` (aux, final, ids each), then
+    every loss mask. Keeps the 4-byte tensors ahead of the 1-byte masks, so all offsets stay aligned, and makes the
+    file strictly sequential."""
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for i in order:
+        sid, t = sample_ids[i], lengths[i]
+        layout += [
+            (tensor_key(sid, "aux_hidden_states"), state_dtype, (t, n_aux * hidden)),
+            (tensor_key(sid, "final_hidden_state"), state_dtype, (t, hidden)),
+            (tensor_key(sid, "input_ids"), ids_dtype, (t,)),
+        ]
+    layout += [(tensor_key(sample_ids[i], "loss_mask"), mask_dtype, (lengths[i],)) for i in order]
+    return layout
+
+
 # ---------------------------------------------------------------- index
 
 

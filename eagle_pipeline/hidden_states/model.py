@@ -33,6 +33,7 @@ KIMI_K25_TEXT_CONFIG: dict[str, Any] = {
     "v_head_dim": 128,
     "total_params": 1.04e12,
     "active_params": 32e9,
+    "quantized_weight_bytes_per_param": 0.55,  # compressed-tensors INT4 routed experts, as vLLM serves them
 }
 
 _DEEPSEEK_TYPES = {"deepseek_v3", "kimi_k2", "kite_text", "deepseek_v2"}

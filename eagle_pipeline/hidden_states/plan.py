@@ -15,6 +15,9 @@ IDS_BYTES = 4  # int32 input_ids
 MASK_BYTES = 1  # int8 loss_mask
 # safetensors JSON header entries (4 per sample) + index row; measured ~100-150 B each on real shards.
 PER_SAMPLE_OVERHEAD_BYTES = 640
+# The field's observed extraction rate for Kimi-K2.5 on H200 (TorchSpec: 6B tokens in 1,500 GPU-hours including
+# training, docs/hidden_states.md §1): shown beside the MFU assumption, which it may undercut by up to ~2.5x.
+OBSERVED_TOKENS_PER_GPU_S = (2200.0, 3700.0)
 
 
 @dataclass
@@ -44,11 +47,19 @@ class ExtractionPlan:
     disk_budget_bytes: int | None
     exceeds_budget: bool
     min_gpus_for_weights: int
+    engine: str = "in_process"
+    gpus_per_model: int = 1  # GPUs one copy of the model spans under the engine (a vLLM server's TP size)
+    fits_engine: bool = True  # the weights fit in gpus_per_model GPUs
+    assumed_tokens_per_gpu_s: float = 0.0  # what the MFU assumption means per GPU
+    observed_tokens_per_gpu_s: tuple[float, float] = OBSERVED_TOKENS_PER_GPU_S
+    observed_wall_hours: tuple[float, float] = (0.0, 0.0)  # wall hours at the observed rates (slow, fast)
     assumptions: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["aux_layers"] = list(self.aux_layers)
+        d["observed_tokens_per_gpu_s"] = list(self.observed_tokens_per_gpu_s)
+        d["observed_wall_hours"] = list(self.observed_wall_hours)
         return d
 
     def to_markdown(self) -> str:
@@ -65,8 +76,13 @@ class ExtractionPlan:
             f"| disk | {_bytes(self.bytes_on_disk)} (budget {budget}: {verdict}) |",
             f"| compute | {self.flops:.3g} FLOPs = {self.gpu_hours:,.1f} GPU-hours "
             f"({self.wall_hours:,.1f} h on {self.n_gpus} GPU{'s' if self.n_gpus != 1 else ''}) |",
+            f"| engine | {self.engine}: {self.n_gpus // self.gpus_per_model} x {self.gpus_per_model} GPU"
+            f"{'s' if self.gpus_per_model != 1 else ''} |",
+            f"| throughput per GPU | {self.assumed_tokens_per_gpu_s:,.0f} tokens/s assumed (MFU); the field observed "
+            f"{self.observed_tokens_per_gpu_s[0]:,.0f}-{self.observed_tokens_per_gpu_s[1]:,.0f} (TorchSpec, "
+            f"Kimi-K2.5 on H200): {self.observed_wall_hours[1]:,.1f}-{self.observed_wall_hours[0]:,.1f} h wall |",
             f"| GPUs needed to hold the weights | >= {self.min_gpus_for_weights}"
-            f"{' (more than n_gpus!)' if self.min_gpus_for_weights > self.n_gpus else ''} |",
+            f"{'' if self.fits_engine else f' (**does NOT fit** the {self.gpus_per_model} GPU(s) of one {self.engine} model)'} |",
             f"| shards | {self.n_shards:,} x {self.shard_size} rows: ~{_bytes(self.bytes_per_shard)}, "
             f"~{self.gpu_hours_per_shard:.3g} GPU-hours each |",
             "",
@@ -102,6 +118,8 @@ def plan_extraction(
     disk_budget_bytes: int | None = None,
     weight_bytes_per_param: float = 2.0,
     gpu_memory_bytes: float = 141e9,
+    engine: str = "in_process",
+    gpus_per_model: int = 1,
 ) -> ExtractionPlan:
     """Estimate disk and GPU time of extracting `n_tokens` tokens.
 
@@ -109,14 +127,15 @@ def plan_extraction(
     FLOPs = 2 x active_params x n_tokens (one prefill forward; attention-score FLOPs and the never-run lm_head
             are ignored, they roughly cancel at 2-4k context);
     GPU-hours = FLOPs / (peak_bf16 x mfu) / 3600; wall hours = GPU-hours / n_gpus.
-    min GPUs for weights = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)).
+    min GPUs for weights = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)); the plan fits the
+    engine when that is <= `gpus_per_model` (1 in process, a server's GPUs for vLLM); `n_gpus` is the total.
     """
     if n_tokens < 0 or n_samples < 0:
         raise ValueError("n_tokens and n_samples must be non-negative")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
-    if n_gpus < 1 or shard_size < 1:
-        raise ValueError("n_gpus and shard_size must be >= 1")
+    if n_gpus < 1 or shard_size < 1 or gpus_per_model < 1:
+        raise ValueError("n_gpus, gpus_per_model and shard_size must be >= 1")
     aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
     n_states = len(aux) + (1 if save_final_state else 0)
     hidden_per_token = n_states * hidden_size * dtype_bytes
@@ -128,6 +147,9 @@ def plan_extraction(
     gpu_hours = flops / (gpu_bf16_peak_tflops * 1e12 * mfu) / 3600.0
     n_shards = max(math.ceil(n_samples / shard_size), 1) if n_samples else 0
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
+    min_gpus = max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1)
+    assumed_rate = gpu_bf16_peak_tflops * 1e12 * mfu / (2.0 * active_params) if active_params else float("inf")
+    slow, fast = OBSERVED_TOKENS_PER_GPU_S
     return ExtractionPlan(
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -153,12 +175,21 @@ def plan_extraction(
         gpu_hours_per_shard=gpu_hours * frac,
         disk_budget_bytes=disk_budget_bytes,
         exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
-        min_gpus_for_weights=max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1),
+        min_gpus_for_weights=min_gpus,
+        engine=engine,
+        gpus_per_model=gpus_per_model,
+        fits_engine=min_gpus <= gpus_per_model,
+        assumed_tokens_per_gpu_s=assumed_rate,
+        observed_wall_hours=(n_tokens / (slow * n_gpus) / 3600.0, n_tokens / (fast * n_gpus) / 3600.0),
         assumptions={
             "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x 640 B",
             "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
             "gpu peak": f"{gpu_bf16_peak_tflops} TFLOP/s dense bf16 (H100/H200 SXM)",
             "mfu": f"{mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
+            "observed rate": f"{slow:,.0f}-{fast:,.0f} tokens/s per GPU: TorchSpec's Kimi-K2.5 drafter, 6B tokens in "
+            "1,500 H200 GPU-hours including training (so an upper bound on cost); vLLM's extraction costs 10-42% of "
+            "prefill throughput by the reports",
+            "engine": f"{engine}: one model copy spans {gpus_per_model} GPU(s); {n_gpus} GPU(s) in all",
             "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
             " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
             " ~0.55 B/param)",

@@ -170,13 +170,15 @@ def fingerprint_for_config(
     step checking shards written on a GPU host); otherwise it is the dtype this host's device would store."""
     n_layers = _num_layers(h.model, h.family, vocab_size)
     aux = validate_aux_layers(h.aux_layers if h.aux_layers else default_aux_layers(n_layers), n_layers)
+    vllm = h.engine == "vllm"  # the servers give the last layer's output before the norm, in their model's dtype
     return ExtractionFingerprint(
         model=model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
         aux_layers=aux,
-        final_state=final_state,
+        final_state="pre_norm" if vllm else final_state,
         shard_size=h.shard_size,
-        dtype=dtype_name(default_state_dtype(_device_type(h.device))) if pin_dtype else None,
+        dtype=dtype_name(default_state_dtype(_device_type(h.device))) if pin_dtype and not vllm else None,
         merged_version=merged_version(merged_dir),
+        engine=h.engine,
     )
 
 
@@ -231,6 +233,19 @@ MODEL_CACHE = ModelCache()
 os.register_at_fork(after_in_child=MODEL_CACHE.forget_after_fork)
 
 
+# vLLM serves compressed-tensors INT4 experts as they ship (~0.55 B/param for Kimi-K2.5 all told); transformers
+# decompresses them to bf16 (docs/hidden_states.md §1), so in process every parameter is 2 bytes.
+INT4_WEIGHT_BYTES_PER_PARAM = 0.55
+BF16_WEIGHT_BYTES_PER_PARAM = 2.0
+
+
+def _quantized_bytes_per_param(config: Any) -> float | None:
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    groups = (q or {}).get("config_groups") or {}
+    bits = {g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+    return INT4_WEIGHT_BYTES_PER_PARAM if bits == {4} else None
+
+
 def _facts(config: Any, name: str) -> dict[str, Any]:
     d = describe_model_config(config)
     return {
@@ -239,7 +254,30 @@ def _facts(config: Any, name: str) -> dict[str, Any]:
         "num_layers": d["num_layers"],
         "total_params": d["params"],
         "active_params": d["matmul_active_params"],
+        "quantized_weight_bytes_per_param": _quantized_bytes_per_param(config),
     }
+
+
+class PlanRefused(ValueError):
+    """The configured engine cannot hold the model's weights."""
+
+
+def _engine_layout(
+    engine: str, facts: dict[str, Any], n_servers: int, gpus_per_server: int, tp_size: int
+) -> dict[str, Any]:
+    if engine == "vllm":
+        q = facts.get("quantized_weight_bytes_per_param")
+        return dict(
+            engine="vllm",
+            gpus_per_model=gpus_per_server,
+            n_gpus=n_servers * gpus_per_server,
+            weight_bytes_per_param=q or BF16_WEIGHT_BYTES_PER_PARAM,
+        )
+    if engine == "torchrun":  # one world of tp_size processes holds one model
+        return dict(
+            engine=engine, gpus_per_model=tp_size, n_gpus=tp_size, weight_bytes_per_param=BF16_WEIGHT_BYTES_PER_PARAM
+        )
+    return dict(engine=engine, gpus_per_model=1, n_gpus=1, weight_bytes_per_param=BF16_WEIGHT_BYTES_PER_PARAM)
 
 
 def plan_for_run(
@@ -253,9 +291,16 @@ def plan_for_run(
     aux_layers: tuple[int, ...] | None,
     shard_size: int,
     disk_budget_gb: float | None,
+    engine: str = "in_process",
+    n_servers: int = 1,
+    gpus_per_server: int = 8,
+    tp_size: int = 2,
 ) -> dict[str, ExtractionPlan]:
     """Two plans over the merged tokens: 'target' (the real target model, what a production run costs) and
-    'this_run' (the model configured for extraction here; the disk budget applies to it)."""
+    'this_run' (the model configured for extraction here; the disk budget applies to it), both under the configured
+    engine: in process one GPU holds one model; with vLLM, `n_servers` servers of `gpus_per_server` GPUs each; under
+    torchrun, one world of `tp_size` GPUs.
+    Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU)."""
     budget = int(disk_budget_gb * 1e9) if disk_budget_gb is not None else None
     target = (
         _facts(load_text_config(target_model_config), str(target_model_config))
@@ -269,9 +314,55 @@ def plan_for_run(
         this_run = _facts(load_text_config(extraction_model), extraction_model)
         dtype_bytes = 2
     common = dict(n_tokens=n_tokens, n_samples=n_samples, shard_size=shard_size)
-    return {
-        "target": plan_for_model(target, aux_layers=None, disk_budget_bytes=None, **common),
+    plans = {
+        "target": plan_for_model(
+            target,
+            aux_layers=None,
+            disk_budget_bytes=None,
+            **_engine_layout(engine, target, n_servers, gpus_per_server, tp_size),
+            **common,
+        ),
         "this_run": plan_for_model(
-            this_run, aux_layers=aux_layers, dtype_bytes=dtype_bytes, disk_budget_bytes=budget, **common
+            this_run,
+            aux_layers=aux_layers,
+            dtype_bytes=dtype_bytes,
+            disk_budget_bytes=budget,
+            **_engine_layout(engine, this_run, n_servers, gpus_per_server, tp_size),
+            **common,
         ),
     }
+    run = plans["this_run"]
+    if not run.fits_engine:
+        hint = (
+            "use hidden_states.engine: vllm with servers of enough GPUs (docs/hidden_states.md §11)"
+            if engine == "in_process"
+            else "raise hidden_states.vllm.gpus_per_server (the servers' tensor-parallel size)"
+            if engine == "vllm"
+            else "raise hidden_states.torchrun.tp_size, or use engine: vllm"
+        )
+        raise PlanRefused(
+            f"{this_run['name']}: {this_run['total_params']:.4g} parameters need at least {run.min_gpus_for_weights} "
+            f"GPUs of 141 GB for their weights, but engine {engine!r} holds one model on {run.gpus_per_model} "
+            f"GPU(s): {hint}"
+        )
+    return plans
+
+
+def plan_for_config(cfg: Any, *, n_tokens: int, n_samples: int, vocab_size: int) -> dict[str, ExtractionPlan]:
+    """`plan_for_run` for a PipelineConfig: its target, extraction model, layers, shards, budget and engine."""
+    h = cfg.hidden_states
+    return plan_for_run(
+        n_tokens=n_tokens,
+        n_samples=n_samples,
+        target_model_config=cfg.target.model_config,
+        extraction_model=h.model,
+        extraction_family=h.family,
+        vocab_size=vocab_size,
+        aux_layers=h.aux_layers,
+        shard_size=h.shard_size,
+        disk_budget_gb=h.disk_budget_gb,
+        engine=h.engine,
+        n_servers=max(len(h.vllm.endpoints), 1),
+        gpus_per_server=h.vllm.gpus_per_server,
+        tp_size=h.torchrun.tp_size,
+    )

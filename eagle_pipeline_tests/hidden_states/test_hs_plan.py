@@ -59,3 +59,40 @@ def test_budget_refusal_flag_and_markdown():
     d = json.loads(json.dumps(over.to_dict()))
     assert d["aux_layers"] == [1, 29, 57] and d["exceeds_budget"] is True
     assert "flops formula" in d["assumptions"]
+
+
+def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir):
+    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_run
+
+    common = dict(
+        n_tokens=138_400_000,
+        n_samples=60_000,
+        target_model_config=None,
+        vocab_size=256,
+        aux_layers=None,
+        shard_size=256,
+        disk_budget_gb=None,
+    )
+    kimi = str(kimi_dir / "config.json")  # the shape (and INT4 experts) from the real config; no weights needed
+    with pytest.raises(PlanRefused, match=r"at least 17 GPUs .*engine 'in_process' holds one model on 1 GPU.*vllm"):
+        plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", **common)
+    with pytest.raises(PlanRefused, match=r"at least 5 GPUs .*on 4 GPU\(s\).*gpus_per_server"):
+        plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", engine="vllm", gpus_per_server=4, **common)
+    plans = plan_for_run(
+        extraction_model=kimi, extraction_family="deepseek_v3", engine="vllm", n_servers=2, gpus_per_server=8, **common
+    )
+    run = plans["this_run"]
+    assert run.fits_engine and run.engine == "vllm" and run.gpus_per_model == 8 and run.n_gpus == 16
+    assert run.min_gpus_for_weights == 5 and run.wall_hours == pytest.approx(run.gpu_hours / 16)
+    slow, fast = run.observed_tokens_per_gpu_s
+    assert (slow, fast) == (2200, 3700)
+    assert run.observed_wall_hours == pytest.approx((138.4e6 / (slow * 16) / 3600, 138.4e6 / (fast * 16) / 3600))
+    target = plans["target"]  # the built-in Kimi-K2.5 facts: 32B active at 35% of 989 TFLOP/s
+    assert target.assumed_tokens_per_gpu_s == pytest.approx(989e12 * 0.35 / (2 * 32e9))
+    assert target.assumed_tokens_per_gpu_s > fast  # the assumption is more optimistic than the field
+    md = run.to_markdown()
+    assert "| engine | vllm: 2 x 8 GPUs |" in md and "2,200-3,700" in md and "does NOT fit" not in md
+    # The tiny model in process always fits; the Kimi target plan beside it says that it would not.
+    tiny = plan_for_run(extraction_model="tiny-random", extraction_family="deepseek_v3", **common)
+    assert tiny["this_run"].fits_engine and not tiny["target"].fits_engine
+    assert "does NOT fit" in tiny["target"].to_markdown()

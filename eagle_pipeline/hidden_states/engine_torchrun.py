@@ -1,0 +1,258 @@
+"""Tensor (and expert) parallel extraction in transformers: one shard per `torchrun` world.
+
+The shard run starts `torchrun --nproc-per-node tp_size -m eagle_pipeline.hidden_states.engine_torchrun ...`; every
+rank loads the model with transformers' `DistributedConfig(tp_size=..., ep_size=...)` and runs the same
+`extract_shard` (the in-process extractor: same batches, hooks, format); rank 0 writes the shard, the other ranks
+write to a scratch directory that is deleted. For targets that fit one node in transformers; Kimi-K2.5 does not
+(its INT4 experts decompress to bf16): use `engine: vllm` for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .extract import default_state_dtype, extract_shard
+from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
+from .format import dtype_name, read_index_meta, shard_paths
+from .layers import default_aux_layers, validate_aux_layers
+from .model import describe_model_config, load_text_config
+from .shards import ShardSummary, prepare_shard
+
+ENGINE_TORCHRUN = "torchrun"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_argv(
+    model_dir: str | Path,
+    merged_dir: str | Path,
+    *,
+    shard_index: int,
+    shard_size: int,
+    out_dir: str | Path,
+    tp_size: int,
+    ep_size: int | None = None,
+    aux_layers: Sequence[int] | None = None,
+    max_tokens_per_batch: int = 8192,
+    final_state: str = "post_norm",
+    model_identity: Mapping[str, Any] | None = None,
+    port: int | None = None,
+) -> list[str]:
+    """The command one shard's world runs (the current interpreter's torch.distributed.run)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp_size),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port or _free_port()),
+        "-m",
+        "eagle_pipeline.hidden_states.engine_torchrun",
+        "--model",
+        str(model_dir),
+        "--merged",
+        str(merged_dir),
+        "--shard",
+        str(shard_index),
+        "--shard-size",
+        str(shard_size),
+        "--out",
+        str(out_dir),
+        "--tp-size",
+        str(tp_size),
+        "--max-tokens-per-batch",
+        str(max_tokens_per_batch),
+        "--final-state",
+        final_state,
+    ]
+    if ep_size:
+        argv += ["--ep-size", str(ep_size)]
+    if model_identity is not None:
+        argv += ["--model-identity", json.dumps(dict(model_identity), sort_keys=True)]
+    if aux_layers is not None:
+        argv += ["--aux-layers", ",".join(str(int(k)) for k in aux_layers)]
+    return argv
+
+
+def extract_shard_torchrun(
+    model_dir: str | Path,
+    merged_dir: str | Path,
+    *,
+    shard_index: int,
+    shard_size: int,
+    out_dir: str | Path,
+    tp_size: int,
+    ep_size: int | None = None,
+    aux_layers: Sequence[int] | None = None,
+    max_tokens_per_batch: int = 8192,
+    final_state: str = "post_norm",
+    model_identity: Mapping[str, Any] | None = None,
+    on_mismatch: str = "refuse",
+    timeout_s: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ShardSummary:
+    """Extract one shard with a `tp_size`-process torchrun world. The shard's fingerprint records engine 'torchrun'
+    and `model_identity` (default: the model directory's); a done shard with it starts no world, one made under
+    other settings is refused or redone (`on_mismatch`). A failed world raises RuntimeError naming the shard and
+    the end of its output; rank 0's atomic writes leave no partial shard."""
+    n_layers = int(describe_model_config(load_text_config(model_dir))["num_layers"])
+    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n_layers), n_layers)
+    identity = dict(model_identity) if model_identity is not None else model_dir_identity(model_dir)
+    wanted = ExtractionFingerprint(
+        model=identity,
+        aux_layers=aux,
+        final_state=final_state,
+        shard_size=shard_size,
+        dtype=dtype_name(default_state_dtype("cuda" if torch.cuda.is_available() else "cpu")),
+        merged_version=merged_version(merged_dir),
+        engine=ENGINE_TORCHRUN,
+    )
+    decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch)
+    if decision.reuse is not None:
+        return decision.reuse
+    idx_path = shard_paths(out_dir, shard_index)[1]
+    argv = torchrun_argv(
+        model_dir,
+        merged_dir,
+        shard_index=shard_index,
+        shard_size=shard_size,
+        out_dir=out_dir,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        aux_layers=aux_layers,
+        max_tokens_per_batch=max_tokens_per_batch,
+        final_state=final_state,
+        model_identity=identity,
+    )
+    if log is not None:
+        log(f"shard {shard_index:05d}: {' '.join(argv)}")
+    repo = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout, as this process does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"shard {shard_index:05d}: torchrun world of {tp_size} exited {proc.returncode}:\n{tail}")
+    stored = read_index_meta(idx_path)
+    return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
+
+
+def materialized_model_dir(model: str, *, family: str, seed: int, vocab_size: int, cache_dir: Path) -> Path:
+    """A directory `from_pretrained` can load on every rank: `model` itself, or the seeded tiny model saved once."""
+    from .runtime import TINY_RANDOM, load_extraction_model
+
+    if model != TINY_RANDOM:
+        return Path(model)
+    d = cache_dir / f"tiny-random-{family}-seed{seed}-vocab{vocab_size}"
+    if not (d / "config.json").exists():
+        tiny: Any = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache_dir))
+        tiny.save_pretrained(tmp)
+        os.replace(tmp, d)
+    return d
+
+
+def extract_shard_from_config(
+    h: Any,
+    *,
+    merged_dir: Path,
+    out_dir: Path,
+    shard_index: int,
+    vocab_size: int,
+    model_identity: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[ShardSummary, str]:
+    """One shard with `hidden_states.engine: torchrun` (`h` is the `hidden_states` config section)."""
+    t = h.torchrun
+    model_dir = materialized_model_dir(
+        h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
+    )
+    summary = extract_shard_torchrun(
+        model_dir,
+        merged_dir,
+        shard_index=shard_index,
+        shard_size=h.shard_size,
+        out_dir=out_dir,
+        tp_size=t.tp_size,
+        ep_size=t.ep_size,
+        aux_layers=h.aux_layers,
+        max_tokens_per_batch=h.max_tokens_per_batch,
+        model_identity=model_identity,
+        on_mismatch=h.on_settings_change,
+        log=log,
+    )
+    return summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else "")
+
+
+def _rank_main(argv: Sequence[str] | None = None) -> int:
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    ap = argparse.ArgumentParser(description="one rank of a tensor-parallel extraction world (run by torchrun)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--merged", required=True)
+    ap.add_argument("--shard", type=int, required=True)
+    ap.add_argument("--shard-size", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp-size", type=int, required=True)
+    ap.add_argument("--ep-size", type=int, default=None)
+    ap.add_argument("--aux-layers", default=None)
+    ap.add_argument("--max-tokens-per-batch", type=int, default=8192)
+    ap.add_argument("--final-state", default="post_norm")
+    ap.add_argument("--model-identity", default=None, help="JSON: the model identity the fingerprint records")
+    args = ap.parse_args(argv)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{local_rank}" if cuda else "cpu"
+    dist = {"tp_size": args.tp_size, **({"ep_size": args.ep_size} if args.ep_size else {})}
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model,
+        local_files_only=True,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        distributed_config=DistributedConfig(**dist),
+    ).eval()
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    # Every rank runs the same forwards (the collectives need all of them); only rank 0 keeps what it writes.
+    out = Path(args.out) if rank == 0 else Path(tempfile.mkdtemp(prefix=f"eagle-tp-rank{rank}-"))
+    try:
+        summary = extract_shard(
+            model,
+            args.merged,
+            shard_index=args.shard,
+            shard_size=args.shard_size,
+            out_dir=out,
+            aux_layers=aux,
+            max_tokens_per_batch=args.max_tokens_per_batch,
+            device=device,
+            final_state=args.final_state,
+            force=rank != 0,
+            model_identity=json.loads(args.model_identity) if args.model_identity else None,
+            engine=ENGINE_TORCHRUN,
+        )
+    finally:
+        if rank != 0:
+            shutil.rmtree(out, ignore_errors=True)
+    if rank == 0:
+        print(json.dumps({"shard": args.shard, "rows": summary.rows, "sha256": summary.sha256}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

@@ -1,0 +1,393 @@
+"""A loopback double of vLLM's `extract_hidden_states` server, computing real states from a transformers model.
+
+It answers as `vllm serve --speculative-config '{"method": "extract_hidden_states", ...}' --kv-transfer-config
+'{"kv_connector": "ExampleHiddenStatesConnector", ...}'` does (docs/hidden_states.md §10):
+
+* `POST /v1/completions` with `prompt` = token ids: one forward of the prompt, the next token from the lm_head,
+  `choices[0].prompt_token_ids` (with `return_token_ids`) and a top-level `kv_transfer_params.hidden_states_path`;
+* `GET /v1/models`, `GET /version`, `GET /health` (the readiness probe);
+* the connector's file `{storage_path}/{request id}.safetensors` with `hidden_states` [T, n_ids, H] in the model's
+  dtype and `token_ids` [T] int64, written by writer threads while an exclusive `flock` on `{path}.lock` is held;
+  the lock is taken before the response leaves.
+
+Layer ids are vLLM's: id k is transformers' `hidden_states[k]` (the output of decoder layer k - 1, the embeddings
+for k = 0) and id L = `num_hidden_layers` is the last layer's output before the final norm.
+
+Faults (`faults`: a name maps to a rate in [0, 1], chosen per prompt by hash, or `select: {name: [keys]}` with keys
+from `ids_key`). Transient ones hit the first `fail_first_n_attempts` attempts of a prompt (default 1):
+`http_500`, `http_503`, `timeout` (sleeps `timeout_sleep_s`), `lock_never_released` (the file is written, its
+lock is never let go). The field's silent bugs hit every attempt: `final_layer_missing` (id L dropped: the
+DeepSeek-V2-backbone bug fixed by vLLM PR #46973), `zero_states` (one layer all zero), `nan_states`,
+`short_states` (the first `block_size` positions missing, as under prefix caching), `prompt_ids_mismatch` (a BOS
+the client did not send, in the response and the file), `no_kv_transfer_params` (a server started without the
+connector), `late_file` (the lock is let go at once and the file appears `late_file_s` later).
+`die_after_requests: N` makes the server exit when request N + 1 arrives: connections are refused afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from .layers import _layer_output, get_backbone
+
+TRANSIENT_FAULTS = ("http_500", "http_503", "timeout", "lock_never_released")
+PERSISTENT_FAULTS = (
+    "final_layer_missing",
+    "zero_states",
+    "nan_states",
+    "short_states",
+    "prompt_ids_mismatch",
+    "no_kv_transfer_params",
+    "late_file",
+)
+ALL_FAULTS = TRANSIENT_FAULTS + PERSISTENT_FAULTS
+_OPTIONS = ("select", "fail_first_n_attempts", "timeout_sleep_s", "late_file_s", "block_size", "die_after_requests")
+DOUBLE_VERSION = "0.22.0+eagle-double"
+BOS_ID = 1
+
+
+def ids_key(ids: Sequence[int]) -> str:
+    """The key the double files a prompt under (for `faults.select`)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:24]
+
+
+def _unit(fault: str, key: str) -> float:
+    return int.from_bytes(hashlib.sha256(f"{fault}|{key}".encode()).digest()[:8], "big") / 2**64
+
+
+class _Faults:
+    def __init__(self, faults: dict[str, Any] | None) -> None:
+        faults = dict(faults or {})
+        unknown = set(faults) - set(ALL_FAULTS) - set(_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown fault settings {sorted(unknown)}; known: {list(ALL_FAULTS) + list(_OPTIONS)}")
+        self.rates = {k: float(faults[k]) for k in ALL_FAULTS if k in faults}
+        self.select = {k: set(v) for k, v in (faults.get("select") or {}).items()}
+        if set(self.select) - set(ALL_FAULTS):
+            raise ValueError(f"unknown faults in select: {sorted(set(self.select) - set(ALL_FAULTS))}")
+        self.fail_first_n = int(faults.get("fail_first_n_attempts", 1))
+        self.timeout_sleep_s = float(faults.get("timeout_sleep_s", 3600.0))
+        self.late_file_s = float(faults.get("late_file_s", 0.3))
+        self.block_size = int(faults.get("block_size", 16))
+        die = faults.get("die_after_requests")
+        self.die_after = int(die) if die is not None else None
+
+    def hits(self, key: str, attempt: int) -> set[str]:
+        def hit(f: str) -> bool:
+            rate = self.rates.get(f, 0.0)
+            return key in self.select.get(f, ()) or (rate > 0 and _unit(f, key) < rate)
+
+        found = {f for f in PERSISTENT_FAULTS if hit(f)}
+        if attempt <= self.fail_first_n:
+            found |= {f for f in TRANSIENT_FAULTS if hit(f)}
+        return found
+
+
+class VLLMHiddenStatesDouble:
+    """The double, on 127.0.0.1 in a background thread; a context manager. `url` is the base URL to configure.
+
+    `layer_ids` are vLLM ids (what `eagle_aux_hidden_state_layer_ids` would hold). The forward runs on one
+    worker thread (the server's one "GPU"), the file writes on `num_writer_threads` others, as the connector does.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        layer_ids: Sequence[int],
+        storage_path: str | os.PathLike,
+        served_model_name: str = "tiny-random",
+        faults: dict[str, Any] | None = None,
+        latency_s: float = 0.0,
+        num_writer_threads: int = 2,
+        port: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        backbone: Any = get_backbone(model)
+        self.backbone = backbone
+        self.num_layers = len(backbone.layers)
+        bad = [k for k in layer_ids if not 0 <= int(k) <= self.num_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"layer ids {list(layer_ids)} out of range [0, {self.num_layers}] for this model")
+        self.layer_ids = tuple(int(k) for k in layer_ids)
+        self.storage_path = Path(storage_path)
+        self.storage_path.mkdir(parents=True, exist_ok=True)
+        self.served_model_name = served_model_name
+        self.faults = _Faults(faults)
+        self.latency_s = float(latency_s)
+        self.vocab_size = int(backbone.embed_tokens.num_embeddings)
+        self._port = port
+        self.port: int | None = None
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="double-gpu")
+        self._writers = ThreadPoolExecutor(num_writer_threads, thread_name_prefix="double-writer")
+        self._stuck_locks: list[Any] = []  # lock files a `lock_never_released` fault keeps locked
+        self._counts: Counter[str] = Counter()
+        self._n_requests = 0
+        self._in_flight = 0
+        self.max_in_flight = 0  # the most /v1/completions requests it served at once
+        self.compute_seconds = 0.0  # time spent in forwards (the server's own compute, for benchmarks)
+        self._mutex = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.died = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> VLLMHiddenStatesDouble:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="vllm-double", daemon=True)
+            self._thread.start()
+            self._ready.wait(30)
+            if self._error is not None:
+                raise RuntimeError(f"vLLM double failed to start: {self._error}")
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None and self._loop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self._thread = None
+        self._writers.shutdown(wait=True)
+        self._compute.shutdown(wait=True)
+        for fh in self._stuck_locks:
+            fh.close()
+        self._stuck_locks.clear()
+
+    def __enter__(self) -> VLLMHiddenStatesDouble:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "server not started"
+        return f"http://127.0.0.1:{self.port}"
+
+    def request_counts(self) -> dict[str, int]:
+        """Requests seen per prompt key (all attempts)."""
+        with self._mutex:
+            return dict(self._counts)
+
+    @property
+    def total_requests(self) -> int:
+        with self._mutex:
+            return self._n_requests
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            app = web.Application(client_max_size=256 * 1024 * 1024)
+            app.router.add_post("/v1/completions", self._completions)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/version", self._version)
+            app.router.add_get("/health", self._health)
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+            loop.run_until_complete(runner.setup())
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self._port))
+            sock.listen(1024)
+            self.port = sock.getsockname()[1]
+            loop.run_until_complete(web.SockSite(runner, sock).start())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    # ---- handlers --------------------------------------------------------------------------------------------
+    async def _version(self, _request: web.Request) -> web.Response:
+        return web.json_response({"version": DOUBLE_VERSION})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served_model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "vllm",
+                        "root": self.served_model_name,
+                        "parent": None,
+                        "max_model_len": int(getattr(self.model.config, "max_position_embeddings", 0) or 0),
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        with self._mutex:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        try:
+            return await self._complete(request)
+        finally:
+            with self._mutex:
+                self._in_flight -= 1
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return _error(400, f"invalid JSON body: {exc}")
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(x, int) for x in prompt):
+            return _error(400, "prompt must be a non-empty list of token ids")
+        if any(not 0 <= x < self.vocab_size for x in prompt):
+            return _error(400, f"token id out of vocabulary [0, {self.vocab_size})")
+        key = ids_key(prompt)
+        with self._mutex:
+            self._n_requests += 1
+            self._counts[key] += 1
+            attempt, n_seen = self._counts[key], self._n_requests
+        f = self.faults
+        if f.die_after is not None and n_seen > f.die_after:
+            self.died = True
+            if request.transport is not None:
+                request.transport.close()
+            asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
+            return web.Response(status=500)  # never delivered: the transport is gone
+        hits = f.hits(key, attempt)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if "timeout" in hits:
+            await asyncio.sleep(f.timeout_sleep_s)
+        if "http_500" in hits:
+            return _error(500, "Internal Server Error", "InternalServerError")
+        if "http_503" in hits:
+            return _error(503, "Service Unavailable", "ServiceUnavailableError")
+        ids = ([BOS_ID] if "prompt_ids_mismatch" in hits else []) + list(prompt)
+        loop = asyncio.get_running_loop()
+        states, next_id = await loop.run_in_executor(self._compute, self._forward, ids)
+        request_id = f"cmpl-{uuid.uuid4().hex}-0"
+        out: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+            ],
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + 1, "completion_tokens": 1},
+        }
+        if body.get("return_token_ids"):
+            out["choices"][0]["prompt_token_ids"] = ids
+            out["choices"][0]["token_ids"] = [next_id]
+        if "no_kv_transfer_params" not in hits:
+            path = self.storage_path / f"{request_id}.safetensors"
+            states, token_ids = self._corrupt(states, torch.tensor(ids, dtype=torch.int64), hits)
+            lock: Any = open(f"{path}.lock", "w")  # noqa: SIM115 (released by the writer thread)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if "late_file" in hits:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                lock.close()
+                lock = None
+            self._writers.submit(self._write, path, states, token_ids, lock, hits)
+            out["kv_transfer_params"] = {"hidden_states_path": str(path)}
+        return web.json_response(out)
+
+    # ---- compute and files -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        t0 = time.perf_counter()
+        try:
+            return self._states(ids)
+        finally:
+            self.compute_seconds += time.perf_counter() - t0
+
+    def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        captured: dict[str, torch.Tensor] = {}
+        last = self.backbone.layers[self.num_layers - 1]
+        handle = last.register_forward_hook(lambda _m, _a, o: captured.__setitem__("pre_norm", _layer_output(o)))
+        try:
+            x = torch.tensor([ids], device=next(self.model.parameters()).device)
+            out = self.backbone(input_ids=x, output_hidden_states=True, use_cache=False)
+        finally:
+            handle.remove()
+        hs = out.hidden_states
+        per_id = [captured["pre_norm"][0] if k == self.num_layers else hs[k][0] for k in self.layer_ids]
+        states = torch.stack(per_id, dim=1).cpu()  # [T, n_ids, H]
+        head = getattr(self.model, "lm_head", None)
+        next_id = int(head(out.last_hidden_state[0, -1]).argmax()) if head is not None else 0
+        return states, next_id
+
+    def _corrupt(self, states: torch.Tensor, token_ids: torch.Tensor, hits: set[str]):
+        if "final_layer_missing" in hits and self.num_layers in self.layer_ids:
+            keep = [i for i, k in enumerate(self.layer_ids) if k != self.num_layers]
+            states = states[:, keep]
+        if "zero_states" in hits:
+            states = states.clone()
+            states[:, 0] = 0
+        if "nan_states" in hits:
+            states = states.clone()
+            states[len(states) // 2, -1, 0] = float("nan")
+        if "short_states" in hits and len(states) > 1:
+            cut = min(self.faults.block_size, len(states) - 1)
+            states, token_ids = states[cut:], token_ids[cut:]
+        return states.contiguous(), token_ids.contiguous()
+
+    def _write(self, path: Path, states: torch.Tensor, token_ids: torch.Tensor, lock: Any, hits: set[str]) -> None:
+        from safetensors.torch import save_file
+
+        try:
+            if "late_file" in hits:
+                time.sleep(self.faults.late_file_s)
+                tmp = path.with_name(path.name + ".writing")
+                save_file({"hidden_states": states, "token_ids": token_ids}, str(tmp))
+                os.replace(tmp, path)
+            else:
+                save_file({"hidden_states": states, "token_ids": token_ids}, str(path))
+        finally:
+            if lock is not None:
+                if "lock_never_released" in hits:
+                    self._stuck_locks.append(lock)
+                else:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    lock.close()
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )

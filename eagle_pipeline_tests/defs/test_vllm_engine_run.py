@@ -1,0 +1,64 @@
+"""A real Dagster run of one shard through the vLLM engine, against the loopback double (`endpoints: [simulated]`)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from eagle_pipeline.hidden_states import shard_status, verify_shard
+from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+
+from .test_scale_out import _config, _merged, _run_shard
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, instance):
+    path = _config(tmp_path, monkeypatch)
+    raw = yaml.safe_load(path.read_text())
+    storage = tmp_path / "connector"
+    raw["hidden_states"]["engine"] = "vllm"
+    raw["hidden_states"]["vllm"] = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    root = _merged(tmp_path, instance)
+
+    result = _run_shard(instance, "00001")
+    assert result.success
+    checks = result.get_asset_check_evaluations()
+    assert len(checks) == 3 and all(e.passed for e in checks)
+    (mat,) = result.asset_materializations_for_node("hidden_states")
+    assert mat.metadata["engine"].value == "vllm" and mat.metadata["device"].value == "vllm: simulated"
+    assert shard_status(root.hidden_states_dir, 1) == "done"
+    assert all(c.passed for c in verify_shard(root.hidden_states_dir, 1, root.merged_dir).values())
+    st, idx = shard_paths(root.hidden_states_dir, 1)
+    meta = read_index_meta(idx)
+    assert meta["engine"] == "vllm" and meta["final_state_is_post_norm"] is False
+    assert meta["vllm_layer_ids"] == [2, 4, 5, 8] and meta["aux_layers"] == [1, 3, 4]  # the tiny model: 8 layers
+    with safe_open(str(st), "pt") as f:
+        assert f.metadata()["engine"] == "vllm"
+    assert list(storage.iterdir()) == []  # the connector's per-request files are gone once the shard is committed
+
+
+def test_the_plan_refuses_kimi_weights_in_process(tmp_path, monkeypatch, instance, kimi_dir):
+    import dagster as dg
+
+    from eagle_pipeline.defs.hidden_states import hidden_state_plan
+    from eagle_pipeline.defs.resources import PipelineResource
+
+    path = _config(tmp_path, monkeypatch)
+    _merged(tmp_path, instance)  # merged rows and a plan for the tiny model
+    raw = yaml.safe_load(path.read_text())
+    raw["hidden_states"]["model"] = str(kimi_dir)  # a directory with Kimi-K2.5's config.json
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = dg.materialize(
+        [hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}, raise_on_error=False
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    message = failure.event_specific_data.error.message
+    assert "Extraction plan refused" in message and "at least 17 GPUs" in message and "engine: vllm" in message
+    raw["hidden_states"]["engine"] = "vllm"
+    raw["hidden_states"]["vllm"] = {"endpoints": ["http://gpu-node-0:8000"]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert dg.materialize([hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}).success

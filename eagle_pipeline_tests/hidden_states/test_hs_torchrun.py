@@ -1,0 +1,50 @@
+"""engine: torchrun: a real 2-process torchrun world (gloo, CPU) with transformers' DistributedConfig(tp_size=2)
+writes the same shard as one process, within 1e-5 in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
+from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+
+from .conftest import make_rows
+
+pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it (a dev dependency)
+pytestmark = pytest.mark.slow
+
+
+def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_ds.save_pretrained(model_dir)
+    rows = make_rows(6, seed=9, min_len=2, max_len=40)
+    merged = merged_factory(rows, [6])
+    logs: list[str] = []
+    s = extract_shard_torchrun(
+        model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2, log=logs.append
+    )
+    assert "--nproc-per-node 2" in logs[0] and not s.skipped
+    assert shard_status(tmp_path / "tp", 0) == "done"
+    assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
+    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one")
+    tp, one = load_file(s.path), load_file(ref.path)
+    assert tp.keys() == one.keys()
+    for key, want in one.items():
+        if want.is_floating_point():
+            torch.testing.assert_close(tp[key], want, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(tp[key], want)
+    again = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
+    assert again.skipped and again.sha256 == s.sha256  # a done shard starts no world
+
+
+def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(2, seed=1), [2])
+    tiny_ds.config.save_pretrained(tmp_path / "model")  # a config without weights: every rank fails to load
+    with pytest.raises(RuntimeError, match=r"shard 00000: torchrun world of 2 exited"):
+        extract_shard_torchrun(
+            tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2
+        )
+    assert shard_status(tmp_path / "o", 0) == "missing"
