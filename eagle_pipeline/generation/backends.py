@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from eagle_pipeline.generation import failures as F
+from eagle_pipeline.generation.client import HttpClient
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.stream import ChatStreamAssembler
 
 RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], "list[int]"]
 
@@ -45,6 +47,8 @@ class ParsedResponse:
     usage_reasoning_tokens: int | None = None
     cost_usd: float | None = None
     generation_id: str | None = None
+    stream_chunks: int | None = None  # streamed answers: data chunks received (None: not streamed)
+    stream_keepalives: int | None = None  # streamed answers: keep-alive comments received
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +223,11 @@ class HttpBackend:
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
         raise NotImplementedError
 
+    async def exchange(self, client: HttpClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
+        """One attempt: request `item` and return (body text to store, parsed columns), or raise RequestFailure."""
+        status, raw, retry_after = await client.post(self.url, self.build_body(item, attempt))
+        return self.parse(status, raw or b"", retry_after, item)
+
     def parse(
         self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
     ) -> tuple[str, ParsedResponse]:
@@ -241,6 +250,20 @@ class _ChatBackend(HttpBackend):
         static.pop("messages", None)
         static.pop("tools", None)
         self._prefix = _dumps(static)[:-1]  # without the closing brace; static always has "model"
+        self.stream = bool(static.get("stream"))
+
+    async def exchange(self, client: HttpClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
+        if not self.stream:
+            return await super().exchange(client, item, attempt)
+        events = ChatStreamAssembler(keepalive_only_max_s=self.spec.max_keepalive_only_s)
+        status, raw, retry_after = await client.post(self.url, self.build_body(item, attempt), events)
+        if raw is not None:  # an error status, or a server that answered with a plain JSON body
+            return self.parse(status, raw, retry_after, item)
+        body = events.body()
+        parsed = parse_chat_completion(body, status, want_ids=self.want_ids, spec=self.spec)
+        parsed.stream_chunks, parsed.stream_keepalives = events.chunks, events.keepalives
+        # The stored body is the assembled equivalent of the non-streaming answer.
+        return _dumps(body), parsed
 
     def static_body(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -250,7 +273,7 @@ class _ChatBackend(HttpBackend):
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.spec.model,
-            "stream": False,
+            "stream": self.spec.effective_stream,
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -296,6 +319,8 @@ class VLLMBackend(_ChatBackend):
         body = self.sampling_body()
         body["return_token_ids"] = True
         body["chat_template_kwargs"] = {"thinking": bool(self.sampling.thinking)}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}  # vLLM sends no usage in a stream without it
         return body
 
 

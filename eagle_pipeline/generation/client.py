@@ -3,9 +3,16 @@
 aiohttp, one ClientSession per run with a connector sized to the concurrency: at 2,000 requests in flight the
 per-request CPU of the client is the limit, and aiohttp's pool does O(1) work per request where httpx's pool
 does work proportional to its size (measurements in docs/generation.md).
+
+Timeouts: `timeout_s` bounds connecting and each read (no byte from the server for that long fails the attempt),
+not the whole request: a streamed answer that keeps sending data or keep-alive comments may run as long as it needs.
+`max_request_s` is an optional overall cap.
 """
 
 from __future__ import annotations
+
+import time
+from typing import Protocol
 
 import aiohttp
 
@@ -13,13 +20,29 @@ from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
 
 
+class LineSink(Protocol):
+    """Takes the lines of a streamed (text/event-stream) response body, one at a time."""
+
+    def feed_line(self, raw: bytes) -> None: ...
+
+
 class HttpClient:
     """POSTs JSON bytes and returns (status, raw body, Retry-After seconds); transport failures become RequestFailure."""
 
-    def __init__(self, *, concurrency: int, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        timeout_s: float,
+        headers: dict[str, str] | None = None,
+        max_request_s: float | None = None,
+    ) -> None:
         self._concurrency = concurrency
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=max_request_s, connect=None, sock_connect=timeout_s, sock_read=timeout_s
+        )
         self._timeout_s = timeout_s
+        self._max_request_s = max_request_s
         self._headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
         self._session: aiohttp.ClientSession | None = None
 
@@ -45,15 +68,38 @@ class HttpClient:
             await self._session.close()
             self._session = None
 
-    async def post(self, url: str, body: bytes) -> tuple[int, bytes, float | None]:
+    async def post(
+        self, url: str, body: bytes, events: LineSink | None = None
+    ) -> tuple[int, bytes | None, float | None]:
+        """POST `body`. With `events`, a 2xx text/event-stream answer is fed to it line by line as it arrives and
+        None is returned as the body; any other answer (an error status, a plain JSON body) is returned whole."""
         assert self._session is not None, "HttpClient used outside `async with`"
+        t0 = time.monotonic()
         try:
             async with self._session.post(url, data=body) as resp:
-                raw = await resp.read()
                 retry_after = resp.headers.get("Retry-After")
-                return resp.status, raw, F.parse_retry_after(retry_after) if retry_after else None
+                retry_s = F.parse_retry_after(retry_after) if retry_after else None
+                if events is not None and 200 <= resp.status < 300 and resp.content_type == "text/event-stream":
+                    # Lines split here rather than with readline(), whose 128 KiB line limit a vLLM first chunk
+                    # (all the prompt's ids) can exceed.
+                    rest = b""
+                    async for data in resp.content.iter_any():
+                        lines = (rest + data).split(b"\n") if rest else data.split(b"\n")
+                        rest = lines.pop()
+                        for line in lines:
+                            events.feed_line(line)
+                    if rest:
+                        events.feed_line(rest)
+                    return resp.status, None, retry_s
+                raw = await resp.read()
+                return resp.status, raw, retry_s
         except TimeoutError:
-            raise RequestFailure(F.TIMEOUT, f"no complete response within {self._timeout_s:g} s", True) from None
+            elapsed = time.monotonic() - t0
+            if self._max_request_s is not None and elapsed >= self._max_request_s * 0.99:
+                message = f"request exceeded max_request_s = {self._max_request_s:g} s"
+            else:
+                message = f"no data from the server for {self._timeout_s:g} s (after {elapsed:.1f} s)"
+            raise RequestFailure(F.TIMEOUT, message, True) from None
         except aiohttp.ClientPayloadError as exc:
             raise RequestFailure(
                 F.CONNECTION, F.truncate(f"response body cut: {type(exc).__name__}: {exc}"), True

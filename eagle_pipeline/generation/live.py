@@ -258,10 +258,7 @@ class LiveRun:
             attempt += 1
             t_attempt = time.perf_counter()
             try:
-                status, raw, retry_after = await self.client.post(
-                    self.backend.url, self.backend.build_body(item, attempt)
-                )
-                text, parsed = self.backend.parse(status, raw, retry_after, item)
+                text, parsed = await self.backend.exchange(self.client, item, attempt)
             except RequestFailure as f:
                 last = f
                 if f.stop_reason:

@@ -51,6 +51,8 @@ RESPONSES_SCHEMA = pa.schema(
         ("started_at", _TS),
         ("finished_at", _TS),
         ("raw_response_json", pa.string()),
+        ("stream_chunks", pa.int32()),
+        ("stream_keepalives", pa.int32()),
     ]
 )
 
@@ -141,6 +143,8 @@ def response_values(
         started_us,
         finished_us,
         raw_response_json,
+        p.stream_chunks,
+        p.stream_keepalives,
     )
 
 

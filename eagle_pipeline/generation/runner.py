@@ -112,7 +112,10 @@ async def _generate_live(
             if plan.items:
                 with gc_tuned():
                     async with HttpClient(
-                        concurrency=run.n_workers, timeout_s=spec.timeout_s, headers=_request_headers(spec, key)
+                        concurrency=run.n_workers,
+                        timeout_s=spec.timeout_s,
+                        max_request_s=spec.max_request_s,
+                        headers=_request_headers(spec, key),
                     ) as client:
                         await run.run(client)
     finally:

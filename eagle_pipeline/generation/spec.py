@@ -60,6 +60,18 @@ class BackendKind(StrEnum):
         """Requests in flight when `concurrency` is unset: OpenRouter takes thousands; a self-hosted server less."""
         return 2000 if self is BackendKind.OPENROUTER else 256
 
+    @property
+    def can_stream(self) -> bool:
+        """The wire format has a streamed (server-sent events) form the client reads."""
+        return self in (BackendKind.OPENROUTER, BackendKind.SIMULATED, BackendKind.VLLM)
+
+    @property
+    def default_stream(self) -> bool:
+        """`stream` when unset: on for OpenRouter (a silent connection is cut by gateways and upstreams after
+        ~2-10 minutes, and a cut request is still billed), off for vLLM (a self-hosted server on a local network
+        has no such gateway, and the non-streamed body is cheaper to parse)."""
+        return self in (BackendKind.OPENROUTER, BackendKind.SIMULATED)
+
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
 class BackendSpec(SpecBase):
@@ -81,7 +93,12 @@ class BackendSpec(SpecBase):
     rpm: Annotated[Float, Field(gt=0)] | None = None
     provider: dict[str, Any] = dataclasses.field(default_factory=dict)
     api_key_env: Str | None = None
-    timeout_s: Annotated[Float, Field(gt=0)] = 600.0
+    stream: Bool | None = None  # None: kind.default_stream
+    timeout_s: Annotated[Float, Field(gt=0)] = 600.0  # connect, and each read: not the whole request
+    max_request_s: Annotated[Float, Field(gt=0)] | None = None  # optional overall cap per attempt
+    max_keepalive_only_s: Annotated[Float, Field(gt=0)] | None = (
+        1800.0  # a stream with only keep-alives this long fails
+    )
     max_retries: Annotated[Int, Field(ge=0)] = 8
     backoff_base_s: Annotated[Float, Field(ge=0)] = 2.0
     backoff_max_s: Annotated[Float, Field(ge=0)] = 120.0
@@ -116,6 +133,8 @@ class BackendSpec(SpecBase):
                 problems.append((("endpoint",), f"required for kind '{kind}'"))
             if kind is BackendKind.IMPORT and not data.get("import_paths"):
                 problems.append((("import_paths",), "required for kind 'import'"))
+            if data.get("stream") is True and not kind.can_stream:
+                problems.append((("stream",), f"kind '{kind}' has no streamed form; only openrouter, simulated, vllm"))
         provider = data.get("provider")
         if isinstance(provider, Mapping):
             for key in provider:
@@ -130,6 +149,10 @@ class BackendSpec(SpecBase):
         return self.concurrency if self.concurrency is not None else self.kind.default_concurrency
 
     @property
+    def effective_stream(self) -> bool:
+        return self.stream if self.stream is not None else self.kind.default_stream
+
+    @property
     def source(self) -> str:
         """The `source` column value of rows this backend produces."""
         return self.kind.value
@@ -139,6 +162,7 @@ class BackendSpec(SpecBase):
         d["kind"] = self.kind.value
         d["import_paths"] = list(self.import_paths)
         d["concurrency"] = self.effective_concurrency
+        d["stream"] = self.effective_stream
         # Callables (token counters) may sit in `simulated`; keep the dict JSON-friendly.
         d["simulated"] = {k: (v if _jsonable(v) else repr(v)) for k, v in self.simulated.items()}
         return d

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import dataclasses
 import json
 import time
 
@@ -167,7 +168,10 @@ def test_openrouter_body_is_valid_json_with_settings():
     assert body["messages"][0]["content"] == 'hi "there" é' and body["tools"][0]["function"]["name"] == "get_weather"
     assert body["provider"] == {"only": ["moonshotai"], "allow_fallbacks": False, "require_parameters": True}
     assert body["reasoning"] == {"enabled": False} and body["seed"] == 5 and body["max_tokens"] == 100
-    assert body["usage"] == {"include": True} and body["stream"] is False
+    # Streaming is on by default for OpenRouter (docs/generation.md); `stream: false` turns it off.
+    assert body["usage"] == {"include": True} and body["stream"] is True and "stream_options" not in body
+    plain = OpenRouterBackend(dataclasses.replace(spec, stream=False), SamplingSpec())
+    assert json.loads(plain.build_body(PromptItem("s", msgs, None), 1))["stream"] is False
     assert "tools" not in json.loads(be.build_body(PromptItem("s", msgs, None), 1))
     assert be.url == "https://openrouter.ai/api/v1/chat/completions"
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
+
 TRANSIENT_FAULTS = (
     "http_429",
     "http_500",
@@ -25,7 +27,7 @@ TRANSIENT_FAULTS = (
 STATUS_FAULTS = ("http_401", "http_402")
 QUALITY_FAULTS = ("length", "empty_content", "empty_reasoning", "billing_mismatch", "bad_tool_args", "prompt_mismatch")
 PROMPT_INJECTED_TOKENS = 37
-ALL_FAULTS = TRANSIENT_FAULTS + STATUS_FAULTS + QUALITY_FAULTS
+ALL_FAULTS = TRANSIENT_FAULTS + STREAM_FAULTS + STATUS_FAULTS + QUALITY_FAULTS
 _FAULT_OPTIONS = ("select", "after_requests", "fail_first_n_attempts", "retry_after_s", "timeout_sleep_s", "echo_auth")
 
 
@@ -68,7 +70,7 @@ class FaultPlan:
             if self._hit(f, key, n_seen):
                 return f
         if attempt <= self.fail_first_n:
-            for f in TRANSIENT_FAULTS:
+            for f in TRANSIENT_FAULTS + STREAM_FAULTS:
                 if self._hit(f, key, n_seen):
                     return f
         return None

@@ -22,6 +22,7 @@ from eagle_pipeline.generation.simulated.answers import (
 )
 from eagle_pipeline.generation.simulated.faults import PROMPT_INJECTED_TOKENS, error_response, fault_response
 from eagle_pipeline.generation.simulated.server import LoopbackServer
+from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
 
 
 def _auth_of(request: web.Request) -> str:
@@ -29,7 +30,12 @@ def _auth_of(request: web.Request) -> str:
 
 
 class SimulatedOpenRouterServer(LoopbackServer):
-    """OpenRouter's POST /api/v1/chat/completions on loopback (`url` is the base URL to put in BackendSpec.endpoint)."""
+    """OpenRouter's POST /api/v1/chat/completions on loopback (`url` is the base URL to put in BackendSpec.endpoint).
+
+    A request with `stream: true` is answered with server-sent events paced by `stream` (a `StreamStyle` or its
+    keyword arguments: the silent thinking phase with keep-alives, delta size, delay between chunks); the stream
+    faults (`streaming.STREAM_FAULTS`) apply to streamed requests only.
+    """
 
     base_path = "/api/v1"
     routes = ("/chat/completions",)
@@ -47,6 +53,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         api_key: str | None = None,
         tool_call_rate: float = 0.6,
         model: str | None = None,
+        stream: StreamStyle | dict[str, Any] | None = None,
         port: int = 0,
     ) -> None:
         super().__init__(latency_s=latency_s, faults=faults, port=port)
@@ -58,6 +65,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         self.provider_name = provider_name
         self.api_key = api_key
         self.tool_call_rate = tool_call_rate
+        self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
 
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
         messages = body.get("messages")
@@ -72,15 +80,29 @@ class SimulatedOpenRouterServer(LoopbackServer):
             self._record(key, attempt, at, "bad_key", 401)
             return error_response(401, "User not found." + echo, {"error_type": "authentication"})
         fault = self.plan.status_fault(key, attempt, n_seen)
+        streaming = body.get("stream") is True
+        if fault in STREAM_FAULTS and not streaming:
+            fault = None
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         ok = lambda: self._answer_bytes(body, attempt, n_seen)  # noqa: E731
-        if fault is not None:
+        if fault is not None and fault not in STREAM_FAULTS:
             resp = await fault_response(self.plan, request, fault, ok, echo)
             if resp is not None:
                 self._record(key, attempt, at, fault, resp.status)
                 return resp
         self._record(key, attempt, at, fault, 200)
+        if streaming:
+            completion = self.answer(body, attempt=attempt, n_seen=n_seen)
+            chunks = completion_chunks(completion, chunk_chars=self.stream_style.chunk_chars)
+            return await write_stream(
+                request,
+                chunks,
+                self.stream_style,
+                fault=fault,
+                idle_gap_s=self.plan.timeout_sleep_s,
+                headers={"X-Generation-Id": completion["id"]},
+            )
         payload = ok()
         return web.Response(
             body=payload,

@@ -12,20 +12,31 @@ from aiohttp import web
 from eagle_pipeline.generation.simulated.answers import request_key, synthesize
 from eagle_pipeline.generation.simulated.faults import fault_response
 from eagle_pipeline.generation.simulated.id_server import IdServer
+from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
 
 
 class SimulatedVLLMServer(IdServer):
     """vLLM's POST /v1/chat/completions with `return_token_ids` (top-level prompt_token_ids, choices[0].token_ids).
 
     `supports_token_ids=False` imitates a server older than v0.10.2 (the flag is ignored); `reasoning_field`
-    chooses `reasoning` (current) or `reasoning_content` (older releases).
+    chooses `reasoning` (current) or `reasoning_content` (older releases). `stream: true` requests get server-sent
+    events paced by `stream` (a `StreamStyle` or its keyword arguments): `prompt_token_ids` in the first chunk, each
+    chunk's `token_ids`, usage in a last chunk only when `stream_options.include_usage` is set, as vLLM does.
     """
 
     base_path = "/v1"
     routes = ("/chat/completions",)
 
-    def __init__(self, *, supports_token_ids: bool = True, reasoning_field: str = "reasoning", **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        supports_token_ids: bool = True,
+        reasoning_field: str = "reasoning",
+        stream: StreamStyle | dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
+        self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
         self.supports_token_ids = supports_token_ids
         self.reasoning_field = reasoning_field
 
@@ -46,15 +57,26 @@ class SimulatedVLLMServer(IdServer):
         key = request_key(messages, seed)
         attempt, n_seen = self._note(key, body, dict(request.headers))
         fault = self.plan.status_fault(key, attempt, n_seen)
+        streaming = body.get("stream") is True
+        if fault in STREAM_FAULTS and not streaming:
+            fault = None
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         ok = lambda: json.dumps(self.answer(body)).encode()  # noqa: E731
-        if fault is not None:
+        if fault is not None and fault not in STREAM_FAULTS:
             resp = await fault_response(self.plan, request, fault, ok)
             if resp is not None:
                 self._record(key, attempt, at, fault, resp.status)
                 return resp
         self._record(key, attempt, at, fault, 200)
+        if streaming:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunks = completion_chunks(
+                self.answer(body), chunk_chars=self.stream_style.chunk_chars, include_usage=include_usage
+            )
+            return await write_stream(
+                request, chunks, self.stream_style, fault=fault, idle_gap_s=self.plan.timeout_sleep_s
+            )
         return web.json_response(self.answer(body))
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
