@@ -1,6 +1,8 @@
 """Child process of the kill -9 resume test: one generate_dataset run against a server owned by the test.
 
-python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT
+python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT [OPTIONS_JSON]
+
+OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N}.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from .generation_helpers import SAMPLING
 
 def main() -> None:
     prompts_path, url, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     backend = BackendSpec(
-        name="sim",
-        kind="simulated",
-        endpoint=url,
-        model="moonshotai/kimi-k2.5",
-        concurrency=8,
-        timeout_s=10.0,
-        max_retries=5,
-        backoff_base_s=0.01,
-        backoff_max_s=0.05,
+        **{
+            "name": "sim",
+            "kind": "simulated",
+            "endpoint": url,
+            "model": "moonshotai/kimi-k2.5",
+            "concurrency": 8,
+            "timeout_s": 10.0,
+            "max_retries": 5,
+            "backoff_base_s": 0.01,
+            "backoff_max_s": 0.05,
+            **options.get("backend", {}),
+        }
     )
     s = generate_dataset(
         dataset="B1",
@@ -36,7 +42,7 @@ def main() -> None:
         sampling=SAMPLING,
         out_dir=root / "responses" / "B1",
         errors_dir=root / "responses" / "B1" / "errors",
-        commit_every_rows=4,
+        commit_every_rows=options.get("commit_every_rows", 4),
         commit_every_s=0.05,
         progress_every_s=3600,
     )

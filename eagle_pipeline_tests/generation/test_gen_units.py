@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import email.utils
 import dataclasses
+import email.utils
 import json
 import time
 

@@ -1,0 +1,244 @@
+"""Streamed generation (issue 15): SSE over real loopback HTTP, row-for-row equal to non-streamed answers, every
+stream failure retried or recorded and never kept, keep-alives keeping long generations alive, kill -9 mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle_pipeline.generation import (
+    BackendSpec,
+    SimulatedOpenRouterServer,
+    SimulatedVLLMServer,
+    read_errors,
+    read_responses,
+    request_key,
+)
+from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
+from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
+
+from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Columns that differ between two answers to the same request for reasons other than the answer itself.
+VOLATILE = {"latency_s", "started_at", "finished_at", "raw_response_json", "generation_id"}
+STREAM_COLS = {"stream_chunks", "stream_keepalives"}
+
+
+def _rows(root: Path) -> dict[str, dict]:
+    t = read_responses(out_dirs(root)[0])
+    return {r["sample_id"]: r for r in t.to_pylist()}
+
+
+def _answer_cols(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in VOLATILE | STREAM_COLS}
+
+
+def test_streamed_rows_equal_non_streamed_rows_and_token_samples(tmp_path, kimi_dir):
+    kimi = load_tokenizer(kimi_dir)
+    prompts = make_prompts(24, tools_every=2)
+    # Small deltas: many chunks per answer, tool-call arguments cut every 2 characters.
+    with SimulatedOpenRouterServer(stream={"chunk_chars": 9}) as srv:
+        s1 = run(prompts, sim_backend(srv.url, stream=True), tmp_path / "streamed")
+        s2 = run(prompts, sim_backend(srv.url, stream=False), tmp_path / "plain")
+        bodies = [srv.body_for(request_key(mj, SAMPLING.seed)) for mj in prompts.column("messages_json").to_pylist()]
+    assert s1.completed == s2.completed == 24 and s1.failed == s2.failed == 0
+    assert all(b is not None and b["stream"] is False for b in bodies)  # the last request of each key was plain
+    streamed, plain = _rows(tmp_path / "streamed"), _rows(tmp_path / "plain")
+    assert streamed.keys() == plain.keys()
+    n_tools = 0
+    for sid, row in streamed.items():
+        ref = plain[sid]
+        assert _answer_cols(row) == _answer_cols(ref), sid
+        assert row["stream_chunks"] > 4 and row["stream_keepalives"] == 0
+        assert ref["stream_chunks"] is None and ref["stream_keepalives"] is None
+        # The stored body is the assembled equivalent of the non-streaming body.
+        got, want = json.loads(row["raw_response_json"]), json.loads(ref["raw_response_json"])
+        assert got["usage"] == want["usage"] and got["model"] == want["model"]
+        gm, wm = got["choices"][0]["message"], want["choices"][0]["message"]
+        for k in ("content", "reasoning", "tool_calls"):
+            assert gm.get(k) == wm.get(k), (sid, k)
+        if wm.get("reasoning_details"):
+            assert [d["text"] for d in gm["reasoning_details"]] == [d["text"] for d in wm["reasoning_details"]]
+        n_tools += bool(row["tool_calls_json"])
+    assert n_tools >= 3  # tool-call fragments were reassembled, not only text
+
+    # Reconstruction sees no difference: identical token samples from the real Kimi tokenizer.
+    def samples(root: Path) -> list[dict]:
+        table = read_responses(out_dirs(root)[0]).sort_by("sample_id")
+        return reconstruct_table(table, kimi, "kimi-k2.5", dataset_has_tools=True).to_pylist()
+
+    got_samples = samples(tmp_path / "streamed")
+    assert len(got_samples) == 24 and got_samples == samples(tmp_path / "plain")
+
+
+def encode(text: str) -> list[int]:
+    return [b + 10 for b in text.encode("utf-8")]
+
+
+def test_vllm_streamed_ids_equal_non_streamed(tmp_path):
+    prompts = make_prompts(10, tools_every=3)
+    kw = dict(encode=encode, think_start_id=3, think_end_id=4, eos_id=2)
+    with SimulatedVLLMServer(stream={"chunk_chars": 11}, **kw) as srv:
+        base = dict(name="vllm-local", kind="vllm", endpoint=srv.url, model="m", concurrency=4, max_retries=1)
+        assert BackendSpec(**base).effective_stream is False  # off by default for vLLM
+        s1 = run(prompts, BackendSpec(**base, stream=True), tmp_path / "streamed")
+        key = request_key(prompts.column("messages_json").to_pylist()[0], SAMPLING.seed)
+        body = srv.body_for(key)
+        s2 = run(prompts, BackendSpec(**base), tmp_path / "plain")
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert s1.completed == s2.completed == 10
+    streamed, plain = _rows(tmp_path / "streamed"), _rows(tmp_path / "plain")
+    for sid, row in streamed.items():
+        assert _answer_cols(row) == _answer_cols(plain[sid]), sid
+        assert row["output_token_ids"] and row["prompt_token_ids"] and row["usage_completion_tokens"]
+        assert row["stream_chunks"] > 3
+
+
+FAULT_CLASS = {
+    "stream_error": ("provider_error", "mid-stream error"),
+    "stream_finish_error": ("provider_error", "finish_reason 'error'"),
+    "stream_cut": ("connection", ""),
+    "stream_no_finish": ("provider_error", "without a finish_reason"),
+    "stream_idle": ("timeout", "no data from the server for 0.5 s"),
+    "stream_trickle": ("timeout", "only keep-alives for over 0.6 s"),
+}
+
+
+@pytest.mark.parametrize("fault", STREAM_FAULTS)
+def test_stream_failures_are_recorded_then_retried_never_kept(tmp_path, fault):
+    assert set(FAULT_CLASS) == set(STREAM_FAULTS)
+    prompts = make_prompts(4, tools_every=2)
+    keys = {request_key(mj, SAMPLING.seed) for mj in prompts.column("messages_json").to_pylist()}
+    with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}) as clean:
+        run(prompts, sim_backend(clean.url, stream=True), tmp_path / "clean")
+    spec = dict(stream=True, timeout_s=0.5, max_keepalive_only_s=0.6)
+    faults = {fault: 1.0, "timeout_sleep_s": 5.0}  # every request's first attempt fails
+    with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}, faults=faults) as srv:
+        # No retries: every first attempt fails, is recorded, and no partial row is kept.
+        s = run(prompts, sim_backend(srv.url, max_retries=0, **spec), tmp_path)
+        assert (s.completed, s.failed) == (0, 4)
+        assert read_responses(out_dirs(tmp_path)[0]).num_rows == 0
+        errors = read_errors(out_dirs(tmp_path)[1]).to_pylist()
+        cls, text = FAULT_CLASS[fault]
+        assert len(errors) == 4 and {e["error_class"] for e in errors} == {cls}
+        assert all(text in e["message"] and e["attempts"] == 1 for e in errors), errors
+        # The next run requests them again (second attempts: the fault has cleared) and keeps whole answers only.
+        s = run(prompts, sim_backend(srv.url, max_retries=0, **spec), tmp_path)
+        assert (s.completed, s.failed) == (4, 0)
+    with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}, faults=faults) as srv:
+        # With retries, one run recovers every prompt: one failed and one good attempt each.
+        s = run(prompts, sim_backend(srv.url, max_retries=2, **spec), tmp_path / "retried")
+        assert (s.completed, s.failed) == (4, 0) and srv.request_counts() == {k: 2 for k in keys}
+    # The kept rows are the whole answers, exactly as a clean server streams them (the servers' ports differ).
+    same = {"attempts": None, "endpoint": None}
+    want = {k: _answer_cols(v) | same for k, v in _rows(tmp_path / "clean").items()}
+    for root, attempts in ((tmp_path, 1), (tmp_path / "retried", 2)):
+        rows = _rows(root)
+        assert {k: _answer_cols(v) | same for k, v in rows.items()} == want
+        assert all(r["attempts"] == attempts for r in rows.values())
+
+
+def test_overall_cap_ends_a_never_ending_trickle(tmp_path):
+    prompts = make_prompts(2)
+    faults = {"stream_trickle": 1.0}
+    with SimulatedOpenRouterServer(stream={"keepalive_s": 0.05}, faults=faults) as srv:
+        spec = sim_backend(
+            srv.url, stream=True, timeout_s=0.5, max_keepalive_only_s=None, max_request_s=1.0, max_retries=0
+        )
+        t0 = time.monotonic()
+        s = run(prompts, spec, tmp_path)
+        elapsed = time.monotonic() - t0
+    assert (s.completed, s.failed) == (0, 2) and s.errors_by_class == {"timeout": 2}
+    errors = read_errors(out_dirs(tmp_path)[1]).to_pylist()
+    assert all("exceeded max_request_s = 1 s" in e["message"] for e in errors), errors
+    assert elapsed < 10
+
+
+def test_keepalives_keep_a_long_generation_alive(tmp_path):
+    """2 s of silent thinking with keep-alives every 0.1 s completes under a 0.5 s idle timeout, which would have cut
+    the same wait on a silent (non-streaming) connection."""
+    prompts = make_prompts(3)
+    with SimulatedOpenRouterServer(stream={"thinking_s": 2.0, "keepalive_s": 0.1}) as srv:
+        s = run(prompts, sim_backend(srv.url, stream=True, timeout_s=0.5, max_retries=0), tmp_path / "streamed")
+    assert (s.completed, s.failed) == (3, 0)
+    rows = _rows(tmp_path / "streamed").values()
+    assert all(r["stream_keepalives"] >= 15 and r["attempts"] == 1 and r["latency_s"] >= 2.0 for r in rows)
+    with SimulatedOpenRouterServer(latency_s=2.0) as srv:
+        s = run(prompts, sim_backend(srv.url, stream=False, timeout_s=0.5, max_retries=0), tmp_path / "plain")
+    assert (s.completed, s.failed) == (0, 3) and s.errors_by_class == {"timeout": 3}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
+    n = 40
+    prompts = make_prompts(n)
+    prompts_path = tmp_path / "prompts.parquet"
+    pq.write_table(prompts, prompts_path)
+    key_of = {
+        sid: request_key(mj, SAMPLING.seed)
+        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
+    }
+    out, _ = out_dirs(tmp_path)
+    options = json.dumps({"backend": {"stream": True}, "commit_every_rows": 1})
+
+    def child() -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eagle_pipeline_tests.generation.resume_child",
+                str(prompts_path),
+                srv.url,
+                str(tmp_path),
+                options,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def committed() -> list[str]:
+        ids: list[str] = []
+        for f in part_files(out):
+            ids += pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()
+        return ids
+
+    # ~0.5 s per streamed answer (about 25 chunks, 20 ms apart): a kill always finds 8 streams mid-way.
+    with SimulatedOpenRouterServer(stream={"chunk_chars": 24, "chunk_delay_s": 0.02}) as srv:
+        proc = child()
+        deadline = time.monotonic() + 60
+        while len(committed()) < 10 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, proc.communicate()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        at_kill = committed()
+        assert len(at_kill) == len(set(at_kill)) and 10 <= len(at_kill) < n
+        first_run = set(srv.request_counts())
+        committed_keys = {key_of[s] for s in at_kill}
+        in_flight = first_run - committed_keys
+        assert 0 < len(in_flight) <= 8 + 1  # the workers' streams (and at most one row being committed)
+        log_start = len(srv.request_log())
+        proc = child()
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+        second = [r.key for r in srv.request_log()[log_start:]]
+    # The rerun requested exactly the prompts not committed, each once: nothing committed was re-bought, and the
+    # only re-requests are the streams that were in flight at the kill.
+    assert sorted(second) == sorted(set(key_of.values()) - committed_keys)
+    assert set(second) & first_run == in_flight
+    assert sorted(committed()) == sorted(key_of)
+    rows = read_responses(out).to_pylist()
+    assert len(rows) == n and all(r["stream_chunks"] > 10 for r in rows)
