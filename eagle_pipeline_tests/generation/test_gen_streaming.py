@@ -22,8 +22,10 @@ from eagle_pipeline.generation import (
     read_responses,
     request_key,
 )
+from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
 from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.generation.stream import ChatStreamAssembler
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
@@ -242,3 +244,124 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
     assert sorted(committed()) == sorted(key_of)
     rows = read_responses(out).to_pylist()
     assert len(rows) == n and all(r["stream_chunks"] > 10 for r in rows)
+
+
+def _feed(lines: list[bytes], **kw) -> ChatStreamAssembler:
+    a = ChatStreamAssembler(**kw)
+    for line in lines:
+        a.feed_line(line)
+    return a
+
+
+def _data(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode()
+
+
+def test_assembler_reasoning_details_crlf_multiline_events_and_fragments():
+    chunk = {"id": "g1", "model": "m", "object": "chat.completion.chunk"}
+    lines = [
+        b": OPENROUTER PROCESSING\r\n",
+        b"\r\n",
+        # reasoning only as reasoning_details (no delta.reasoning): its text is the reasoning
+        _data(
+            {
+                **chunk,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "role": "assistant",
+                            "reasoning_details": [{"type": "reasoning.text", "text": "Thi", "index": 0}],
+                        },
+                    }
+                ],
+            }
+        )
+        + b"\r\n",
+        b"\r\n",
+        # one event split over two data lines (joined with a newline, as SSE defines)
+        b'data: {"choices": [{"index": 0, "delta": {"reasoning_details": [{"type": "reasoning.text", "text": "nk."}],',
+        b'data:  "content": "Hi", "tool_calls": [{"index": 1, "id": "b", "function": {"name": "g", "arguments": "{\\"x"}}]}}]}',
+        b"",
+        _data(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": "a",
+                                    "type": "function",
+                                    "function": {"name": "f", "arguments": "{}"},
+                                }
+                            ]
+                        },
+                    }
+                ]
+            }
+        ),
+        b"",
+        _data(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [{"index": 1, "function": {"arguments": '": 1}'}}]},
+                        "finish_reason": "tool_calls",
+                    }
+                ]
+            }
+        ),
+        b"",
+        _data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
+        b"",
+        b"data: [DONE]",
+        b"",
+        _data({"choices": [{"delta": {"content": "ignored after DONE"}}]}),
+        b"",
+    ]
+    a = _feed(lines)
+    body = a.body()
+    msg = body["choices"][0]["message"]
+    assert (a.chunks, a.keepalives) == (5, 1)
+    assert msg["reasoning"] == "Think." and msg["content"] == "Hi"
+    assert msg["reasoning_details"] == [{"type": "reasoning.text", "text": "Think.", "index": 0}]
+    assert [(t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in msg["tool_calls"]] == [
+        ("a", "f", {}),
+        ("b", "g", {"x": 1}),
+    ]
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and body["usage"]["completion_tokens"] == 5
+    assert body["id"] == "g1" and body["model"] == "m" and body["object"] == "chat.completion"
+
+
+def test_assembler_failures():
+    start = _data({"choices": [{"index": 0, "delta": {"content": "part"}}]})
+    with pytest.raises(RequestFailure) as e:
+        _feed([start, b"", b'data: {"error": {"code": 502, "message": "upstream gone"}, "choices": []}', b""])
+    assert e.value.error_class == "provider_error" and "upstream gone" in e.value.message and e.value.retryable
+    with pytest.raises(RequestFailure) as e:
+        _feed([start, b"", b"data: {not json", b""])
+    assert e.value.error_class == "malformed_body"
+    with pytest.raises(RequestFailure) as e:
+        _feed([start, b""]).body()
+    assert e.value.error_class == "connection" and "[DONE]" in e.value.message
+    with pytest.raises(RequestFailure) as e:
+        _feed([start, b"", b"data: [DONE]", b""]).body()
+    assert e.value.error_class == "provider_error" and "finish_reason" in e.value.message
+    a = _feed([b": keep-alive"], keepalive_only_max_s=0.05)
+    time.sleep(0.1)
+    with pytest.raises(RequestFailure) as e:
+        a.feed_line(b": keep-alive")
+    assert e.value.error_class == "timeout"
+
+
+def test_stream_setting_per_kind():
+    base = dict(name="b", endpoint="http://127.0.0.1:1", model="m")
+    assert BackendSpec(kind="openrouter", **base).effective_stream is True
+    assert BackendSpec(kind="simulated", **base).effective_stream is True
+    assert BackendSpec(kind="vllm", **base).effective_stream is False
+    assert BackendSpec(kind="sglang", **base).effective_stream is False
+    with pytest.raises(ValueError, match="stream"):
+        BackendSpec(kind="sglang", stream=True, **base)

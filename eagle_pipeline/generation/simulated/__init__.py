@@ -19,13 +19,17 @@ to every request once the server has seen more than N (a key revoked or credits 
   transient: http_429 (Retry-After: retry_after_s), http_500, http_502, http_503, timeout (sleeps
              timeout_sleep_s, beyond the client's timeout), error_200 (HTTP 200 with an error body), no_choices,
              cut_body (connection closed mid-body), bad_json (complete HTTP response, truncated JSON)
+  stream:    (streamed requests only; transient) stream_error (error chunk with finish_reason 'error' after partial
+             content), stream_finish_error, stream_cut (no [DONE]), stream_no_finish, stream_idle (a gap of
+             timeout_sleep_s mid-stream), stream_trickle (keep-alives forever)
   status:    http_401, http_402
   quality:   length (finish 'length', text cut), empty_content, empty_reasoning, billing_mismatch
              (usage.completion_tokens +15%), bad_tool_args (malformed JSON arguments), prompt_mismatch
              (usage.prompt_tokens counts a system prompt the provider injected: +PROMPT_INJECTED_TOKENS)
 
 Modules: `answers` (request keys, token counters, the deterministic answer), `faults` (the fault plan and the HTTP
-response of each fault), `server` (the loopback transport, lifecycle and request log), and one module per wire format:
+response of each fault), `server` (the loopback transport, lifecycle and request log), `streaming` (a completion body as SSE chunks, paced
+by a `StreamStyle`, with the stream faults), and one module per wire format:
 `openrouter`, `vllm`, `sglang` (with `id_server`, the token-id rendering the last two share).
 """
 
@@ -52,6 +56,7 @@ from eagle_pipeline.generation.simulated.faults import (
 from eagle_pipeline.generation.simulated.openrouter import SimulatedOpenRouterServer
 from eagle_pipeline.generation.simulated.server import LoopbackServer, RequestRecord
 from eagle_pipeline.generation.simulated.sglang import SimulatedSGLangServer
+from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle
 from eagle_pipeline.generation.simulated.vllm import SimulatedVLLMServer
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "PROMPT_INJECTED_TOKENS",
     "QUALITY_FAULTS",
     "STATUS_FAULTS",
+    "STREAM_FAULTS",
     "TRANSIENT_FAULTS",
     "Answer",
     "CountCompletion",
@@ -69,6 +75,7 @@ __all__ = [
     "SimulatedOpenRouterServer",
     "SimulatedSGLangServer",
     "SimulatedVLLMServer",
+    "StreamStyle",
     "crude_completion_tokens",
     "crude_prompt_tokens",
     "crude_token_count",
