@@ -2,13 +2,18 @@
 
     .venv/bin/python benchmarks/bench_generation.py            # the full set (~2-3 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_generation.py --quick    # a smaller set (~1 minute)
+    .venv/bin/python benchmarks/bench_generation.py --quick --only-stream   # streaming next to non-streaming only
 
 Every scenario runs a fixed-latency loopback server in one process and the client in another, so the client's
 CPU time and peak RSS are its own. The server is a raw asyncio HTTP/1.1 server answering every request with one
-precomputed OpenRouter-format body (~2 KB of reasoning + content), cheap enough not to be the bottleneck.
+precomputed OpenRouter-format body (~2 KB of reasoning + content), cheap enough not to be the bottleneck. A request
+with `"stream":true` gets the same answer as server-sent events (~90 chunks of 24 characters, ~20 KB with the
+per-chunk envelope): the headers and a keep-alive comment at once, then the chunks in ten bursts over the second
+half of the latency, so the client reads and parses them as they arrive.
 
 Clients:
-  pipeline  eagle_pipeline.generation.generate_dataset (aiohttp, parsing, rows, Parquet commits): the real thing
+  pipeline  eagle_pipeline.generation.generate_dataset (aiohttp, parsing, rows, Parquet commits): the real thing,
+            non-streaming (`stream: false`) and streaming (`stream: true`) in the same run
   aiohttp   a bare aiohttp ClientSession loop (one session, connector sized to the in-flight count)
   httpx     a bare httpx.AsyncClient loop (one pool sized to the in-flight count)
 
@@ -74,7 +79,14 @@ def _body() -> bytes:
             "cost": 0.0015,
         },
     }
-    return json.dumps(obj).encode()
+    return obj
+
+
+def _sse(obj: dict) -> bytes:
+    from eagle_pipeline.generation.simulated.streaming import KEEPALIVE, completion_chunks
+
+    events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in completion_chunks(obj, chunk_chars=24))
+    return KEEPALIVE + events + b"data: [DONE]\n\n"
 
 
 # ---- server ----------------------------------------------------------------------------------------------
@@ -87,8 +99,14 @@ def serve(latency: float, port_file: str) -> None:
         uvloop.install()
     except ImportError:
         pass
-    body = _body()
+    obj = _body()
+    body = json.dumps(obj).encode()
     response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    sse = _sse(obj)
+    sse_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(sse)
+    first = len(b": OPENROUTER PROCESSING\n\n")
+    cuts = [first + (len(sse) - first) * k // 10 for k in range(11)]
+    bursts = [sse[a:b] for a, b in zip(cuts, cuts[1:])]
 
     class Proto(asyncio.Protocol):
         def connection_made(self, transport):  # type: ignore[override]
@@ -106,12 +124,18 @@ def serve(latency: float, port_file: str) -> None:
                 n = int(head[j + 15 : head.find(b"\r\n", j) if head.find(b"\r\n", j) > 0 else None]) if j >= 0 else 0
                 if len(self.buf) < i + 4 + n:
                     return
+                streamed = b'"stream":true' in self.buf[i + 4 : i + 4 + n]
                 del self.buf[: i + 4 + n]
-                loop.call_later(latency, self._respond)
+                if not streamed:
+                    loop.call_later(latency, self._respond, response)
+                    continue
+                self._respond(sse_head + sse[:first])
+                for k, burst in enumerate(bursts, 1):
+                    loop.call_later(latency * (0.5 + 0.05 * k), self._respond, burst)
 
-        def _respond(self) -> None:
+        def _respond(self, data: bytes) -> None:
             if not self.t.is_closing():
-                self.t.write(response)
+                self.t.write(data)
 
     loop = asyncio.new_event_loop()
     server = loop.run_until_complete(loop.create_server(Proto, "127.0.0.1", 0, backlog=8192))
@@ -142,7 +166,7 @@ def _usage() -> tuple[float, int]:
     return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
 
 
-def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
+def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bool = False) -> dict:
     import pyarrow as pa
 
     from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
@@ -166,6 +190,7 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
         model="moonshotai/kimi-k2.5",
         concurrency=in_flight,
         timeout_s=120,
+        stream=stream,
     )
     with tempfile.TemporaryDirectory() as d:
         cpu0, _ = _usage()
@@ -182,6 +207,7 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
         wall = time.monotonic() - t0
         cpu1, rss = _usage()
         t = read_responses(Path(d) / "r")
+        chunks = t.column("stream_chunks").to_pylist()
         starts = [x.timestamp() for x in t.column("started_at").to_pylist()]
         ends = [x.timestamp() for x in t.column("finished_at").to_pylist()]
     spans = [(a, b, True) for a, b in zip(starts, ends)]
@@ -194,6 +220,7 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float) -> dict:
         "wall_s": wall,
         "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, s.completed),
         "peak_rss_mib": rss / 2**20,
+        "mean_stream_chunks": sum(c or 0 for c in chunks) / max(1, len(chunks)),
         **steady,
     }
 
@@ -298,7 +325,7 @@ def scenario(
                 time.sleep(0.05)
             port = Path(port_file).read_text()
             base = f"http://127.0.0.1:{port}/api/v1"
-            url = base if client == "pipeline" else base + "/chat/completions"
+            url = base if client.startswith("pipeline") else base + "/chat/completions"
             cmd = [
                 sys.executable,
                 __file__,
@@ -333,10 +360,12 @@ def _proc_cpu(pid: int) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-stream", action="store_true", help="only the non-streaming and streaming pipeline rows")
     args = ap.parse_args()
     q = args.quick
     runs = [
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline (uvloop)"),
+        ("pipeline-stream", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline, streaming"),
         ("pipeline", 2000, 5.0, 6000 if q else 10000, 600.0, None, "pipeline (uvloop)"),
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, {"EAGLE_NO_UVLOOP": "1"}, "pipeline (asyncio loop)"),
         ("aiohttp", 2000, 2.0, 0, 10.0 if q else 16.0, None, "bare aiohttp"),
@@ -352,6 +381,8 @@ def main() -> None:
         f"{'overall/s':>9} {'cpu ms/resp':>11} {'peak RSS':>9} {'wall s':>7} {'srv cpu s':>9}"
     )
     print(header)
+    if args.only_stream:
+        runs = runs[:2]
     for client, inflight, latency, n, duration, env, label in runs:
         r = scenario(client, inflight, latency, n, duration, env)
         if "error" in r:
@@ -379,8 +410,8 @@ if __name__ == "__main__":
             float(sys.argv[6]),
             float(sys.argv[7]),
         )
-        if kind == "pipeline":
-            res = client_pipeline(url, inflight, n, latency)
+        if kind.startswith("pipeline"):
+            res = client_pipeline(url, inflight, n, latency, stream=kind == "pipeline-stream")
         else:
             res = client_bare(kind, url, inflight, n, latency, duration)
         print(json.dumps(res))

@@ -20,10 +20,10 @@ from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
 
 
-class LineSink(Protocol):
-    """Takes the lines of a streamed (text/event-stream) response body, one at a time."""
+class StreamSink(Protocol):
+    """Takes the bytes of a streamed (text/event-stream) response body as they arrive, cut anywhere."""
 
-    def feed_line(self, raw: bytes) -> None: ...
+    def feed(self, data: bytes) -> None: ...
 
 
 class HttpClient:
@@ -69,9 +69,9 @@ class HttpClient:
             self._session = None
 
     async def post(
-        self, url: str, body: bytes, events: LineSink | None = None
+        self, url: str, body: bytes, events: StreamSink | None = None
     ) -> tuple[int, bytes | None, float | None]:
-        """POST `body`. With `events`, a 2xx text/event-stream answer is fed to it line by line as it arrives and
+        """POST `body`. With `events`, a 2xx text/event-stream answer is fed to it as it arrives and
         None is returned as the body; any other answer (an error status, a plain JSON body) is returned whole."""
         assert self._session is not None, "HttpClient used outside `async with`"
         t0 = time.monotonic()
@@ -80,16 +80,8 @@ class HttpClient:
                 retry_after = resp.headers.get("Retry-After")
                 retry_s = F.parse_retry_after(retry_after) if retry_after else None
                 if events is not None and 200 <= resp.status < 300 and resp.content_type == "text/event-stream":
-                    # Lines split here rather than with readline(), whose 128 KiB line limit a vLLM first chunk
-                    # (all the prompt's ids) can exceed.
-                    rest = b""
                     async for data in resp.content.iter_any():
-                        lines = (rest + data).split(b"\n") if rest else data.split(b"\n")
-                        rest = lines.pop()
-                        for line in lines:
-                            events.feed_line(line)
-                    if rest:
-                        events.feed_line(rest)
+                        events.feed(data)
                     return resp.status, None, retry_s
                 raw = await resp.read()
                 return resp.status, raw, retry_s

@@ -1,8 +1,9 @@
 """Streamed chat completions: server-sent events parsed incrementally and reassembled into the equivalent
 non-streaming body.
 
-`ChatStreamAssembler` takes the raw lines of an SSE response one at a time (`feed_line`): `:` comment lines are
-keep-alives (counted; they only prove the connection is alive), `data:` lines are `chat.completion.chunk` objects
+`ChatStreamAssembler` takes the bytes of an SSE response as they arrive (`feed`, cut anywhere) and frames its events:
+`:` comment lines are keep-alives (counted, and checked against `keepalive_only_max_s`), `data:` events are
+`chat.completion.chunk` objects
 whose deltas are concatenated (`reasoning`, else the text of `reasoning_details`; `content`; `tool_calls` fragments
 by `index`; vLLM's `token_ids`, and `prompt_token_ids` from the first chunk), and the final empty-choices chunk
 carries `usage`. `body()` returns the chat completion a non-streaming request would have returned, which goes
@@ -27,7 +28,12 @@ _DONE = "[DONE]"
 
 
 class ChatStreamAssembler:
-    """Reassembles one streamed chat completion, line by line; raises RequestFailure as soon as the stream fails."""
+    """Reassembles one streamed chat completion from the body's bytes as they arrive (`feed`); `body()` at the end.
+
+    Liveness is judged as bytes arrive; events are framed and their JSON decoded once, at the end, in one call: at
+    thousands of streams in flight per-chunk work is the client's main CPU cost, and a stream that fails is never
+    kept, so nothing is gained by decoding it early (a mid-stream error is followed by the end of the stream).
+    """
 
     def __init__(self, *, keepalive_only_max_s: float | None = None, status: int = 200) -> None:
         self.keepalive_only_max_s = keepalive_only_max_s
@@ -35,9 +41,10 @@ class ChatStreamAssembler:
         self.chunks = 0
         self.keepalives = 0
         self.done = False
-        self._data: list[str] = []  # data lines of the event being read (an event may span several)
+        self._raw: list[bytes] = []  # the body's bytes as received
+        self._events: list[bytes] = []  # data payloads of the complete events before [DONE]
         self._last_data = time.monotonic()
-        self._top: dict[str, Any] = {}  # id, model, provider, created, ... of the first chunk
+        self._top: dict[str, Any] = {}  # id, model, provider, created, ... (first seen)
         self._prompt_ids: list[int] | None = None
         self._role: str | None = None
         self._reasoning: list[str] | None = None
@@ -47,90 +54,132 @@ class ChatStreamAssembler:
         self._tools: dict[int, dict[str, Any]] = {}
         self._token_ids: list[int] | None = None
         self._finish: Any = None
-        self._choice_extra: dict[str, Any] = {}  # native_finish_reason, stop_reason, logprobs
+        self._choice_extra: dict[str, Any] = {}  # native_finish_reason, stop_reason of the finish chunk
         self._usage: Any = None
 
     # ---- input ---------------------------------------------------------------------------------------------
-    def feed_line(self, raw: bytes) -> None:
-        """One line of the response body (with or without its line ending)."""
-        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        if not line:
-            self._dispatch()
-            return
-        if line.startswith(":"):
-            self.keepalives += 1
-            limit = self.keepalive_only_max_s
-            if limit is not None and time.monotonic() - self._last_data > limit:
+    def feed(self, data: bytes) -> None:
+        """The next bytes of the response body, cut anywhere.
+
+        Only liveness is judged here (two substring scans per network read); events are framed and decoded once,
+        in `body()`: per-event work as bytes arrive was the client's largest cost at thousands of streams.
+        """
+        self._raw.append(data)
+        if b"data:" in data:
+            self._last_data = time.monotonic()
+        elif self.keepalive_only_max_s is not None and (data.startswith(b":") or b"\n:" in data):
+            idle = time.monotonic() - self._last_data
+            if idle > self.keepalive_only_max_s:
                 raise RequestFailure(
                     F.TIMEOUT,
-                    f"only keep-alives for over {limit:g} s ({self.keepalives} comments, {self.chunks} chunks)",
+                    f"only keep-alives for over {self.keepalive_only_max_s:g} s (no data for {idle:.1f} s)",
                     True,
                     self.status,
                 )
-            return
-        field, _, value = line.partition(":")
-        if field == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        # `event:`, `id:`, `retry:` carry nothing a chat completion needs.
 
-    def _dispatch(self) -> None:
-        if not self._data:
-            return
-        data = "\n".join(self._data)
-        self._data = []
-        self._last_data = time.monotonic()
+    def _frame(self) -> None:
+        """Split the received bytes into events: data payloads up to `[DONE]`, keep-alive comments counted."""
+        raw = b"".join(self._raw)
+        self._raw = []
+        if b"\r" in raw:
+            raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        events = raw.split(b"\n\n")
+        tail = events.pop()  # after the last blank line: `[DONE]` without its blank line, or a chunk cut short
+        for ev in events:
+            if ev.startswith(b"data:") and b"\n" not in ev:  # the common case: one data line
+                self._data_event(ev[5:])
+            elif ev:
+                self._general_event(ev)
+        if tail.strip():
+            complete = len(self._events)
+            self._general_event(tail)
+            if not self.done:
+                del self._events[complete:]
+
+    def _general_event(self, ev: bytes) -> None:
+        data: list[bytes] = []
+        for line in ev.split(b"\n"):
+            if line.startswith(b":"):
+                self.keepalives += 1
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+            # `event:`, `id:`, `retry:` carry nothing a chat completion needs.
+        if data:
+            self._data_event(b"\n".join(data))
+
+    def _data_event(self, payload: bytes) -> None:
         if self.done:
             return  # nothing may follow [DONE]; ignore rather than fail a complete answer
-        if data.strip() == _DONE:
+        if len(payload) < 16 and payload.strip() == b"[DONE]":
             self.done = True
             return
-        try:
-            chunk = json.loads(data)
-        except ValueError as exc:
-            raise RequestFailure(
-                F.MALFORMED_BODY, F.truncate(f"stream chunk {self.chunks + 1} is not JSON: {exc}"), True, self.status
-            ) from None
         self.chunks += 1
-        self._chunk(chunk)
+        self._events.append(payload)
 
-    def _chunk(self, chunk: Any) -> None:
-        if not isinstance(chunk, dict):
-            raise RequestFailure(F.MALFORMED_BODY, f"stream chunk {self.chunks} is not an object", True, self.status)
-        if chunk.get("error"):
-            raise _mid_stream(F.classify_body_error(chunk["error"], self.status), self.chunks)
-        for k in ("id", "model", "provider", "object", "created", "system_fingerprint"):
-            if k in chunk and k not in self._top:
-                self._top[k] = chunk[k]
-        if self._prompt_ids is None and isinstance(chunk.get("prompt_token_ids"), list):
-            self._prompt_ids = chunk["prompt_token_ids"]
-        if chunk.get("usage") is not None:
-            self._usage = chunk["usage"]
-        choices = chunk.get("choices")
-        if not choices:
-            return
-        ch = choices[0]
-        if not isinstance(ch, dict):
-            raise RequestFailure(F.MALFORMED_BODY, "stream chunk choices[0] is not an object", True, self.status)
-        if ch.get("error"):
-            raise _mid_stream(F.classify_body_error(ch["error"], self.status), self.chunks)
-        if self._prompt_ids is None and isinstance(ch.get("prompt_token_ids"), list):
-            self._prompt_ids = ch["prompt_token_ids"]
-        delta = ch.get("delta")
-        if isinstance(delta, dict):
-            self._delta(delta)
-        ids = ch.get("token_ids")
-        if isinstance(ids, list):
-            if self._token_ids is None:
-                self._token_ids = []
-            self._token_ids.extend(ids)
-        for k in ("native_finish_reason", "stop_reason", "logprobs"):
-            if ch.get(k) is not None:
-                self._choice_extra[k] = ch[k]
-        finish = ch.get("finish_reason")
-        if finish == "error":
-            raise _mid_stream(RequestFailure(F.PROVIDER_ERROR, "finish_reason 'error'", True, self.status), self.chunks)
-        if finish is not None:
-            self._finish = finish
+    def _decode(self) -> list[Any]:
+        try:
+            return json.loads(b"[" + b",".join(self._events) + b"]")
+        except ValueError:
+            pass
+        for i, payload in enumerate(self._events, 1):  # find the culprit for the message
+            try:
+                json.loads(payload)
+            except ValueError as exc:
+                raise RequestFailure(
+                    F.MALFORMED_BODY, F.truncate(f"stream chunk {i} is not JSON: {exc}"), True, self.status
+                ) from None
+        raise RequestFailure(F.MALFORMED_BODY, "stream chunks are not JSON", True, self.status)
+
+    def _apply(self, chunks: list[Any]) -> None:
+        missing = ["id", "model", "provider", "object", "created", "system_fingerprint"]
+        for n, chunk in enumerate(chunks, 1):
+            if not isinstance(chunk, dict):
+                raise RequestFailure(F.MALFORMED_BODY, f"stream chunk {n} is not an object", True, self.status)
+            if chunk.get("error"):
+                raise _mid_stream(F.classify_body_error(chunk["error"], self.status), n)
+            if missing:
+                for k in [k for k in missing if k in chunk]:
+                    self._top[k] = chunk[k]
+                    missing.remove(k)
+            usage = chunk.get("usage")
+            if usage is not None:
+                self._usage = usage
+            choices = chunk.get("choices")
+            if n == 1 and isinstance(chunk.get("prompt_token_ids"), list):  # vLLM: in the first chunk
+                self._prompt_ids = chunk["prompt_token_ids"]
+            if not choices:
+                continue
+            ch = choices[0]
+            if not isinstance(ch, dict):
+                raise RequestFailure(
+                    F.MALFORMED_BODY, f"stream chunk {n}: choices[0] is not an object", True, self.status
+                )
+            delta = ch.get("delta")
+            if delta:
+                content = delta.get("content")
+                if content is not None and len(delta) == 1 and self._content is not None:
+                    self._content.append(content)  # the common chunk
+                elif isinstance(delta, dict):
+                    self._delta(delta)
+            ids = ch.get("token_ids")
+            if ids is not None:
+                if n == 1 and self._prompt_ids is None and isinstance(ch.get("prompt_token_ids"), list):
+                    self._prompt_ids = ch["prompt_token_ids"]
+                if isinstance(ids, list):
+                    if self._token_ids is None:
+                        self._token_ids = []
+                    self._token_ids.extend(ids)
+            finish = ch.get("finish_reason")
+            if finish is not None or ch.get("error"):
+                if ch.get("error"):
+                    raise _mid_stream(F.classify_body_error(ch["error"], self.status), n)
+                if finish == "error":
+                    raise _mid_stream(RequestFailure(F.PROVIDER_ERROR, "finish_reason 'error'", True, self.status), n)
+                self._finish = finish
+                for k in ("native_finish_reason", "stop_reason"):
+                    if ch.get(k) is not None:
+                        self._choice_extra[k] = ch[k]
 
     def _delta(self, delta: dict[str, Any]) -> None:
         if isinstance(delta.get("role"), str):
@@ -172,7 +221,7 @@ class ChatStreamAssembler:
         return parts
 
     def _tool_fragment(self, frag: dict[str, Any]) -> None:
-        idx = frag.get("index") if isinstance(frag.get("index"), int) else len(self._tools)
+        idx: int = frag["index"] if isinstance(frag.get("index"), int) else len(self._tools)
         call = self._tools.get(idx)
         if call is None:
             call = self._tools[idx] = {
@@ -195,14 +244,20 @@ class ChatStreamAssembler:
     # ---- output --------------------------------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
         """The equivalent non-streaming chat completion; raises RequestFailure for an incomplete stream."""
-        self._dispatch()  # a last event without its blank line
+        self._frame()
         if not self.done:
+            try:  # an error chunk before the cut says more than the cut
+                self._apply(self._decode())
+            except RequestFailure as f:
+                if f.error_class != F.MALFORMED_BODY:  # a half-received last chunk is part of the cut
+                    raise
             raise RequestFailure(
                 F.CONNECTION,
                 f"stream ended without [DONE] after {self.chunks} chunks (connection cut)",
                 True,
                 self.status,
             )
+        self._apply(self._decode())
         if self._finish is None:
             raise RequestFailure(
                 F.PROVIDER_ERROR, f"stream ended without a finish_reason after {self.chunks} chunks", True, self.status

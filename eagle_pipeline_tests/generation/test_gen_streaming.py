@@ -246,10 +246,12 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
     assert len(rows) == n and all(r["stream_chunks"] > 10 for r in rows)
 
 
-def _feed(lines: list[bytes], **kw) -> ChatStreamAssembler:
+def _feed(lines: list[bytes], *, bytewise: bool = False, **kw) -> ChatStreamAssembler:
+    """An assembler fed the lines (joined by LF unless they carry their own ending) in one block or byte by byte."""
+    raw = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
     a = ChatStreamAssembler(**kw)
-    for line in lines:
-        a.feed_line(line)
+    for piece in [raw[i : i + 1] for i in range(len(raw))] if bytewise else [raw]:
+        a.feed(piece)
     return a
 
 
@@ -324,6 +326,8 @@ def test_assembler_reasoning_details_crlf_multiline_events_and_fragments():
     ]
     a = _feed(lines)
     body = a.body()
+    bytewise = _feed(lines, bytewise=True)  # network reads cut anywhere, CRLF split included
+    assert bytewise.body() == body and (bytewise.chunks, bytewise.keepalives) == (a.chunks, a.keepalives)
     msg = body["choices"][0]["message"]
     assert (a.chunks, a.keepalives) == (5, 1)
     assert msg["reasoning"] == "Think." and msg["content"] == "Hi"
@@ -339,10 +343,10 @@ def test_assembler_reasoning_details_crlf_multiline_events_and_fragments():
 def test_assembler_failures():
     start = _data({"choices": [{"index": 0, "delta": {"content": "part"}}]})
     with pytest.raises(RequestFailure) as e:
-        _feed([start, b"", b'data: {"error": {"code": 502, "message": "upstream gone"}, "choices": []}', b""])
+        _feed([start, b"", b'data: {"error": {"code": 502, "message": "upstream gone"}, "choices": []}', b""]).body()
     assert e.value.error_class == "provider_error" and "upstream gone" in e.value.message and e.value.retryable
     with pytest.raises(RequestFailure) as e:
-        _feed([start, b"", b"data: {not json", b""])
+        _feed([start, b"", b"data: {not json", b"", b"data: [DONE]", b""]).body()
     assert e.value.error_class == "malformed_body"
     with pytest.raises(RequestFailure) as e:
         _feed([start, b""]).body()
@@ -350,10 +354,16 @@ def test_assembler_failures():
     with pytest.raises(RequestFailure) as e:
         _feed([start, b"", b"data: [DONE]", b""]).body()
     assert e.value.error_class == "provider_error" and "finish_reason" in e.value.message
-    a = _feed([b": keep-alive"], keepalive_only_max_s=0.05)
+    with pytest.raises(RequestFailure) as e:  # an error chunk, then the connection cut: the error is reported
+        _feed([start, b"", b'data: {"choices": [{"index": 0, "finish_reason": "error"}]}', b"", b'data: {"cho']).body()
+    assert e.value.error_class == "provider_error"
+    with pytest.raises(RequestFailure) as e:  # cut mid-chunk
+        _feed([start, b"", b'data: {"choices": [{"ind']).body()
+    assert e.value.error_class == "connection"
+    a = _feed([b": keep-alive", b""], keepalive_only_max_s=0.05)
     time.sleep(0.1)
     with pytest.raises(RequestFailure) as e:
-        a.feed_line(b": keep-alive")
+        a.feed(b": keep-alive\n\n")
     assert e.value.error_class == "timeout"
 
 

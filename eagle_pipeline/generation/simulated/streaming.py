@@ -50,7 +50,9 @@ def completion_chunks(completion: dict[str, Any], *, chunk_chars: int, include_u
     """The chunk objects of a streamed form of `completion` (a non-streaming chat completion body)."""
     choice = completion["choices"][0]
     msg = choice["message"]
-    base = {k: completion[k] for k in ("id", "provider", "model", "created", "system_fingerprint") if k in completion}
+    base: dict[str, Any] = {
+        k: completion[k] for k in ("id", "provider", "model", "created", "system_fingerprint") if k in completion
+    }
     base["object"] = "chat.completion.chunk"
 
     def chunk(delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
