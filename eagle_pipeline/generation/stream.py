@@ -50,9 +50,11 @@ class ChatStreamAssembler:
         self._role: str | None = None
         self._reasoning: list[str] | None = None
         self._reasoning_field = "reasoning"
-        self._details: dict[int, dict[str, Any]] = {}
+        # Texts are collected in lists and joined once: a long answer has thousands of deltas, and growing one
+        # string per delta is quadratic.
+        self._details: dict[int, tuple[dict[str, Any], list[str]]] = {}  # index -> (first fragment, texts)
         self._content: list[str] | None = None
-        self._tools: dict[int, dict[str, Any]] = {}
+        self._tools: dict[int, tuple[dict[str, Any], list[str], list[str]]] = {}  # index -> (call, names, args)
         self._token_ids: list[int] | None = None
         self._finish: Any = None
         self._choice_extra: dict[str, Any] = {}  # native_finish_reason, stop_reason of the finish chunk
@@ -203,54 +205,57 @@ class ChatStreamAssembler:
                         self._choice_extra[k] = ch[k]
 
     def _delta(self, delta: dict[str, Any]) -> None:
-        if isinstance(delta.get("role"), str):
-            self._role = delta["role"]
-        text = None
-        for field in ("reasoning", "reasoning_content"):
-            if isinstance(delta.get(field), str):
-                text, self._reasoning_field = delta[field], field
-                break
+        role = delta.get("role")
+        if isinstance(role, str):
+            self._role = role
+        text = delta.get("reasoning")
+        if text is None and delta.get("reasoning_content") is not None:
+            text, self._reasoning_field = delta["reasoning_content"], "reasoning_content"
         details = delta.get("reasoning_details")
-        if isinstance(details, list):
-            from_details = []
-            for d in details:
-                if not isinstance(d, dict):
-                    continue
-                idx = d.get("index", 0) if isinstance(d.get("index"), int) else 0
-                merged = self._details.get(idx)
-                if merged is None:
-                    self._details[idx] = dict(d)
-                elif isinstance(d.get("text"), str):
-                    merged["text"] = (merged.get("text") or "") + d["text"]
-                if d.get("type") in ("reasoning.text", "reasoning.summary") and isinstance(d.get("text"), str):
-                    from_details.append(d["text"])
+        if details and isinstance(details, list):
+            from_details = self._detail_fragments(details)
             if text is None and from_details:
                 text = "".join(from_details)  # a provider that sends only reasoning_details
-        if text is not None:
-            (self._reasoning if self._reasoning is not None else self._start("_reasoning")).append(text)
-        if isinstance(delta.get("content"), str):
-            (self._content if self._content is not None else self._start("_content")).append(delta["content"])
+        if isinstance(text, str):
+            if self._reasoning is None:
+                self._reasoning = []
+            self._reasoning.append(text)
+        content = delta.get("content")
+        if isinstance(content, str):
+            if self._content is None:
+                self._content = []
+            self._content.append(content)
         tool_calls = delta.get("tool_calls")
-        if isinstance(tool_calls, list):
+        if tool_calls and isinstance(tool_calls, list):
             for frag in tool_calls:
                 if isinstance(frag, dict):
                     self._tool_fragment(frag)
 
-    def _start(self, attr: str) -> list[str]:
-        parts: list[str] = []
-        setattr(self, attr, parts)
-        return parts
+    def _detail_fragments(self, details: list[Any]) -> list[str]:
+        """Merge `reasoning_details` fragments by index; return their reasoning text."""
+        texts = []
+        for d in details:
+            if not isinstance(d, dict):
+                continue
+            idx = d.get("index")
+            if not isinstance(idx, int):
+                idx = 0
+            text = d.get("text")
+            entry = self._details.get(idx)
+            if entry is None:
+                entry = self._details[idx] = ({k: v for k, v in d.items() if k != "text"}, [])
+            if isinstance(text, str):
+                entry[1].append(text)
+                if d.get("type") in ("reasoning.text", "reasoning.summary"):
+                    texts.append(text)
+        return texts
 
     def _tool_fragment(self, frag: dict[str, Any]) -> None:
         idx: int = frag["index"] if isinstance(frag.get("index"), int) else len(self._tools)
-        call = self._tools.get(idx)
-        if call is None:
-            call = self._tools[idx] = {
-                "id": None,
-                "type": "function",
-                "index": idx,
-                "function": {"name": "", "arguments": ""},
-            }
+        entry = self._tools.get(idx)
+        if entry is None:
+            entry = self._tools[idx] = ({"id": None, "type": "function", "index": idx}, [], [])
+        call, names, args = entry
         if frag.get("id"):
             call["id"] = frag["id"]
         if frag.get("type"):
@@ -258,9 +263,9 @@ class ChatStreamAssembler:
         fn = frag.get("function")
         if isinstance(fn, dict):
             if fn.get("name"):
-                call["function"]["name"] += fn["name"]
+                names.append(fn["name"])
             if isinstance(fn.get("arguments"), str):
-                call["function"]["arguments"] += fn["arguments"]
+                args.append(fn["arguments"])
 
     # ---- output --------------------------------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
@@ -289,9 +294,15 @@ class ChatStreamAssembler:
             self._reasoning_field: "".join(self._reasoning) if self._reasoning is not None else None,
         }
         if self._details:
-            message["reasoning_details"] = [self._details[i] for i in sorted(self._details)]
+            message["reasoning_details"] = [
+                {**first, "text": "".join(texts)} if texts else first
+                for first, texts in (self._details[i] for i in sorted(self._details))
+            ]
         if self._tools:
-            message["tool_calls"] = [self._tools[i] for i in sorted(self._tools)]
+            message["tool_calls"] = [
+                {**call, "function": {"name": "".join(names), "arguments": "".join(args)}}
+                for call, names, args in (self._tools[i] for i in sorted(self._tools))
+            ]
         choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish, **self._choice_extra, "message": message}
         if self._token_ids is not None:
             choice["token_ids"] = self._token_ids
