@@ -104,7 +104,9 @@ def serve(latency: float, port_file: str) -> None:
     response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     sse = _sse(obj)
     sse_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(sse)
-    first = len(b": OPENROUTER PROCESSING\n\n")
+    from eagle_pipeline.generation.simulated.streaming import KEEPALIVE
+
+    first = len(KEEPALIVE)
     cuts = [first + (len(sse) - first) * k // 10 for k in range(11)]
     bursts = [sse[a:b] for a, b in zip(cuts, cuts[1:])]
 
