@@ -5,6 +5,7 @@
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
     eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3]
+    eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
@@ -275,6 +276,48 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return EXIT_OK if report.passed else EXIT_BLOCKED
 
 
+# ---- retire-responses ----------------------------------------------------------------------------------------------
+
+
+def cmd_retire_responses(args: argparse.Namespace) -> int:
+    from eagle_pipeline.config import ConfigError, load_config
+    from eagle_pipeline.generation import read_responses
+    from eagle_pipeline.generation.retire import retire_responses
+    from eagle_pipeline.storage import DataRoot
+
+    if args.data_root:
+        root = DataRoot(Path(args.data_root))
+    else:
+        try:
+            root = DataRoot(load_config(args.config).data_root)
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+    directory = root.responses_dir(args.dataset)
+    if not directory.is_dir():
+        raise CliError(f"{directory}: no committed responses for dataset {args.dataset!r}")
+    try:
+        summary = retire_responses(directory, dataset=args.dataset, backend=args.backend, provider=args.provider)
+    except RuntimeError as exc:  # another run holds the dataset's lock, or a shard is unreadable
+        raise CliError(str(exc)) from None
+    if summary.archive is None:
+        on_disk = read_responses(directory)
+        pairs = sorted(
+            {
+                f"backend={b} provider={p}"
+                for b, p in zip(on_disk["backend"].to_pylist(), on_disk["provider"].to_pylist())
+            }
+        )
+        raise CliError(
+            f"{args.dataset}: no committed row matches backend={args.backend} provider={args.provider}; "
+            f"on disk: {', '.join(pairs) or 'no rows'}"
+        )
+    print(summary.describe())
+    for source, n in summary.by_backend_provider.items():
+        print(f"  {source}: {n} rows")
+    print(f"rerun the dataset (dataset_job, partition {args.dataset}) to request the retired prompts again")
+    return EXIT_OK
+
+
 # ---- shared --------------------------------------------------------------------------------------------------------
 
 
@@ -456,6 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--endpoint", help="base URL (default: the first of hidden_states.vllm.endpoints)")
     vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
     vs.set_defaults(func=cmd_vllm_smoke)
+
+    ret = sub.add_parser(
+        "retire-responses",
+        help="archive a dataset's committed responses (all, or one backend's / provider's)",
+        description="Moves the matching rows to responses/<dataset>/retired/<stamp>/ (never deletes them); the "
+        "budgets keep counting their spend. The next run of the dataset requests their prompts again.",
+    )
+    ret.add_argument("--dataset", required=True, help="the dataset (partition) name, e.g. B3")
+    ret.add_argument("--backend", help="retire only the rows of this backend (its name in the configuration)")
+    ret.add_argument("--provider", help="retire only the rows this provider answered (the responses' provider column)")
+    config_option(ret)
+    ret.add_argument("--data-root", metavar="DIR", help="the data root, instead of the configuration's")
+    ret.set_defaults(func=cmd_retire_responses)
     return parser
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -54,7 +55,9 @@ from eagle_pipeline.tokens.profiles import PROFILES
 CONFIG_ENV = "EAGLE_PIPELINE_CONFIG"
 DATA_ROOT_ENV = "EAGLE_DATA_ROOT"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml"
+# A checkout's pipeline.yaml; an installed wheel has none there and uses the copy it ships (pyproject data-files).
+INSTALLED_CONFIG = Path(sys.prefix) / "share" / "eagle-pipeline" / "pipeline.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml" if (REPO_ROOT / "pipeline.yaml").exists() else INSTALLED_CONFIG
 
 _MERGE_DEFAULTS = MergeSettings()
 

@@ -12,6 +12,7 @@ from eagle_pipeline.defs.jobs import (
     hidden_states_job,
     merge_job,
     resume_incomplete_datasets,
+    retire_responses_job,
     scale_out_jobs,
 )
 from eagle_pipeline.defs.merge import (
@@ -47,7 +48,7 @@ def build_defs() -> dg.Definitions:
             merged_spans_end_with_eot,
             *hidden_state_checks,
         ],
-        jobs=[dataset_job, merge_job, hidden_states_job, exports_job, *scale_out_jobs],
+        jobs=[dataset_job, merge_job, hidden_states_job, exports_job, retire_responses_job, *scale_out_jobs],
         schedules=[resume_incomplete_datasets],
         sensors=[pool_limits],
         resources={"pipeline": PipelineResource()},

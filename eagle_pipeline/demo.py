@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_pipeline.config import REPO_ROOT, load_config
+from eagle_pipeline.config import DEFAULT_CONFIG, load_config
 from eagle_pipeline.storage import DataRoot, read_json
 
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
@@ -27,13 +27,13 @@ def prepare_dagster_home(root: DataRoot) -> Path:
     """Create $DAGSTER_HOME under the data root with the project's dagster.yaml."""
     home = root.dagster_home
     home.mkdir(parents=True, exist_ok=True)
-    src = REPO_ROOT / "dagster.yaml"
+    src = DEFAULT_CONFIG.parent / "dagster.yaml"  # the checkout's, or the copy an installed wheel ships
     if src.exists():
         shutil.copyfile(src, home / "dagster.yaml")
     return home
 
 
-def run_demo(*, quiet: bool = False) -> int:
+def run_demo() -> int:
     cfg = load_config()
     root = DataRoot(cfg.data_root)
     os.environ["DAGSTER_HOME"] = str(prepare_dagster_home(root))
@@ -59,7 +59,9 @@ def run_demo(*, quiet: bool = False) -> int:
             failures.append(label)
             for event in result.all_events:
                 if event.is_step_failure:
-                    print(f"    step failed: {event.step_key}: {event.event_specific_data.error.message.strip()[:500]}")
+                    error = event.step_failure_data.error
+                    message = error.message.strip() if error is not None else "no error recorded"
+                    print(f"    step failed: {event.step_key}: {message[:500]}")
         return result.success
 
     for ds in cfg.dataset_names:

@@ -113,6 +113,11 @@ def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str
     return pa.table(rows, schema=PROMPTS_SCHEMA)
 
 
+def dataset_prompts_table(ds: Any) -> pa.Table:
+    """The prompts table of a configured dataset (`config.DatasetConfig`) under its current limit and sampling."""
+    return prompts_table(ds.name, load_prompt_file(ds.prompts, limit=ds.limit), ds.sampling.to_dict())
+
+
 def normalized_prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:
     """Hash of the prompt's text, case-folded with whitespace collapsed: the key for cross-dataset dedup."""
     text = "\n".join(f"{m.get('role')}:{' '.join(str(m.get('content') or '').split()).casefold()}" for m in messages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,21 +27,32 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it onto `path`."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=TMP_SUFFIX, dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _create_tmp(final)
     try:
         yield tmp
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
-def _fsync_dir(directory: Path) -> None:
+def _create_tmp(final: Path) -> Path:
+    """A new, empty hidden file beside `final`, created with mode 0666 less the umask like any other file writer's
+    (tempfile.mkstemp would make it 0600, and the rename would keep that mode)."""
+    while True:
+        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in `directory` durable (best effort where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -90,3 +90,26 @@ def test_atomic_parquet_write_never_leaves_a_partial_file(tmp_path):
     write_parquet_atomic(__import__("pyarrow").table({"x": [1, 2]}), tmp_path / "part-00000.parquet")
     assert pq.read_table(tmp_path / "part-00000.parquet").num_rows == 2
     assert list(tmp_path.iterdir()) == [tmp_path / "part-00000.parquet"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_atomic_writes_and_committed_shards_respect_the_umask(tmp_path, umask, mode):
+    import pyarrow as pa
+
+    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.storage import write_bytes_atomic, write_json_atomic
+
+    old = os.umask(umask)
+    try:
+        table = pa.table({"x": [1, 2]})
+        written = [
+            write_parquet_atomic(table, tmp_path / "a.parquet"),
+            write_json_atomic({"a": 1}, tmp_path / "b.json"),
+            write_bytes_atomic(b"abc", tmp_path / "c.bin"),
+            write_shard(table, tmp_path / "responses", 0),
+        ]
+        # A rewrite keeps the mode a fresh file would get, not the temporary file's.
+        written.append(write_parquet_atomic(table, tmp_path / "a.parquet"))
+    finally:
+        os.umask(old)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {p.name: oct(mode) for p in written}

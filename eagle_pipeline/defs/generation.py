@@ -22,7 +22,9 @@ from eagle_pipeline.generation import (
     read_errors,
     read_responses,
 )
-from eagle_pipeline.prompts import load_prompt_file, prompts_table
+from eagle_pipeline.generation.coverage import current_responses
+from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.prompts import dataset_prompts_table
 from eagle_pipeline.storage import file_sha256, write_parquet_atomic
 
 
@@ -36,7 +38,7 @@ from eagle_pipeline.storage import file_sha256, write_parquet_atomic
 def prompts(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     cfg = pipeline.config()
     ds = cfg.datasets[context.partition_key]
-    table = prompts_table(ds.name, load_prompt_file(ds.prompts, limit=ds.limit), ds.sampling.to_dict())
+    table = dataset_prompts_table(ds)
     path = write_parquet_atomic(table, pipeline.data_root().prompts(ds.name))
     digest = file_sha256(path)
     with_tools = sum(1 for t in table.column("tools_json").to_pylist() if t)
@@ -132,28 +134,38 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             progress=lambda event: context.log.info(f"{ds.name}: {event.format()}"),
             progress_every_s=cfg.generation.progress_every_s,
         )
-    table = read_responses(root.responses_dir(ds.name))
+    # Only the rows answering the current prompts describe this materialization; the others are counted.
+    table, cov = current_responses(
+        ds.name, read_responses(root.responses_dir(ds.name)), prompt_table.column("sample_id").to_pylist()
+    )
     errors = read_errors(root.errors_dir(ds.name))
-    metadata = generation_metadata(summary, table, errors, simulated=simulated)
+    metadata = {
+        **generation_metadata(summary, table, errors, simulated=simulated),
+        **cov.metadata(),
+        # What the budgets count: every committed row's spend, rows for other prompts and retired rows included.
+        "spend_usd_ledger": round(committed_sample_ids(root.responses_dir(ds.name))[1], 6),
+    }
     if summary.stopped_reason:
         # Committed rows stay on disk; the rerun resumes from them. A partial dataset is never materialized.
         raise dg.Failure(
             description=(
                 f"{ds.name}: generation stopped early ({summary.stopped_reason}) after {summary.completed} new rows; "
-                f"{table.num_rows}/{prompt_table.num_rows} committed. Fix the cause and rerun to resume."
+                f"{cov.describe()}. Fix the cause and rerun to resume."
             ),
             metadata=metadata,
             allow_retries=False,
         )
-    missing = prompt_table.num_rows - table.num_rows
-    context.log.info(f"{ds.name}: {table.num_rows} responses committed, {missing} missing, {summary.failed} failed")
+    context.log.info(f"{ds.name}: {cov.describe()}, {cov.missing} missing, {summary.failed} failed this run")
     return dg.MaterializeResult(metadata=metadata)
 
 
 def generation_metadata(
     summary: GenerationSummary, table: pa.Table, errors: pa.Table, *, simulated: bool
 ) -> dict[str, Any]:
-    """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split, lengths."""
+    """Asset metadata for a responses partition: rows, spend, tokens, failures by class, provider split, lengths.
+
+    `table` holds the rows answering the dataset's current prompts (coverage.current_responses).
+    """
     totals = committed_totals(table, errors)
     return {
         "dagster/row_count": totals["rows"],

@@ -1,7 +1,6 @@
 """Jobs and schedules. Dataset jobs run one partition per run: partitioned audit checks need that."""
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan, hidden_states, trainer_exports
@@ -27,7 +26,9 @@ hidden_states_job = dg.define_asset_job(
     description="Extract hidden states for one shard of the merged dataset.",
 )
 try:  # dagster-k8s is optional (the dev extra; the cluster's code image): without it the location loads without this job
-    from dagster_k8s import k8s_job_executor
+    from dagster_k8s import k8s_job_executor as _k8s_executor
+
+    k8s_job_executor: dg.ExecutorDefinition | None = _k8s_executor
 except ImportError:  # pragma: no cover - exercised only where dagster-k8s is not installed
     k8s_job_executor = None
 
@@ -54,19 +55,21 @@ exports_job = dg.define_asset_job(
 )
 
 
-def incomplete_datasets(pipeline: PipelineResource) -> list[str]:
-    """Datasets whose committed responses do not yet cover every prompt, or that were never audited."""
+def incomplete_datasets(pipeline: PipelineResource) -> dict[str, str]:
+    """Datasets that need a run, each with the reason (coverage.resume_reason), judged by the sample ids of the
+    prompts the configuration asks for now, so a changed limit or seed counts as incomplete."""
+    from eagle_pipeline.generation.coverage import resume_reason
+    from eagle_pipeline.prompts import dataset_prompts_table
+
+    cfg = pipeline.config()
     root = pipeline.data_root()
-    todo = []
-    for ds in pipeline.config().dataset_names:
-        prompts_path = root.prompts(ds)
-        if not prompts_path.exists() or not root.tokens(ds).exists():
-            todo.append(ds)
-            continue
-        n_prompts = pq.read_metadata(prompts_path).num_rows
-        done = sum(pq.read_metadata(p).num_rows for p in root.responses_dir(ds).glob("part-*.parquet"))
-        if done < n_prompts:
-            todo.append(ds)
+    todo = {}
+    for name in cfg.dataset_names:
+        ds = cfg.datasets[name]
+        ids = dataset_prompts_table(ds).column("sample_id").to_pylist()
+        reason = resume_reason(name, ids, root.responses_dir(name), root.tokens(name))
+        if reason is not None:
+            todo[name] = reason
     return todo
 
 
@@ -79,6 +82,48 @@ def incomplete_datasets(pipeline: PipelineResource) -> list[str]:
 def resume_incomplete_datasets(context: dg.ScheduleEvaluationContext, pipeline: PipelineResource):
     todo = incomplete_datasets(pipeline)
     if not todo:
-        return dg.SkipReason("every dataset is complete")
+        return dg.SkipReason(
+            "every dataset is complete: each current prompt has a committed response and audited tokens"
+        )
+    for ds, reason in todo.items():
+        context.log.info(f"{ds}: resuming: {reason}")
     stamp = context.scheduled_execution_time.strftime("%Y%m%dT%H%M")
-    return [dg.RunRequest(run_key=f"{stamp}-{ds}", partition_key=ds) for ds in todo]
+    return [
+        dg.RunRequest(run_key=f"{stamp}-{ds}", partition_key=ds, tags={"eagle/resume_reason": reason[:200]})
+        for ds, reason in todo.items()
+    ]
+
+
+class RetireResponsesConfig(dg.Config):
+    """Which committed responses of one dataset to retire; no backend and no provider retires them all."""
+
+    dataset: str
+    backend: str | None = None
+    provider: str | None = None
+
+
+@dg.op(description="Archive a dataset's committed responses (all, or one backend's / provider's); spend stays counted.")
+def retire_responses_op(
+    context: dg.OpExecutionContext, config: RetireResponsesConfig, pipeline: PipelineResource
+) -> dict:
+    from eagle_pipeline.generation.retire import retire_responses
+
+    summary = retire_responses(
+        pipeline.data_root().responses_dir(config.dataset),
+        dataset=config.dataset,
+        backend=config.backend,
+        provider=config.provider,
+    )
+    context.log.info(summary.describe())
+    context.add_output_metadata({"summary": dg.MetadataValue.json(summary.to_dict())})
+    return summary.to_dict()
+
+
+@dg.job(
+    description=(
+        "Retire a dataset's committed responses into responses/<dataset>/retired/<stamp>/ (docs/generation.md). "
+        "Then rerun dataset_job to request the retired prompts again."
+    )
+)
+def retire_responses_job():
+    retire_responses_op()

@@ -31,15 +31,22 @@ warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 )
 def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.generation import read_responses
+    from eagle_pipeline.generation.coverage import current_responses
     from eagle_pipeline.tokens import reconstruct_table
 
     cfg = pipeline.config()
     root = pipeline.data_root()
     ds = cfg.datasets[context.partition_key]
     tok = pipeline.tokenizer()
-    resp = read_responses(root.responses_dir(ds.name))
+    prompt_ids = pq.read_table(root.prompts(ds.name), columns=["sample_id"]).column("sample_id").to_pylist()
+    # Rows committed for other prompts (an earlier limit or seed) stay on disk and are counted, never used.
+    resp, cov = current_responses(ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids)
     if resp.num_rows == 0:
-        raise dg.Failure(f"{ds.name}: no committed responses under {root.responses_dir(ds.name)}", allow_retries=False)
+        raise dg.Failure(
+            f"{ds.name}: no committed response under {root.responses_dir(ds.name)} answers a current prompt "
+            f"({cov.describe()})",
+            allow_retries=False,
+        )
     table = reconstruct_table(resp, tok, pipeline.profile(), dataset_has_tools=ds.tools)
     # The run id makes every materialization a distinct file, so an audit verdict binds to exactly one of them.
     table = table.replace_schema_metadata(
@@ -59,10 +66,13 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     lengths = pc.list_value_length(table.column("output_ids"))
     prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
     origin = value_counts(table.column("ids_origin"))
-    context.log.info(f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind})")
+    context.log.info(
+        f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind}); {cov.describe()}"
+    )
     return dg.MaterializeResult(
         metadata={
             "dagster/row_count": table.num_rows,
+            **cov.metadata(),
             "path": dg.MetadataValue.path(str(path)),
             "tokenizer": f"{tok.name} ({tok.kind})",
             "tokenizer_is_demo": tok.kind == "demo",

@@ -40,7 +40,12 @@ def part_path(directory: str | os.PathLike, index: int) -> Path:
 
 
 def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
-    """Sample ids already committed, and the spend they recorded (for a dataset budget across resumes)."""
+    """Sample ids already committed, and the dataset's committed spend (for its budgets across resumes).
+
+    The spend counts retired rows too (generation/retire.py): money spent stays spent when its rows are archived.
+    """
+    from eagle_pipeline.generation.retire import retired_spend  # retire builds on this module
+
     done: set[str] = set()
     spend = 0.0
     for p in part_files(out_dir):
@@ -53,7 +58,7 @@ def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
         done.update(t.column("sample_id").to_pylist())
         s = pc.sum(t.column("cost_usd")).as_py()
         spend += float(s or 0.0)
-    return done, spend
+    return done, spend + retired_spend(out_dir)
 
 
 def write_shard(table: pa.Table, directory: str | os.PathLike, index: int) -> Path:

@@ -220,12 +220,14 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
     alive = np.ones(len(sid), dtype=bool)
 
     # 2. A sample id may appear once: later copies are dropped whatever `dedup` says, so merged ids are unique.
+    #    Across datasets the dataset order given decides; within one dataset only exact copies may be dropped.
     if len(sid):
-        _, first = np.unique(sid.astype(str), return_index=True)
+        _, first, inverse = np.unique(sid.astype(str), return_index=True, return_inverse=True)
         dup = np.ones(len(sid), dtype=bool)
         dup[first] = False
-        for d in np.flatnonzero(np.bincount(ds_idx[dup], minlength=len(inputs))):
-            excluded[datasets[d]]["duplicate_sample_id"] = int(np.count_nonzero(dup & (ds_idx == d)))
+        _reject_conflicting_copies(inputs, ds_idx, row_idx, sid, dup, first[inverse])
+        for k in np.flatnonzero(np.bincount(ds_idx[dup], minlength=len(inputs))):
+            excluded[datasets[k]]["duplicate_sample_id"] = int(np.count_nonzero(dup & (ds_idx == k)))
         alive &= ~dup
 
     # 3. Prompt dedup across (and within) datasets: the first row in base order keeps the prompt.
@@ -262,6 +264,40 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         is_eval = unit_interval(hash_u64(list(ids), f"eval:{settings.seed}")) < settings.eval_fraction
         selected.append(_Selected(rows=row_idx[members], sample_ids=ids, split=is_eval))
     return selected, excluded, dedup_winners, input_rows
+
+
+def _reject_conflicting_copies(
+    inputs: list[MergeInput],
+    ds_idx: np.ndarray,
+    row_idx: np.ndarray,
+    sid: np.ndarray,
+    dup: np.ndarray,
+    first_of: np.ndarray,
+) -> None:
+    """Raise when one dataset holds two rows with one sample id and different content.
+
+    Which copy would win depends on input row order, and two answers to one prompt id in one dataset is a bug
+    upstream (the pipeline's token samples hold each id once). Exact copies are harmless and dropped as duplicates.
+    """
+    same_ds = np.flatnonzero(dup & (ds_idx == ds_idx[first_of]))
+    for d in np.unique(ds_idx[same_ds]):
+        inp = inputs[int(d)]
+        pairs = [(int(row_idx[first_of[i]]), int(row_idx[i])) for i in same_ds if ds_idx[i] == d]
+        rows = np.array(sorted({r for pair in pairs for r in pair}), dtype=np.int64)
+        content = dict(zip(rows.tolist(), _read_selected(inp, rows).to_pylist()))
+        for a, b in sorted(pairs):
+            if content[a] != content[b]:
+                differ = [k for k in content[a] if content[a][k] != content[b][k]]
+                raise ValueError(
+                    f"{inp.tokens_path}: dataset {inp.dataset!r} holds two different rows for sample_id "
+                    f"{content[a]['sample_id']!r}: {_row_provenance(a, content[a])} and "
+                    f"{_row_provenance(b, content[b])} differ in {differ}. Two answers to one prompt id in one "
+                    "dataset is an upstream data bug; keep one of them and rebuild the file"
+                )
+
+
+def _row_provenance(row: int, c: Mapping[str, Any]) -> str:
+    return f"row {row} (source={c['source']}, backend={c['backend']}, provider={c['provider']})"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from eagle_pipeline.merge import (
     read_merged,
 )
 from eagle_pipeline.storage import file_sha256
+from eagle_pipeline_tests.merge.conftest import token_table
 
 
 def _shard_hashes(d: Path) -> dict[str, str]:
@@ -73,6 +74,43 @@ def test_input_row_order_does_not_change_output(tmp_path, write_tokens):
     merge_datasets([MergeInput("A", path)], tmp_path / "m1", MergeSettings(eval_fraction=0.3))
     merge_datasets([MergeInput("A", path2)], tmp_path / "m2", MergeSettings(eval_fraction=0.3))
     assert _shard_hashes(tmp_path / "m1") == _shard_hashes(tmp_path / "m2")
+
+
+def _permuted_copies(tmp_path, table: pa.Table, n: int) -> list[Path]:
+    paths = []
+    for k in range(n):
+        path = tmp_path / f"perm{k}.parquet"
+        pq.write_table(table.take(pa.array(np.random.default_rng(k).permutation(table.num_rows))), path)
+        paths.append(path)
+    return paths
+
+
+def test_exact_copies_of_one_row_merge_byte_identically_in_any_row_order(tmp_path):
+    base = token_table("A", 12, seed=11)
+    table = base.take(pa.array([*range(12), 2]))  # row 2 twice, identical
+    hashes = []
+    for k, path in enumerate(_permuted_copies(tmp_path, table, 4)):
+        m = merge_datasets([MergeInput("A", path)], tmp_path / f"m{k}", MergeSettings(eval_fraction=0.3))
+        assert m.rows_total == 12 and m.excluded["A"]["duplicate_sample_id"] == 1
+        hashes.append(_shard_hashes(tmp_path / f"m{k}"))
+    assert all(h == hashes[0] for h in hashes)
+
+
+def test_two_different_rows_for_one_sample_id_in_a_dataset_are_rejected_naming_both(tmp_path):
+    table = token_table("A", 12, seed=12)
+    ids = table.column("sample_id").to_pylist()
+    ids[7] = ids[2]  # another answer to row 2's prompt id, from another provider
+    table = table.set_column(0, "sample_id", pa.array(ids, pa.string()))
+    for k, path in enumerate(_permuted_copies(tmp_path, table, 4)):
+        order = pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist()
+        rows = [i for i, x in enumerate(order) if x == ids[2]]
+        with pytest.raises(ValueError) as err:
+            merge_datasets([MergeInput("A", path)], tmp_path / f"m{k}", MergeSettings())
+        msg = str(err.value)
+        assert str(path) in msg and "dataset 'A'" in msg and repr(ids[2]) in msg
+        assert f"row {rows[0]} (source=simulated, backend=be-A" in msg and f"row {rows[1]} (source=" in msg
+        assert "output_ids" in msg
+        assert not (tmp_path / f"m{k}" / MANIFEST_NAME).exists()
 
 
 def test_keep_mask_and_manifest_counts(tmp_path, write_tokens):

@@ -1,0 +1,99 @@
+"""Which committed responses answer a dataset's current prompts: the one definition of "complete".
+
+A dataset's current prompts are the sample ids of its prompts table, each a hash of the dataset, the prompt and the
+sampling settings. Responses committed under other settings (a larger `limit`, another seed) stay on disk and are
+counted, but never reconstructed, audited or merged; retire them with `eagle-pipeline retire-responses` to move them
+out of the dataset directory (generation/retire.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_pipeline.generation import store
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How far a dataset's committed responses cover its current prompts."""
+
+    dataset: str
+    prompts: int  # distinct current sample ids
+    answered: int  # current sample ids with a committed response
+    other_rows: int  # committed responses whose sample id is no current prompt's (kept on disk, never used)
+
+    @property
+    def missing(self) -> int:
+        return self.prompts - self.answered
+
+    @property
+    def complete(self) -> bool:
+        return self.missing == 0
+
+    def describe(self) -> str:
+        """One line for logs and messages, e.g. '0/4 current prompts answered (4 committed rows answer other prompts)'."""
+        text = f"{self.answered}/{self.prompts} current prompts answered"
+        if self.other_rows:
+            text += f" ({self.other_rows} committed rows answer other prompts: kept on disk, not used)"
+        return text
+
+    def metadata(self) -> dict[str, int]:
+        return {
+            "current_prompts": self.prompts,
+            "current_prompts_answered": self.answered,
+            "current_prompts_missing": self.missing,
+            "rows_answering_other_prompts": self.other_rows,
+        }
+
+
+def coverage_of(dataset: str, prompt_ids: Iterable[str], committed_ids: Iterable[str]) -> Coverage:
+    """Coverage of the prompts `prompt_ids` by the responses `committed_ids` (both sample ids)."""
+    current = set(prompt_ids)
+    committed = set(committed_ids)
+    answered = len(current & committed)
+    return Coverage(dataset=dataset, prompts=len(current), answered=answered, other_rows=len(committed) - answered)
+
+
+def dataset_coverage(dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike) -> Coverage:
+    """Coverage of a dataset's current prompts by the shards committed under `responses_dir`."""
+    committed, _ = store.committed_sample_ids(responses_dir)
+    return coverage_of(dataset, prompt_ids, committed)
+
+
+def current_responses(dataset: str, responses: pa.Table, prompt_ids: Iterable[str]) -> tuple[pa.Table, Coverage]:
+    """The rows of `responses` that answer one of `prompt_ids` (commit order kept), and the coverage."""
+    current = pa.array(sorted(set(prompt_ids)), pa.string())
+    keep = pc.is_in(responses.column("sample_id"), value_set=current)
+    selected = responses.filter(keep)
+    cov = coverage_of(
+        dataset, current.to_pylist(), responses.column("sample_id").to_pylist() if responses.num_rows else []
+    )
+    return selected, cov
+
+
+def resume_reason(
+    dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike, tokens_path: str | os.PathLike
+) -> str | None:
+    """Why a dataset needs another run (generation, reconstruction or audit), or None when it is complete.
+
+    Complete means: every current prompt has a committed response, and the token samples on disk are exactly
+    those responses (not those of earlier settings).
+    """
+    ids = set(prompt_ids)
+    cov = dataset_coverage(dataset, ids, responses_dir)
+    if not cov.complete:
+        return cov.describe()
+    tokens = Path(tokens_path)
+    if not tokens.exists():
+        return f"{cov.describe()}; never reconstructed and audited"
+    token_ids = set(pq.read_table(tokens, columns=["sample_id"]).column("sample_id").to_pylist())
+    if token_ids != ids:
+        return f"{cov.describe()}; the token samples on disk are not those of the current prompts"
+    return None

@@ -1,0 +1,217 @@
+"""Retire a dataset's committed responses (all, or one backend's or provider's): archived, never deleted.
+
+Retired rows move to `responses/<dataset>/retired/<stamp>/`, out of the shards a run reads, so their prompts count as
+unanswered and the next run requests them again. A shard whose rows are all retired moves whole; a shard that mixes
+kept and retired rows is split: its retired rows are written to the archive under the shard's name and the shard is
+rewritten, atomically, with the rows it keeps.
+
+Crash safety: the archive (retired rows + `retirement.json`, which lists every live shard it changes with that shard's
+sha256) is written under a hidden staging name and renamed into place first; that rename is the commit point. Only
+then are the live shards moved or rewritten, and `retirement.json` is marked applied. An interrupted retirement is
+completed by the next `retire_responses` on the dataset (or `complete_pending_retirements`).
+
+The spend ledger stays whole: `retired_spend` counts the money spent on retired rows (an entry of an unapplied
+retirement counts only once its live shard has changed, so no row is counted twice or never), and
+`store.committed_sample_ids` adds it to the committed spend that dataset and pipeline budgets read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from eagle_pipeline import storage
+from eagle_pipeline.generation import store
+
+RETIRED_DIR = "retired"
+MANIFEST = "retirement.json"
+STAGING_PREFIX = ".staging-"
+
+
+@dataclass(frozen=True)
+class RetirementSummary:
+    """What one retirement moved out of a dataset's shards."""
+
+    dataset: str
+    archive: str | None  # the archive directory; None when no row matched
+    selection: dict[str, str | None]
+    rows_retired: int
+    rows_kept: int
+    spend_usd_retired: float
+    shards_moved: int
+    shards_rewritten: int
+    by_backend_provider: dict[str, int] = field(default_factory=dict)
+    completed_interrupted: int = 0  # earlier, interrupted retirements completed first
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        where = f" -> {self.archive}" if self.archive else ""
+        return (
+            f"{self.dataset}: retired {self.rows_retired} rows (${self.spend_usd_retired:.4f} spent on them, still "
+            f"counted by the budgets), kept {self.rows_kept}; {self.shards_moved} shards moved, "
+            f"{self.shards_rewritten} rewritten{where}"
+        )
+
+
+def _match(table: pa.Table, backend: str | None, provider: str | None) -> pa.Array:
+    mask = pa.array([True] * table.num_rows, pa.bool_())
+    if backend is not None:
+        mask = pc.and_(mask, pc.fill_null(pc.equal(table.column("backend"), backend), False))
+    if provider is not None:
+        mask = pc.and_(mask, pc.fill_null(pc.equal(table.column("provider"), provider), False))
+    return mask
+
+
+def _spend(table: pa.Table) -> float:
+    return float(pc.sum(table.column("cost_usd")).as_py() or 0.0) if table.num_rows else 0.0
+
+
+def _archives(responses_dir: Path) -> list[Path]:
+    d = responses_dir / RETIRED_DIR
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _live_unchanged(responses_dir: Path, entry: Mapping[str, Any]) -> bool:
+    live = responses_dir / entry["shard"]
+    return live.is_file() and storage.file_sha256(live) == entry["sha256_before"]
+
+
+def retired_spend(responses_dir: str | os.PathLike) -> float:
+    """The spend recorded by every retired row of a dataset (the ledger's share of the archive)."""
+    d = Path(responses_dir)
+    total = 0.0
+    for archive in _archives(d):
+        manifest = storage.read_json(archive / MANIFEST)
+        for entry in manifest["shards"]:
+            # Until the retirement is marked applied, a shard not yet moved or rewritten still counts as live.
+            if manifest["applied"] or not _live_unchanged(d, entry):
+                total += float(entry["spend_usd"])
+    return total
+
+
+def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
+    """Finish retirements a crash interrupted after their commit point; returns how many. Hold the DirLock."""
+    d = Path(responses_dir)
+    done = 0
+    for archive in _archives(d):
+        manifest = storage.read_json(archive / MANIFEST)
+        if not manifest["applied"]:
+            _apply(d, archive, manifest)
+            done += 1
+    return done
+
+
+def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None:
+    for entry in manifest["shards"]:
+        if not _live_unchanged(responses_dir, entry):
+            continue  # already moved or rewritten before the interruption
+        live = responses_dir / entry["shard"]
+        if entry["action"] == "moved":
+            os.replace(live, archive / entry["shard"])
+        else:
+            table = pq.read_table(live)
+            keep = pc.invert(_match(table, manifest["selection"]["backend"], manifest["selection"]["provider"]))
+            storage.write_parquet_atomic(table.filter(keep), live)
+    storage.fsync_dir(archive)
+    storage.fsync_dir(responses_dir)
+    storage.write_json_atomic({**manifest, "applied": True}, archive / MANIFEST)
+
+
+def retire_responses(
+    responses_dir: str | os.PathLike,
+    *,
+    dataset: str,
+    backend: str | None = None,
+    provider: str | None = None,
+    now: dt.datetime | None = None,
+) -> RetirementSummary:
+    """Archive the committed rows of `dataset` that match `backend` and `provider` (all rows when both are None).
+
+    Takes the dataset's generation lock, so it never races a run. Raises FileNotFoundError when the dataset has no
+    responses directory.
+    """
+    d = Path(responses_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no committed responses for dataset {dataset!r}")
+    selection = {"backend": backend, "provider": provider}
+    with store.DirLock(d):
+        storage.clean_stale_tmp(d)
+        completed = complete_pending_retirements(d)
+        retired_root = d / RETIRED_DIR
+        if retired_root.is_dir():  # staging dirs of a retirement that never reached its commit point
+            for p in retired_root.iterdir():
+                if p.name.startswith(STAGING_PREFIX):
+                    shutil.rmtree(p)
+        stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%S%fZ")
+        staging = retired_root / f"{STAGING_PREFIX}{stamp}"
+        entries: list[dict[str, Any]] = []
+        kept = retired = 0
+        by_source: dict[str, int] = {}
+        for part in store.part_files(d):
+            table = pq.read_table(part)
+            mask = _match(table, backend, provider)
+            n_match = int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
+            kept += table.num_rows - n_match
+            if n_match == 0:
+                continue
+            gone = table.filter(mask)
+            retired += n_match
+            for b, p in zip(gone.column("backend").to_pylist(), gone.column("provider").to_pylist()):
+                key = f"{b}/{p or 'unknown'}"
+                by_source[key] = by_source.get(key, 0) + 1
+            moved = n_match == table.num_rows
+            if not moved:  # a whole shard is moved by rename after the commit point; a mixed one is split now
+                storage.write_parquet_atomic(gone, staging / part.name)
+            entries.append(
+                {
+                    "shard": part.name,
+                    "sha256_before": storage.file_sha256(part),
+                    "action": "moved" if moved else "split",
+                    "rows": n_match,
+                    "spend_usd": _spend(gone),
+                }
+            )
+        if not entries:
+            return RetirementSummary(dataset, None, selection, 0, kept, 0.0, 0, 0, {}, completed)
+        manifest = {
+            "dataset": dataset,
+            "retired_at": stamp,
+            "selection": selection,
+            "applied": False,
+            "rows": retired,
+            "spend_usd": sum(e["spend_usd"] for e in entries),
+            "by_backend_provider": dict(sorted(by_source.items())),
+            "shards": entries,
+        }
+        storage.write_json_atomic(manifest, staging / MANIFEST)
+        archive = retired_root / stamp
+        if archive.exists():
+            raise FileExistsError(f"{archive}: a retirement with this timestamp already exists")
+        os.replace(staging, archive)  # the commit point
+        storage.fsync_dir(retired_root)
+        _apply(d, archive, manifest)
+        return RetirementSummary(
+            dataset=dataset,
+            archive=str(archive),
+            selection=selection,
+            rows_retired=retired,
+            rows_kept=kept,
+            spend_usd_retired=manifest["spend_usd"],
+            shards_moved=sum(e["action"] == "moved" for e in entries),
+            shards_rewritten=sum(e["action"] == "split" for e in entries),
+            by_backend_provider=manifest["by_backend_provider"],
+            completed_interrupted=completed,
+        )
