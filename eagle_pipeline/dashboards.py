@@ -78,16 +78,29 @@ def value_counts(column: pa.ChunkedArray | pa.Array, null_label: str = "none") -
 def dataset_overview(root, datasets: Sequence[str], merged_rows: Mapping[str, int] | None = None) -> list[dict]:
     """One row per dataset: responses, spend, failed requests, provider split, token samples, audit verdict, merged.
 
-    `root` is a storage.DataRoot. Reads only Parquet columns it needs and the audit reports.
+    `root` is a storage.DataRoot. Reads only Parquet columns it needs and the audit reports. `responses` and the
+    provider split count the rows answering the dataset's current prompts; `other_prompt_rows` the committed rows
+    that answer other prompts; `spend_usd` is the ledger (every committed row, retired ones included).
     """
     import pyarrow.parquet as pq
 
+    from eagle_pipeline.generation.coverage import current_responses
+    from eagle_pipeline.generation.store import committed_sample_ids, part_files
     from eagle_pipeline.storage import read_json
 
     rows = []
     for ds in datasets:
-        parts = sorted(root.responses_dir(ds).glob("part-*.parquet"))
-        resp = pa.concat_tables([pq.read_table(p, columns=["cost_usd", "provider"]) for p in parts]) if parts else None
+        parts = part_files(root.responses_dir(ds))
+        prompt_ids = (
+            pq.read_table(root.prompts(ds), columns=["sample_id"]).column("sample_id").to_pylist()
+            if root.prompts(ds).exists()
+            else []
+        )
+        resp, cov = None, None
+        if parts:
+            resp, cov = current_responses(
+                ds, pa.concat_tables([pq.read_table(p, columns=["sample_id", "provider"]) for p in parts]), prompt_ids
+            )
         errs = sorted(root.errors_dir(ds).glob("part-*.parquet"))
         n_errors = sum(pq.read_metadata(p).num_rows for p in errs)
         audit = read_json(root.audit_report(ds)) if root.audit_report(ds).exists() else None
@@ -96,9 +109,8 @@ def dataset_overview(root, datasets: Sequence[str], merged_rows: Mapping[str, in
             {
                 "dataset": ds,
                 "responses": resp.num_rows if resp is not None else 0,
-                "spend_usd": round(float(pc.sum(resp.column("cost_usd")).as_py() or 0.0), 4)
-                if resp is not None
-                else 0.0,
+                "other_prompt_rows": cov.other_rows if cov is not None else 0,
+                "spend_usd": round(committed_sample_ids(root.responses_dir(ds))[1], 4),
                 "failed_requests": n_errors,
                 "providers": ", ".join(f"{k}:{v}" for k, v in value_counts(resp.column("provider"), "unknown").items())
                 if resp is not None

@@ -8,7 +8,7 @@ rewritten, atomically, with the rows it keeps.
 Crash safety: the archive (retired rows + `retirement.json`, which lists every live shard it changes with that shard's
 sha256) is written under a hidden staging name and renamed into place first; that rename is the commit point. Only
 then are the live shards moved or rewritten, and `retirement.json` is marked applied. An interrupted retirement is
-completed by the next `retire_responses` on the dataset (or `complete_pending_retirements`).
+completed by the next `retire_responses` or generation run on the dataset (`complete_pending_retirements`).
 
 The spend ledger stays whole: `retired_spend` counts the money spent on retired rows (an entry of an unapplied
 retirement counts only once its live shard has changed, so no row is counted twice or never), and

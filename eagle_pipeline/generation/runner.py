@@ -31,6 +31,7 @@ from eagle_pipeline.generation.failures import Redactor
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
 from eagle_pipeline.generation.pending import RequestPlan, plan_requests, prompt_items
+from eagle_pipeline.generation.retire import complete_pending_retirements
 from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
@@ -181,6 +182,7 @@ async def agenerate_dataset(
         # A killed writer may have left hidden temporaries; they were never committed.
         storage.clean_stale_tmp(out_dir)
         storage.clean_stale_tmp(errors_dir)
+        complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
         done, committed_usd = store.committed_sample_ids(out_dir)
         plan = plan_requests(prompts, done, limit)
         sink = ShardSink(out_dir, errors_dir)

@@ -13,6 +13,7 @@ import yaml
 
 from eagle_pipeline.cli import main as cli_main
 from eagle_pipeline.config import load_config
+from eagle_pipeline.dashboards import dataset_overview
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.jobs import resume_incomplete_datasets
 from eagle_pipeline.defs.resources import PipelineResource
@@ -82,6 +83,8 @@ def test_a_lower_limit_and_another_seed_never_bring_old_responses_into_token_sam
         2,
     )
     assert read_responses(root.responses_dir("B1")).num_rows == 4  # kept on disk, never merged
+    [overview] = dataset_overview(root, ["B1"])  # the merge's per-dataset table says the same
+    assert (overview["responses"], overview["other_prompt_rows"], overview["token_samples"]) == (2, 2, 2)
     assert "every dataset is complete" in _schedule(instance)
 
     _edit(path, limit=4, sampling={"seed": 1})
@@ -91,6 +94,19 @@ def test_a_lower_limit_and_another_seed_never_bring_old_responses_into_token_sam
     assert tokens.num_rows == 4 and set(tokens.column("sample_id").to_pylist()) == prompt_ids
     assert _token_meta(instance)["rows_answering_other_prompts"] == 4
     assert read_responses(root.responses_dir("B1")).num_rows == 8
+
+
+def test_an_overbilling_providers_rows_under_an_old_seed_never_reach_the_audit(pipeline_config, instance, tmp_path):
+    path = pipeline_config(datasets=("B1",), limit=4)
+    _edit(path, backend="overbiller")
+    defs = build_defs()
+    assert _checks(_run(defs, instance))["billing_agreement"] is False
+    _edit(path, backend="simulated", sampling={"seed": 1})  # new prompts, answered by a good backend
+    result = _run(defs, instance)
+    assert result.success and _checks(result)["billing_agreement"] is True
+    tokens = pq.read_table(DataRoot(tmp_path / "data").tokens("B1"))
+    assert tokens.num_rows == 4 and set(tokens.column("provider").to_pylist()) == {"Simulated"}
+    assert _token_meta(instance)["rows_answering_other_prompts"] == 4
 
 
 def test_schedule_and_stop_message_count_current_sample_ids_not_rows(pipeline_config, instance):

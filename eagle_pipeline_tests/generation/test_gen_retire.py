@@ -38,6 +38,23 @@ def committed(tmp_path):
     return tmp_path, prompts, out
 
 
+def _retire_bad_crashing_mid_apply(out, monkeypatch) -> None:
+    """Retire provider "Bad" and crash after the commit point: shard 0 moved, the mixed shard 1 not yet rewritten."""
+    real_write = retire.storage.write_parquet_atomic
+    calls = []
+
+    def crash_on_rewrite(table, path, **kw):  # 1st call: staging the mixed shard's rows; 2nd: rewriting it live
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("simulated crash while rewriting a mixed shard")
+        return real_write(table, path, **kw)
+
+    monkeypatch.setattr(retire.storage, "write_parquet_atomic", crash_on_rewrite)
+    with pytest.raises(OSError, match="simulated crash"):
+        retire_responses(out, dataset="B1", provider="Bad")
+    monkeypatch.undo()
+
+
 def _archive_rows(archive) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in sorted(archive.glob("part-*.parquet"))])
 
@@ -91,19 +108,7 @@ def test_retire_by_backend_or_all_and_a_selection_that_matches_nothing(committed
 def test_an_interrupted_retirement_counts_every_row_once_and_is_completed_next_time(committed, monkeypatch):
     _, _, out = committed
     _, spend_before = committed_sample_ids(out)
-    real_write = retire.storage.write_parquet_atomic
-    calls = []
-
-    def crash_on_rewrite(table, path, **kw):  # 1st call: staging the mixed shard's rows; 2nd: rewriting it live
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError("simulated crash while rewriting a mixed shard")
-        return real_write(table, path, **kw)
-
-    monkeypatch.setattr(retire.storage, "write_parquet_atomic", crash_on_rewrite)
-    with pytest.raises(OSError, match="simulated crash"):
-        retire_responses(out, dataset="B1", provider="Bad")
-    monkeypatch.undo()
+    _retire_bad_crashing_mid_apply(out, monkeypatch)
     # Past the commit point: shard 0 is already in the archive, shard 1 still live and unchanged.
     [archive] = [p for p in (out / "retired").iterdir()]
     assert read_json(archive / "retirement.json")["applied"] is False
@@ -160,3 +165,14 @@ def test_coverage_is_by_sample_id_not_by_row_count(committed):
         "current_prompts_missing": 1,
         "rows_answering_other_prompts": 1,
     }
+
+
+def test_a_generation_run_completes_an_interrupted_retirement_before_it_resumes(committed, monkeypatch):
+    root, prompts, out = committed
+    _retire_bad_crashing_mid_apply(out, monkeypatch)
+    with SimulatedOpenRouterServer() as srv:
+        again = run(prompts, sim_backend(srv.url), root)
+    # Every "Bad" row was retired before the run looked for missing prompts, so all four were requested again.
+    assert again.requested == 4
+    assert set(read_responses(out).column("provider").to_pylist()) == {"Good", "Simulated"}
+    assert read_responses(out).num_rows == 8
