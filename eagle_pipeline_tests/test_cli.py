@@ -356,3 +356,10 @@ def test_audit_usage_errors(tmp_path, capsys):
     pq.write_table(pq.read_table(tokens).drop_columns(["thinking"]), tmp_path / "partial.parquet")
     res = run_cli("audit", "--tokenizer", "demo", "--in", str(tmp_path / "partial.parquet"), "--report", rep)
     assert res.returncode == 2 and "no column 'thinking'" in res.stderr
+
+
+def test_retire_responses_refuses_a_dataset_without_responses_naming_the_directory(tmp_path):
+    result = run_cli("retire-responses", "--dataset", "B9", "--data-root", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path.resolve() / 'responses' / 'B9'}: no committed responses for dataset 'B9'" in result.stderr
+    assert "retire-responses" in run_cli("--help").stdout

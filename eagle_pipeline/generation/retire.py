@@ -84,6 +84,16 @@ def _archives(responses_dir: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def _manifest(archive: Path) -> dict[str, Any]:
+    path = archive / MANIFEST
+    if not path.is_file():  # every archive gets its manifest before it is renamed into place
+        raise RuntimeError(
+            f"{archive}: a directory under {RETIRED_DIR}/ without {MANIFEST}; it was not made by retire-responses. "
+            f"Move it out of {archive.parent} (the spend ledger reads every archive there)"
+        )
+    return storage.read_json(path)
+
+
 def _live_unchanged(responses_dir: Path, entry: Mapping[str, Any]) -> bool:
     live = responses_dir / entry["shard"]
     return live.is_file() and storage.file_sha256(live) == entry["sha256_before"]
@@ -94,7 +104,7 @@ def retired_spend(responses_dir: str | os.PathLike) -> float:
     d = Path(responses_dir)
     total = 0.0
     for archive in _archives(d):
-        manifest = storage.read_json(archive / MANIFEST)
+        manifest = _manifest(archive)
         for entry in manifest["shards"]:
             # Until the retirement is marked applied, a shard not yet moved or rewritten still counts as live.
             if manifest["applied"] or not _live_unchanged(d, entry):
@@ -107,7 +117,7 @@ def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
     d = Path(responses_dir)
     done = 0
     for archive in _archives(d):
-        manifest = storage.read_json(archive / MANIFEST)
+        manifest = _manifest(archive)
         if not manifest["applied"]:
             _apply(d, archive, manifest)
             done += 1

@@ -176,3 +176,10 @@ def test_a_generation_run_completes_an_interrupted_retirement_before_it_resumes(
     assert again.requested == 4
     assert set(read_responses(out).column("provider").to_pylist()) == {"Good", "Simulated"}
     assert read_responses(out).num_rows == 8
+
+
+def test_a_foreign_directory_among_the_archives_is_named_not_ignored(committed):
+    _, _, out = committed
+    (out / "retired" / "by-hand").mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=r"by-hand: a directory under retired/ without retirement.json"):
+        committed_sample_ids(out)
