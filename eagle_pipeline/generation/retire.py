@@ -10,7 +10,7 @@ sha256) is written under a hidden staging name and renamed into place first; tha
 then are the live shards moved or rewritten, and `retirement.json` is marked applied. An interrupted retirement is
 completed by the next `retire_responses` or generation run on the dataset (`complete_pending_retirements`).
 
-The spend ledger stays whole: `retired_spend` counts the money spent on retired rows (an entry of an unapplied
+The spend ledger stays whole: `store.retired_spend` counts the money spent on retired rows (an entry of an unapplied
 retirement counts only once its live shard has changed, so no row is counted twice or never), and
 `store.committed_sample_ids` adds it to the committed spend that dataset and pipeline budgets read.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ import pyarrow.parquet as pq
 from eagle_pipeline import storage
 from eagle_pipeline.generation import store
 
-RETIRED_DIR = "retired"
-MANIFEST = "retirement.json"
 STAGING_PREFIX = ".staging-"
 
 
@@ -77,47 +74,12 @@ def _spend(table: pa.Table) -> float:
     return float(pc.sum(table.column("cost_usd")).as_py() or 0.0) if table.num_rows else 0.0
 
 
-def _archives(responses_dir: Path) -> list[Path]:
-    d = responses_dir / RETIRED_DIR
-    if not d.is_dir():
-        return []
-    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def _manifest(archive: Path) -> dict[str, Any]:
-    path = archive / MANIFEST
-    if not path.is_file():  # every archive gets its manifest before it is renamed into place
-        raise RuntimeError(
-            f"{archive}: a directory under {RETIRED_DIR}/ without {MANIFEST}; it was not made by retire-responses. "
-            f"Move it out of {archive.parent} (the spend ledger reads every archive there)"
-        )
-    return storage.read_json(path)
-
-
-def _live_unchanged(responses_dir: Path, entry: Mapping[str, Any]) -> bool:
-    live = responses_dir / entry["shard"]
-    return live.is_file() and storage.file_sha256(live) == entry["sha256_before"]
-
-
-def retired_spend(responses_dir: str | os.PathLike) -> float:
-    """The spend recorded by every retired row of a dataset (the ledger's share of the archive)."""
-    d = Path(responses_dir)
-    total = 0.0
-    for archive in _archives(d):
-        manifest = _manifest(archive)
-        for entry in manifest["shards"]:
-            # Until the retirement is marked applied, a shard not yet moved or rewritten still counts as live.
-            if manifest["applied"] or not _live_unchanged(d, entry):
-                total += float(entry["spend_usd"])
-    return total
-
-
 def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
     """Finish retirements a crash interrupted after their commit point; returns how many. Hold the DirLock."""
     d = Path(responses_dir)
     done = 0
-    for archive in _archives(d):
-        manifest = _manifest(archive)
+    for archive in store.retirement_archives(d):
+        manifest = store.read_retirement(archive)
         if not manifest["applied"]:
             _apply(d, archive, manifest)
             done += 1
@@ -126,7 +88,7 @@ def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
 
 def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None:
     for entry in manifest["shards"]:
-        if not _live_unchanged(responses_dir, entry):
+        if not store.live_shard_unchanged(responses_dir, entry):
             continue  # already moved or rewritten before the interruption
         live = responses_dir / entry["shard"]
         if entry["action"] == "moved":
@@ -137,7 +99,7 @@ def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None
             storage.write_parquet_atomic(table.filter(keep), live)
     storage.fsync_dir(archive)
     storage.fsync_dir(responses_dir)
-    storage.write_json_atomic({**manifest, "applied": True}, archive / MANIFEST)
+    storage.write_json_atomic({**manifest, "applied": True}, archive / store.RETIREMENT_MANIFEST)
 
 
 def retire_responses(
@@ -160,7 +122,7 @@ def retire_responses(
     with store.DirLock(d):
         storage.clean_stale_tmp(d)
         completed = complete_pending_retirements(d)
-        retired_root = d / RETIRED_DIR
+        retired_root = d / store.RETIRED_DIR
         if retired_root.is_dir():  # staging dirs of a retirement that never reached its commit point
             for p in retired_root.iterdir():
                 if p.name.startswith(STAGING_PREFIX):
@@ -206,7 +168,7 @@ def retire_responses(
             "by_backend_provider": dict(sorted(by_source.items())),
             "shards": entries,
         }
-        storage.write_json_atomic(manifest, staging / MANIFEST)
+        storage.write_json_atomic(manifest, staging / store.RETIREMENT_MANIFEST)
         archive = retired_root / stamp
         if archive.exists():
             raise FileExistsError(f"{archive}: a retirement with this timestamp already exists")

@@ -6,7 +6,9 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,6 +21,9 @@ log = logging.getLogger("eagle_pipeline.generation")
 
 _PART = re.compile(r"^part-(\d{5,})\.parquet$")
 LOCK_NAME = ".generation.lock"
+# Archives of retired rows (written by generation/retire.py): responses/<dataset>/retired/<stamp>/ + this manifest.
+RETIRED_DIR = "retired"
+RETIREMENT_MANIFEST = "retirement.json"
 
 
 def part_files(directory: str | os.PathLike) -> list[Path]:
@@ -42,10 +47,8 @@ def part_path(directory: str | os.PathLike, index: int) -> Path:
 def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
     """Sample ids already committed, and the dataset's committed spend (for its budgets across resumes).
 
-    The spend counts retired rows too (generation/retire.py): money spent stays spent when its rows are archived.
+    The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived.
     """
-    from eagle_pipeline.generation.retire import retired_spend  # retire builds on this module
-
     done: set[str] = set()
     spend = 0.0
     for p in part_files(out_dir):
@@ -59,6 +62,43 @@ def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
         s = pc.sum(t.column("cost_usd")).as_py()
         spend += float(s or 0.0)
     return done, spend + retired_spend(out_dir)
+
+
+def retirement_archives(out_dir: str | os.PathLike) -> list[Path]:
+    """The committed retirement archives of a dataset, oldest first (never a hidden staging directory)."""
+    d = Path(out_dir) / RETIRED_DIR
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def read_retirement(archive: Path) -> dict[str, Any]:
+    """An archive's `retirement.json`: selection, rows, spend, and each live shard it changes (with its sha256)."""
+    path = archive / RETIREMENT_MANIFEST
+    if not path.is_file():  # every archive gets its manifest before it is renamed into place
+        raise RuntimeError(
+            f"{archive}: a directory under {RETIRED_DIR}/ without {RETIREMENT_MANIFEST}; it was not made by "
+            f"retire-responses. Move it out of {archive.parent} (the spend ledger reads every archive there)"
+        )
+    return storage.read_json(path)
+
+
+def live_shard_unchanged(out_dir: str | os.PathLike, entry: Mapping[str, Any]) -> bool:
+    """Whether the live shard a retirement entry names is still as it was before that retirement."""
+    live = Path(out_dir) / entry["shard"]
+    return live.is_file() and storage.file_sha256(live) == entry["sha256_before"]
+
+
+def retired_spend(out_dir: str | os.PathLike) -> float:
+    """The spend recorded by every retired row of a dataset (the ledger's share of the archives)."""
+    total = 0.0
+    for archive in retirement_archives(out_dir):
+        manifest = read_retirement(archive)
+        for entry in manifest["shards"]:
+            # Until the retirement is marked applied, a shard not yet moved or rewritten still counts as live.
+            if manifest["applied"] or not live_shard_unchanged(out_dir, entry):
+                total += float(entry["spend_usd"])
+    return total
 
 
 def write_shard(table: pa.Table, directory: str | os.PathLike, index: int) -> Path:
