@@ -85,8 +85,8 @@ def resume_incomplete_datasets(context: dg.ScheduleEvaluationContext, pipeline: 
         return dg.SkipReason(
             "every dataset is complete: each current prompt has a committed response and audited tokens"
         )
-    for ds, reason in todo.items():
-        context.log.info(f"{ds}: resuming: {reason}")
+    # The reason travels as a tag (shown by the UI's dry run and on the run), not in the tick's log: context.log
+    # opens an instance the caller's context manager must close.
     stamp = context.scheduled_execution_time.strftime("%Y%m%dT%H%M")
     return [
         dg.RunRequest(run_key=f"{stamp}-{ds}", partition_key=ds, tags={"eagle/resume_reason": reason[:200]})

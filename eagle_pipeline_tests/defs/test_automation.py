@@ -16,12 +16,14 @@ pytestmark = pytest.mark.slow
 
 
 def _schedule_requests(instance):
-    ctx = dg.build_schedule_context(
+    # As a context manager: the context opens an instance for the resources, and only its exit closes it (an
+    # unclosed one leaves Dagster's current defs-state storage pointing at a dead instance for later tests).
+    with dg.build_schedule_context(
         instance=instance,
         scheduled_execution_time=datetime.datetime(2026, 11, 29, 6, 0),
         resources={"pipeline": PipelineResource()},
-    )
-    result = resume_incomplete_datasets(ctx)
+    ) as ctx:
+        result = resume_incomplete_datasets(ctx)
     if isinstance(result, dg.SkipReason):
         return []
     return sorted(r.partition_key for r in result)
@@ -39,8 +41,8 @@ def test_schedule_resumes_only_incomplete_datasets(pipeline_config, instance, tm
     assert _schedule_requests(instance) == ["B1", "B6"]
     assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
     assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B6").success
-    ctx = dg.build_schedule_context(instance=instance, resources={"pipeline": PipelineResource()})
-    assert isinstance(resume_incomplete_datasets(ctx), dg.SkipReason)
+    with dg.build_schedule_context(instance=instance, resources={"pipeline": PipelineResource()}) as ctx:
+        assert isinstance(resume_incomplete_datasets(ctx), dg.SkipReason)
 
 
 def _config_with_faulty_backend(path, faulty: set[str]):

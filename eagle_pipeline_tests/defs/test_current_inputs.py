@@ -51,13 +51,17 @@ def _checks(result):
     return {e.asset_check_key.name: e.passed for e in result.get_asset_check_evaluations()}
 
 
-def _schedule(instance):
-    ctx = dg.build_schedule_context(
+def _tick(instance):
+    with dg.build_schedule_context(
         instance=instance,
         scheduled_execution_time=datetime.datetime(2026, 12, 1, 6, 0),
         resources={"pipeline": PipelineResource()},
-    )
-    result = resume_incomplete_datasets(ctx)
+    ) as ctx:
+        return resume_incomplete_datasets(ctx)
+
+
+def _schedule(instance):
+    result = _tick(instance)
     return result.skip_message if isinstance(result, dg.SkipReason) else sorted(r.partition_key for r in result)
 
 
@@ -124,7 +128,10 @@ def test_schedule_and_stop_message_count_current_sample_ids_not_rows(pipeline_co
     assert failure.step_key == "responses" and "stopped early (credits)" in message
     assert "0/4 current prompts answered (4 committed rows answer other prompts" in message
     assert "4/4" not in message
-    assert _schedule(instance) == ["B1"]
+    [request] = _tick(instance)
+    assert request.partition_key == "B1" and request.tags["eagle/resume_reason"] == (
+        "0/4 current prompts answered (4 committed rows answer other prompts: kept on disk, not used)"
+    )
     meta = failure.event_specific_data.user_failure_data.metadata
     assert (meta["current_prompts"].value, meta["current_prompts_answered"].value) == (4, 0)
     assert meta["rows_answering_other_prompts"].value == 4
