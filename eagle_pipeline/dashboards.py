@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -75,32 +76,24 @@ def value_counts(column: pa.ChunkedArray | pa.Array, null_label: str = "none") -
     return {str(r["values"]): int(r["counts"]) for r in pc.value_counts(pc.fill_null(column, null_label)).to_pylist()}
 
 
-def dataset_overview(root, datasets: Sequence[str], merged_rows: Mapping[str, int] | None = None) -> list[dict]:
+def dataset_overview(
+    root,
+    datasets: Sequence[str],
+    merged_rows: Mapping[str, int] | None = None,
+    responses: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict]:
     """One row per dataset: responses, spend, failed requests, provider split, token samples, audit verdict, merged.
 
-    `root` is a storage.DataRoot. Reads only Parquet columns it needs and the audit reports. `responses` and the
-    provider split count the rows answering the dataset's current prompts; `other_prompt_rows` the committed rows
-    that answer other prompts; `spend_usd` is the ledger (every committed row, retired ones included).
+    `root` is a storage.DataRoot. Reads only Parquet columns it needs and the audit reports. `responses` maps a
+    dataset to its responses columns (generation.coverage.response_overview: rows answering the current prompts,
+    rows answering other prompts, the ledger's spend, the provider split).
     """
     import pyarrow.parquet as pq
 
-    from eagle_pipeline.generation.coverage import current_responses
-    from eagle_pipeline.generation.store import committed_sample_ids, part_files
     from eagle_pipeline.storage import read_json
 
     rows = []
     for ds in datasets:
-        parts = part_files(root.responses_dir(ds))
-        prompt_ids = (
-            pq.read_table(root.prompts(ds), columns=["sample_id"]).column("sample_id").to_pylist()
-            if root.prompts(ds).exists()
-            else []
-        )
-        resp, cov = None, None
-        if parts:
-            resp, cov = current_responses(
-                ds, pa.concat_tables([pq.read_table(p, columns=["sample_id", "provider"]) for p in parts]), prompt_ids
-            )
         errs = sorted(root.errors_dir(ds).glob("part-*.parquet"))
         n_errors = sum(pq.read_metadata(p).num_rows for p in errs)
         audit = read_json(root.audit_report(ds)) if root.audit_report(ds).exists() else None
@@ -108,13 +101,8 @@ def dataset_overview(root, datasets: Sequence[str], merged_rows: Mapping[str, in
         rows.append(
             {
                 "dataset": ds,
-                "responses": resp.num_rows if resp is not None else 0,
-                "other_prompt_rows": cov.other_rows if cov is not None else 0,
-                "spend_usd": round(committed_sample_ids(root.responses_dir(ds))[1], 4),
+                **dict((responses or {}).get(ds, {"responses": 0, "other_prompt_rows": 0, "spend_usd": 0.0})),
                 "failed_requests": n_errors,
-                "providers": ", ".join(f"{k}:{v}" for k, v in value_counts(resp.column("provider"), "unknown").items())
-                if resp is not None
-                else "",
                 "token_samples": pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0,
                 "audit": "-" if audit is None else ("pass" if audit.get("passed") else "FAIL"),
                 "gates_with_failures": ", ".join(failing),

@@ -9,6 +9,7 @@ from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
+from eagle_pipeline.generation.coverage import response_overview
 
 
 @dg.asset(
@@ -62,7 +63,12 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         context.instance.add_dynamic_partitions(SHARD_PARTITIONS_NAME, new)
     for stale in sorted(existing - set(shards)):
         context.instance.delete_dynamic_partition(SHARD_PARTITIONS_NAME, stale)
-    overview = dataset_overview(root, cfg.dataset_names, manifest.rows_per_dataset)
+    overview = dataset_overview(
+        root,
+        cfg.dataset_names,
+        manifest.rows_per_dataset,
+        {ds: response_overview(root, ds) for ds in cfg.dataset_names},
+    )
     merged = read_merged(root.merged_dir, columns=["dataset", "n_tokens"])
     by_dataset = {ds: merged.filter(pc.equal(merged["dataset"], ds))["n_tokens"].to_numpy() for ds in cfg.dataset_names}
     return dg.MaterializeResult(

@@ -12,11 +12,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle_pipeline.dashboards import value_counts
 from eagle_pipeline.generation import store
 
 
@@ -97,3 +99,24 @@ def resume_reason(
     if token_ids != ids:
         return f"{cov.describe()}; the token samples on disk are not those of the current prompts"
     return None
+
+
+def response_overview(root: Any, dataset: str) -> dict[str, Any]:
+    """The responses columns of a dataset's overview row (`root` a storage.DataRoot): rows answering the current
+    prompts, committed rows answering others, the ledger's spend (retired rows included), the current rows'
+    provider split."""
+    prompts = Path(root.prompts(dataset))
+    ids = pq.read_table(prompts, columns=["sample_id"]).column("sample_id").to_pylist() if prompts.exists() else []
+    parts = store.part_files(root.responses_dir(dataset))
+    table = (
+        pa.concat_tables([pq.read_table(p, columns=["sample_id", "provider"]) for p in parts])
+        if parts
+        else pa.table({"sample_id": pa.array([], pa.string()), "provider": pa.array([], pa.string())})
+    )
+    current, cov = current_responses(dataset, table, ids)
+    return {
+        "responses": current.num_rows,
+        "other_prompt_rows": cov.other_rows,
+        "spend_usd": round(store.committed_sample_ids(root.responses_dir(dataset))[1], 4),
+        "providers": ", ".join(f"{k}:{v}" for k, v in value_counts(current.column("provider"), "unknown").items()),
+    }

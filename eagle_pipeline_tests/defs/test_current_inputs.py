@@ -18,6 +18,7 @@ from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.jobs import resume_incomplete_datasets
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.generation import pipeline_budget, read_responses
+from eagle_pipeline.generation.coverage import response_overview
 from eagle_pipeline.generation.store import committed_sample_ids
 from eagle_pipeline.storage import DataRoot
 
@@ -87,7 +88,7 @@ def test_a_lower_limit_and_another_seed_never_bring_old_responses_into_token_sam
         2,
     )
     assert read_responses(root.responses_dir("B1")).num_rows == 4  # kept on disk, never merged
-    [overview] = dataset_overview(root, ["B1"])  # the merge's per-dataset table says the same
+    [overview] = dataset_overview(root, ["B1"], responses={"B1": response_overview(root, "B1")})  # as the merge's
     assert (overview["responses"], overview["other_prompt_rows"], overview["token_samples"]) == (2, 2, 2)
     assert "every dataset is complete" in _schedule(instance)
 
