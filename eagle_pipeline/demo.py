@@ -77,7 +77,7 @@ def run_demo() -> int:
 def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> None:
     import pyarrow.parquet as pq
 
-    from eagle_pipeline.generation.coverage import dataset_coverage
+    from eagle_pipeline.generation.coverage import dataset_coverage, prompt_sample_ids
     from eagle_pipeline.tokens import resolve_tokenizer
 
     tok = resolve_tokenizer(cfg.target.tokenizer)
@@ -88,11 +88,7 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
     print("generation: SIMULATED OpenRouter-format loopback server (no API key, no spend)\n")
     print(f"{'dataset':<8}{'responses':>10}{'tokens rows':>12}{'audit':>8}  failing gates")
     for ds in cfg.dataset_names:
-        ids = (
-            pq.read_table(root.prompts(ds), columns=["sample_id"])["sample_id"].to_pylist()
-            if root.prompts(ds).exists()
-            else []
-        )
+        ids = prompt_sample_ids(root.prompts(ds))
         n_resp = dataset_coverage(ds, ids, root.responses_dir(ds)).answered  # responses to the current prompts
         n_tok = pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0
         verdict, failing = "-", ""

@@ -31,14 +31,14 @@ warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 )
 def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.generation import read_responses
-    from eagle_pipeline.generation.coverage import current_responses
+    from eagle_pipeline.generation.coverage import current_responses, prompt_sample_ids
     from eagle_pipeline.tokens import reconstruct_table
 
     cfg = pipeline.config()
     root = pipeline.data_root()
     ds = cfg.datasets[context.partition_key]
     tok = pipeline.tokenizer()
-    prompt_ids = pq.read_table(root.prompts(ds.name), columns=["sample_id"]).column("sample_id").to_pylist()
+    prompt_ids = prompt_sample_ids(root.prompts(ds.name))
     # Rows committed for other prompts (an earlier limit or seed) stay on disk and are counted, never used.
     resp, cov = current_responses(ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids)
     if resp.num_rows == 0:

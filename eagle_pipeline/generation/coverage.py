@@ -55,6 +55,12 @@ class Coverage:
         }
 
 
+def prompt_sample_ids(prompts_path: str | os.PathLike) -> list[str]:
+    """The sample ids of a prompts table on disk: the dataset's current prompts (none if never materialised)."""
+    p = Path(prompts_path)
+    return pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist() if p.exists() else []
+
+
 def coverage_of(dataset: str, prompt_ids: Iterable[str], committed_ids: Iterable[str]) -> Coverage:
     """Coverage of the prompts `prompt_ids` by the responses `committed_ids` (both sample ids)."""
     current = set(prompt_ids)
@@ -105,8 +111,7 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     """The responses columns of a dataset's overview row (`root` a storage.DataRoot): rows answering the current
     prompts, committed rows answering others, the ledger's spend (retired rows included), the current rows'
     provider split."""
-    prompts = Path(root.prompts(dataset))
-    ids = pq.read_table(prompts, columns=["sample_id"]).column("sample_id").to_pylist() if prompts.exists() else []
+    ids = prompt_sample_ids(root.prompts(dataset))
     parts = store.part_files(root.responses_dir(dataset))
     table = (
         pa.concat_tables([pq.read_table(p, columns=["sample_id", "provider"]) for p in parts])
