@@ -250,6 +250,13 @@ class HiddenStatesConfig(SpecBase):
     disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
     # A finished shard extracted under other settings: refuse (naming what differs) or redo (old files kept aside).
     on_settings_change: Literal["refuse", "redo"] = "refuse"
+    # Teacher-agreement audit: None = decide from provenance (no for tiny-random or simulated texts) / the audit's
+    # default threshold (hidden_states.audit.DEFAULT_MIN_TOP1).
+    texts_by_extraction_model: Bool | None = None
+    teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
+    # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
+    layout: Literal["shards", "specforge", "speculators"] = "shards"
+    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ("specforge", "speculators")  # derived copies
     # in_process: the model loaded in the shard run; vllm: HTTP clients of vLLM extract_hidden_states servers;
     # torchrun: one tensor-parallel transformers world per shard (docs/hidden_states.md §10-13).
     engine: Literal["in_process", "vllm", "torchrun"] = "in_process"
@@ -258,9 +265,12 @@ class HiddenStatesConfig(SpecBase):
 
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        problems: list[Problem] = []
         if data.get("engine") == "vllm" and not _get(data.get("vllm"), "endpoints"):
-            return [(("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers")]
-        return []
+            problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
+        if data.get("layout", "shards") != "shards" and data.get("engine", "in_process") != "in_process":
+            problems.append((("layout",), "a trainer layout is written by the in_process engine only (for now)"))
+        return problems
 
     @_field_validator("model")
     @classmethod

@@ -108,6 +108,12 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
     print(f"hidden states: {len(shards)} shard(s) ({engine}) -> {root.hidden_states_dir}")
     print(f"draft vocabulary -> {root.draft_vocab_dir}")
     print(f"trainer exports -> {root.exports_dir}")
+    for name in ("specforge", "speculators"):
+        export = root.exports_dir / name / "export.json"
+        if export.exists():
+            e = read_json(export)
+            extra = e["extra"].get("args") or e["extra"]["config"]["data.hidden_states_path"]
+            print(f"  {name}: {e['rows']} rows, final state {e['final_state']}; {extra}")
     if failures:
         print(f"\nFAILED runs: {', '.join(failures)}")
     print("\nOpen the Dagster UI on these runs:  make ui   (then http://127.0.0.1:3000)")

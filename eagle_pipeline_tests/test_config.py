@@ -360,3 +360,27 @@ def test_vllm_engine_problems_name_their_paths(tmp_path):
     assert (t.hidden_states.torchrun.tp_size, t.hidden_states.torchrun.ep_size) == (4, 2)
     with pytest.raises(ConfigError, match=r"hidden_states.torchrun.ep_size: must divide tp_size \(4\)"):
         load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 3}}))
+
+
+def test_hidden_states_layout_and_audit_keys(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    p = tmp_path / "pipeline.yaml"
+    cfg = load_config(DEFAULT_CONFIG).hidden_states
+    assert (cfg.layout, cfg.trainer_layouts, cfg.texts_by_extraction_model, cfg.teacher_min_top1) == (
+        "shards",
+        ("specforge", "speculators"),
+        None,
+        None,
+    )
+    raw["hidden_states"].update(layout="speculators", trainer_layouts=["specforge"], texts_by_extraction_model=False)
+    p.write_text(yaml.safe_dump(raw))
+    cfg = load_config(p).hidden_states
+    assert (cfg.layout, cfg.trainer_layouts, cfg.texts_by_extraction_model) == ("speculators", ("specforge",), False)
+    raw["hidden_states"].update(layout="tarball", trainer_layouts=["megatron"], teacher_min_top1=1.5)
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    for needle in ("hidden_states.layout", "hidden_states.trainer_layouts", "hidden_states.teacher_min_top1"):
+        assert needle in str(exc.value)

@@ -4,6 +4,7 @@ import os
 import socket
 import warnings
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -130,6 +131,10 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             log=context.log.info,
         )
     else:
+        from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+
+        # A trainer's layout: the states go straight into its export folder, in its final-state convention.
+        target = plan_layout_target(h.layout, root.exports_dir / h.layout, root.merged_dir)
         with shard_device(h.device, shard, prefer=MODEL_CACHE.devices(), log=context.log.info) as device:
             summary = extract_shard(
                 MODEL_CACHE.get(h.model, h.family, h.seed, vocab, device),
@@ -143,6 +148,8 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
                 on_mismatch=h.on_settings_change,
                 model_identity=wanted.model,
                 progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
+                final_state=wanted.final_state,
+                layout_target=target,
             )
     return dg.MaterializeResult(
         metadata={
@@ -154,6 +161,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "device": device,
             "model": h.model,
             "engine": h.engine,
+            "layout": h.layout,
             "fingerprint": dg.MetadataValue.json(summary.fingerprint),
             "skipped_already_done": summary.skipped,
             "shard_status_before": decision.state.status,
@@ -218,17 +226,103 @@ hidden_state_checks = [
 ]
 
 
+def _shard_audit(pipeline: PipelineResource, shard: int) -> dict:
+    """The semantic audit of one shard (computed once, shared by its four checks; see hidden_states/audit.py)."""
+    import pyarrow.parquet as pq
+
+    from eagle_pipeline.hidden_states.audit import audit_shard_cached, teacher_judgement
+    from eagle_pipeline.hidden_states.merged import merged_parts
+    from eagle_pipeline.hidden_states.runtime import resolve_device
+
+    root = pipeline.data_root()
+    h = pipeline.config().hidden_states
+    sources = {
+        s for p in merged_parts(root.merged_dir) for s in pq.read_table(p, columns=["source"])["source"].to_pylist()
+    }
+    judgement = teacher_judgement(
+        extraction_model=h.model,
+        sources=sorted(sources, key=str),
+        texts_by_extraction_model=h.texts_by_extraction_model,
+    )
+    settings: dict[str, Any] = {"expected_aux_layers": h.aux_layers, "judgement": judgement}
+    if h.teacher_min_top1 is not None:
+        settings["min_top1"] = h.teacher_min_top1
+    return audit_shard_cached(
+        root.hidden_states_dir, shard, root.merged_dir, device=resolve_device(h.device), **settings
+    )
+
+
+def _audit_check(name: str, audit_key: str, description: str):
+    @dg.asset_check(
+        asset=hidden_states, name=name, blocking=True, partitions_def=shard_partitions, description=description
+    )
+    def _check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
+        result = _shard_audit(pipeline, int(context.partition_key))[audit_key]
+        metadata: dict[str, Any] = {
+            "verdict": result.verdict,
+            "samples_checked": result.checked,
+            "samples_failing": result.failing,
+            "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
+            "figures": dg.MetadataValue.json(result.metrics),
+        }
+        if audit_key == "teacher_agreement" and result.metrics.get("top1_agreement") is not None:
+            metadata["top1_agreement"] = float(result.metrics["top1_agreement"])
+            rows = "".join(
+                f"| {ds} | {d['agreement']:.3f} | {d['positions']} |\n"
+                for ds, d in result.metrics["per_dataset"].items()
+            )
+            metadata["per_dataset"] = dg.MetadataValue.md(
+                f"| dataset | top-1 agreement | positions |\n|---|---|---|\n{rows}"
+            )
+        return dg.AssetCheckResult(passed=bool(result.passed), description=result.detail or None, metadata=metadata)
+
+    return _check
+
+
+hidden_state_checks += [
+    _audit_check(
+        "states_not_degenerate",
+        "degenerate_states",
+        "No all-zero or constant position in any layer, no layer that holds one vector at every position.",
+    ),
+    _audit_check(
+        "layers_as_configured",
+        "layer_layout",
+        "Aux layers are the configured ones in the configured order, T = the merged row's tokens, no two stored "
+        "layers identical (a wrong layer id).",
+    ),
+    _audit_check(
+        "norm_convention_matches_states",
+        "norm_convention",
+        "The recorded final-state convention (pre/post final norm) agrees with the states' RMS statistics.",
+    ),
+    _audit_check(
+        "teacher_agreement",
+        "teacher_agreement",
+        "lm_head(final_norm(final state)) predicts the next supervised token as top-1 at least "
+        "hidden_states.teacher_min_top1 of the time; says NOT JUDGED when the texts were not written by the "
+        "extraction model.",
+    ),
+]
+
+
 @dg.asset(
     deps=[merged_dataset, draft_vocab, hidden_states],
     group_name="exports",
     automation_condition=after_checks_pass,
     kinds={"parquet", "json"},
     owners=["team:ml"],
-    description="Trainer-ready exports: SpecForge pre-tokenized JSONL, HF-datasets Parquet, and a manifest of states.",
+    description=(
+        "Trainer-ready exports: SpecForge offline features (exports/specforge/{train,eval}/*.ckpt, post-norm) and "
+        "pre-tokenized JSONL, speculators' offline data dir (exports/speculators: Arrow dataset + hs_{i}.safetensors, "
+        "pre-norm), HF-datasets Parquet; refuses to start until every shard is done."
+    ),
 )
 def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline.hidden_states.audit import audit_markdown, summarize_audits
     from eagle_pipeline.hidden_states.runtime import fingerprint_for_config
     from eagle_pipeline.hidden_states.shards import ShardsNotReadyError, require_shards_ready
+    from eagle_pipeline.hidden_states.trainer_layouts import export_specforge_states, export_speculators_states
     from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
 
     root = pipeline.data_root()
@@ -249,9 +343,30 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
     shard_keys = [f"{s.shard_index:05d}" for s in states]
     spec = export_specforge_jsonl(root.merged_dir, out / "specforge" / "train.jsonl", split="train")
     hf = export_hf_parquet(root.merged_dir, out / "hf_parquet")
+    # The layout extraction wrote directly is always completed (its small files); others are converted copies.
+    layouts = set(cfg.hidden_states.trainer_layouts) | ({cfg.hidden_states.layout} - {"shards"})
+    exported: dict[str, Any] = {}
+    # Copied beside the states when built (the draft_vocab asset); the export's summary records where it is, or None.
+    vocab_pt = root.draft_vocab_dir / "draft_vocab.pt"
+    if "specforge" in layouts:
+        exported["specforge_offline"] = export_specforge_states(
+            root.hidden_states_dir,
+            root.merged_dir,
+            out / "specforge",
+            draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
+        )
+    if "speculators" in layouts:
+        exported["speculators_offline"] = export_speculators_states(
+            root.hidden_states_dir,
+            root.merged_dir,
+            out / "speculators",
+            draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
+        )
     manifest = {
         "specforge_jsonl": spec.to_dict(),
         "hf_parquet": hf.to_dict(),
+        **{name: e.to_dict() for name, e in exported.items()},
+        "hidden_state_audit": summarize_audits(root.hidden_states_dir),
         "hidden_states_dir": str(root.hidden_states_dir),
         "hidden_state_shards": shard_keys,
         "draft_vocab_dir": str(root.draft_vocab_dir),
@@ -263,6 +378,14 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
             "path": dg.MetadataValue.path(str(out)),
             "specforge_rows": dg.MetadataValue.json(spec.rows),
             "hf_parquet_rows": dg.MetadataValue.json(hf.rows),
+            **{f"{name}_rows": dg.MetadataValue.json(e.rows) for name, e in exported.items()},
+            **(
+                {"speculators_args": str(exported["speculators_offline"].extra["args"])}
+                if "speculators_offline" in exported
+                else {}
+            ),
+            "state_bytes_written": sum(e.bytes_written for e in exported.values()),
+            "hidden_state_audit": dg.MetadataValue.md(audit_markdown(manifest["hidden_state_audit"])),
             "hidden_state_shards": len(shard_keys),
         }
     )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .format import (
     tensor_key,
     write_index,
 )
+from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_model
 from .layers import (
     _layer_output,
     aux_layer_to_hf_index,
@@ -40,6 +42,7 @@ from .layers import (
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
 from .shards import FINGERPRINT_META_KEY, ShardSummary, prepare_shard
+from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, STATE_NAMES, LayoutTarget, SampleFilesWriter
 
 IDS_DTYPE = torch.int32
 MASK_DTYPE = torch.int8
@@ -117,6 +120,7 @@ class _Written:
     seconds: float
     compute_seconds: float
     write_wait_seconds: float
+    sample_files: list[dict[str, Any]] = field(default_factory=list)  # states written into a trainer's layout
 
 
 def extract_shard(
@@ -130,12 +134,13 @@ def extract_shard(
     max_tokens_per_batch: int = 8192,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    final_state: str = "post_norm",
+    final_state: str = PRE_NORM,
     force: bool = False,
     on_mismatch: str = "refuse",
     model_identity: Mapping[str, Any] | None = None,
     engine: str = ENGINE_IN_PROCESS,
     progress: Callable[[int, int], None] | None = None,
+    layout_target: LayoutTarget | None = None,
 ) -> ShardSummary:
     """Extract aux-layer and final hidden states for global rows of shard `shard_index` into
     `out_dir/shard-NNNNN.safetensors` + `.index.parquet`, with the extraction fingerprint recorded.
@@ -144,13 +149,21 @@ def extract_shard(
     refused with what differs (`ShardMismatchError`), or with `on_mismatch='redo'` moved to `superseded/` and
     redone; a partial one is deleted and redone. `model_identity` overrides the identity taken from the model
     (`fingerprint.model_identity`). Samples with NaN/Inf are written as they are and counted (index column
-    `n_nonfinite`, `n_nonfinite_samples`), never dropped. `final_state`: 'post_norm' (after the final RMSNorm, what
-    the lm_head consumes; SpecForge/EAGLE/Model-Optimizer HF convention) or 'pre_norm' (output of the last decoder
-    layer; vLLM/speculators). An exception from `progress(rows_done, rows_total)` aborts cleanly: atomic_path removes
-    the temporary file.
+    `n_nonfinite`, `n_nonfinite_samples`), never dropped. `final_state`: 'pre_norm' (the project's canonical
+    convention: the last decoder layer's output, as vLLM gives it; the target's final norm and lm_head are recorded
+    beside the shards, `head.TARGET_HEAD_FILE`, so the post-norm state is always derivable) or 'post_norm' (after the
+    final RMSNorm, what the lm_head consumes). An exception from `progress(rows_done, rows_total)` aborts cleanly:
+    atomic_path removes the temporary file. `layout_target` (`trainer_layouts.plan_layout_target`): write each
+    sample's states straight into a trainer's layout instead of the shard file, which then keeps only ids and masks
+    (no second copy of the states).
     """
     if final_state not in FINAL_STATES:
         raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
+    if layout_target is not None and final_state != LAYOUT_FINAL_STATE[layout_target.name]:
+        raise ValueError(
+            f"the {layout_target.name} layout holds the final state {LAYOUT_FINAL_STATE[layout_target.name]}; "
+            f"got final_state={final_state!r}"
+        )
     out_dir = Path(out_dir)
     target = _Target.of(model, aux_layers)
     out_dtype = dtype if dtype is not None else default_state_dtype(device)
@@ -162,6 +175,7 @@ def extract_shard(
         dtype=dtype_name(out_dtype),
         merged_version=merged_version(merged_dir),
         engine=engine,
+        layout=layout_target.name if layout_target is not None else SHARDS,
     )
     decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
     if decision.reuse is not None:
@@ -172,15 +186,40 @@ def extract_shard(
     dev = torch.device(device)
     if next(model.parameters()).device.type != dev.type:
         model.to(dev)
-    post_norm = final_state == "post_norm"
+    post_norm = final_state == POST_NORM
     meta = _safetensors_metadata(model, target, rows, shard_index, out_dtype, post_norm, wanted)
+    meta.update(final_state=final_state, final_norm_eps=repr(final_norm_eps(model)))
+    if layout_target is not None:
+        meta["layout"] = layout_target.name
     st_path, idx_path = shard_paths(out_dir, shard_index)
     written = _write_states(
-        target, rows, batches, meta, st_path, dev=dev, out_dtype=out_dtype, post_norm=post_norm, progress=progress
+        target,
+        rows,
+        batches,
+        meta,
+        st_path,
+        dev=dev,
+        out_dtype=out_dtype,
+        post_norm=post_norm,
+        progress=progress,
+        layout_target=layout_target,
     )
+    # Recorded after the shard is complete, so an aborted shard leaves nothing behind.
+    _, head_sha = save_target_head_from_model(model, out_dir, json.loads(meta["model"]))
     summary = _shard_summary(shard_index, rows, batches, written, st_path, idx_path, out_dtype, post_norm, wanted)
+    extra: dict[str, Any] = {
+        "final_state": final_state,
+        "final_norm_eps": final_norm_eps(model),
+        "target_head_sha256": head_sha,
+    }
+    if layout_target is not None:
+        extra.update(
+            layout=layout_target.name,
+            layout_root=os.path.relpath(layout_target.root, out_dir),
+            sample_files=written.sample_files,
+        )
     _write_shard_index(
-        idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"])
+        idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"]), extra=extra
     )
     return summary
 
@@ -288,6 +327,7 @@ def _write_states(
     out_dtype: torch.dtype,
     post_norm: bool,
     progress: Callable[[int, int], None] | None,
+    layout_target: LayoutTarget | None = None,
 ) -> _Written:
     """Run every batch and stream the safetensors file, a writer thread overlapping the disk with the next forward."""
     order = [i for b in batches for i in b]
@@ -303,7 +343,13 @@ def _write_states(
     done_rows = 0
     try:
         with atomic_path(st_path) as tmp, open(tmp, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
-            writer = StreamingSafetensorsWriter(fh, _tensor_layout(rows, order, target, out_dtype), meta)
+            layout = _tensor_layout(rows, order, target, out_dtype)
+            if layout_target is not None:  # the states go to the trainer's files; the shard keeps ids and masks
+                layout = [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
+            writer: Any = StreamingSafetensorsWriter(fh, layout, meta)
+            if layout_target is not None:
+                masks = dict(zip(rows.sample_ids, rows.loss_mask))
+                writer = SampleFilesWriter(writer, layout_target, st_path.parent, masks, len(target.aux))
             pending: list[Future[None]] = []
             for batch in batches:
                 tb = time.perf_counter()
@@ -331,7 +377,8 @@ def _write_states(
     finally:
         for h in handles:
             h.remove()
-    return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s)
+    files = list(getattr(writer, "files", []))
+    return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s, files)
 
 
 def _shard_summary(
@@ -381,8 +428,9 @@ def _write_shard_index(
     model: dict[str, Any],
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint (and `extra`,
-    what an engine records of its own)."""
+    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint (and `extra`:
+    what an engine records of its own, the final-state convention, the recorded head's hash and, in a trainer
+    layout, its files)."""
     index_meta = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -417,7 +465,7 @@ def _write_shard_index(
 
 
 def _write_batch(
-    writer: StreamingSafetensorsWriter,
+    writer: StreamingSafetensorsWriter | SampleFilesWriter,
     rows: MergedRows,
     batch: Sequence[int],
     aux_cpu: torch.Tensor,

@@ -220,14 +220,24 @@ def shard_status(out_dir: str | Path, shard_index: int, *, check_hash: bool = Tr
         return "partial"
     if check_hash and file_sha256(st_path) != meta.get("sha256"):
         return "partial"
+    for f in meta.get("sample_files", []):  # states written straight into a trainer's layout
+        p = Path(out_dir) / f["path"]
+        if not p.exists() or p.stat().st_size != f["size"] or (check_hash and file_sha256(p) != f["sha256"]):
+            return "partial"
     return "done"
 
 
 def remove_shard(out_dir: str | Path, shard_index: int) -> None:
     """Delete a shard's files, index first so no moment exists where an index vouches for a missing file."""
     st_path, idx_path = shard_paths(out_dir, shard_index)
+    try:
+        sample_files = [Path(out_dir) / f["path"] for f in read_index_meta(idx_path).get("sample_files", [])]
+    except Exception:  # no or unreadable index: its trainer files, if any, are rewritten by the redo
+        sample_files = []
     idx_path.unlink(missing_ok=True)
     st_path.unlink(missing_ok=True)
+    for p in sample_files:
+        p.unlink(missing_ok=True)
     for p in shard_tmp_leftovers(out_dir, shard_index):
         p.unlink(missing_ok=True)
 
@@ -259,10 +269,10 @@ def load_sample(
 ) -> dict[str, torch.Tensor]:
     """The four tensors of one sample (keys without the sample_id prefix). Pass a `build_sample_index` result
     as `index` when loading many samples, to avoid rescanning the index files each time."""
-    from safetensors import safe_open
+    from .trainer_layouts import open_shard  # reads states from the shard file or a trainer's layout
 
     loc = (index if index is not None else build_sample_index(out_dir)).get(sample_id)
     if loc is None:
         raise KeyError(f"sample {sample_id!r} not in any shard index under {out_dir}")
-    with safe_open(str(loc.path), framework="pt") as f:
-        return {name: f.get_tensor(tensor_key(sample_id, name)) for name in TENSOR_NAMES}
+    with open_shard(out_dir, loc.shard_index) as reader:
+        return reader.get(sample_id)

@@ -19,6 +19,7 @@ from .format import dtype_name
 from .layers import default_aux_layers, validate_aux_layers
 from .model import KIMI_K25_TEXT_CONFIG, build_tiny_model, describe_model_config, load_text_config, tiny_config
 from .plan import ExtractionPlan, plan_for_model
+from .trainer_layouts import final_state_for_layout
 
 if TYPE_CHECKING:
     from ..config import HiddenStatesConfig
@@ -161,10 +162,12 @@ def fingerprint_for_config(
     *,
     merged_dir: str | Path,
     vocab_size: int,
-    final_state: str = "post_norm",
+    final_state: str | None = None,
     pin_dtype: bool = True,
 ) -> ExtractionFingerprint:
     """The fingerprint extraction under the configuration `h` gives its shards, without loading the model.
+
+    `final_state` defaults to the convention `h.layout` stores (`trainer_layouts.final_state_for_layout`).
 
     `pin_dtype=False` leaves the dtype open, for a check that runs on a host other than the extraction's (a CPU
     step checking shards written on a GPU host); otherwise it is the dtype this host's device would store."""
@@ -174,12 +177,23 @@ def fingerprint_for_config(
     return ExtractionFingerprint(
         model=model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
         aux_layers=aux,
-        final_state="pre_norm" if vllm else final_state,
+        final_state=final_state or _engine_final_state(h),
         shard_size=h.shard_size,
         dtype=dtype_name(default_state_dtype(_device_type(h.device))) if pin_dtype and not vllm else None,
         merged_version=merged_version(merged_dir),
         engine=h.engine,
+        layout=h.layout,
     )
+
+
+def _engine_final_state(h: HiddenStatesConfig) -> str:
+    """The convention each engine stores: vLLM servers give the last layer's output before the norm; the torchrun
+    engine stores post-norm (its own default); in_process the one `h.layout` needs (pre-norm for shards)."""
+    if h.engine == "vllm":
+        return "pre_norm"
+    if h.engine == "torchrun":
+        return "post_norm"
+    return final_state_for_layout(h.layout)
 
 
 def _device_type(device: str) -> str:

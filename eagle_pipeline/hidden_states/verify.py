@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .format import TENSOR_NAMES, read_index, read_index_meta, shard_paths, tensor_key
+from .format import read_index, read_index_meta, shard_paths
 from .merged import read_rows
 
 MAX_FAILING_IDS = 10
@@ -56,9 +56,9 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
     - `ids_match`: the shard holds exactly the merged rows of its range, and each sample's stored ids and loss
       mask equal the merged table's.
     """
-    from safetensors import safe_open
+    from .trainer_layouts import open_shard
 
-    st_path, idx_path = shard_paths(out_dir, shard_index)
+    idx_path = shard_paths(out_dir, shard_index)[1]
     meta = read_index_meta(idx_path)
     index = read_index(idx_path)
     hidden, n_aux = int(meta["hidden_size"]), len(meta["aux_layers"])
@@ -70,17 +70,14 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
     for sid in set(merged.sample_ids) - set(index_ids):
         ids_match.record(sid, False, "merged row missing from shard")
 
-    with safe_open(str(st_path), framework="pt") as f:
-        present = set(f.keys())
+    with open_shard(out_dir, shard_index) as reader:
         for sid, t in zip(index_ids, index.column("n_tokens").to_pylist()):
-            keys = {name: tensor_key(sid, name) for name in TENSOR_NAMES}
-            missing = [k for k in keys.values() if k not in present]
-            if missing:
-                shapes.record(sid, False, f"missing {missing}")
+            if not reader.has(sid):
+                shapes.record(sid, False, f"missing tensors of {sid} ({reader.layout} layout)")
                 finite.record(sid, False, "tensors missing")
                 ids_match.record(sid, False, "tensors missing")
                 continue
-            tensors = {name: f.get_tensor(key) for name, key in keys.items()}
+            tensors = reader.get(sid)
             expected = {
                 "aux_hidden_states": (t, n_aux * hidden),
                 "final_hidden_state": (t, hidden),

@@ -19,7 +19,13 @@ from eagle_pipeline.merge.core import (
     merged_shard_paths,
     read_merged,
 )
-from eagle_pipeline.merge.export import HF_SCHEMA, ExportSummary, export_hf_parquet, export_specforge_jsonl
+from eagle_pipeline.merge.export import (
+    HF_SCHEMA,
+    ExportSummary,
+    export_hf_parquet,
+    export_specforge_jsonl,
+    hf_manifest_path,
+)
 from eagle_pipeline.merge.vocab import (
     D2T_NPY,
     DRAFT_VOCAB_PT,
@@ -57,6 +63,7 @@ __all__ = [
     "count_supervised_tokens",
     "export_hf_parquet",
     "export_specforge_jsonl",
+    "hf_manifest_path",
     "iter_merged_shards",
     "load_draft_vocab",
     "merge_datasets",

@@ -42,6 +42,13 @@ HF_SCHEMA = pa.schema(
 HF_MANIFEST = "export_manifest.json"
 
 
+def hf_manifest_path(out_dir: str | Path) -> Path:
+    """Where `export_hf_parquet` writes its manifest: beside the data folder, never in it (`load_dataset(out_dir)`
+    and speculators' tools would read a JSON file inside it as data)."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{out_dir.name}.{HF_MANIFEST}"
+
+
 @dataclass
 class ExportSummary:
     format: str
@@ -158,7 +165,8 @@ def export_hf_parquet(merged_dir: str | Path, out_dir: str | Path, *, rows_per_s
     """Parquet shards `{out_dir}/{train,eval}/part-NNNNN.parquet` (input_ids list<int32>, loss_mask list<int8>).
 
     Load with `datasets.load_dataset("parquet", data_files={"train": f"{out_dir}/train/*.parquet",
-    "eval": f"{out_dir}/eval/*.parquet"})`.
+    "eval": f"{out_dir}/eval/*.parquet"})` or `datasets.load_dataset(str(out_dir))` (eval becomes "test"); the
+    manifest is `hf_manifest_path(out_dir)`, outside the data folder.
     """
     out_dir = Path(out_dir)
     sinks = {s: _ShardSink(out_dir / s, rows_per_shard) for s in SPLITS}
@@ -175,5 +183,6 @@ def export_hf_parquet(merged_dir: str | Path, out_dir: str | Path, *, rows_per_s
         files={s: [str(p) for p in k.paths] for s, k in sinks.items()},
         sha256={str(p): file_sha256(p) for k in sinks.values() for p in k.paths},
     )
-    write_json_atomic(summary.to_dict(), out_dir / HF_MANIFEST)
+    write_json_atomic(summary.to_dict(), hf_manifest_path(out_dir))
+    (out_dir / HF_MANIFEST).unlink(missing_ok=True)  # where exports before this version put it
     return summary

@@ -72,7 +72,15 @@ def test_every_audit_gate_is_its_own_blocking_check():
         "merged_spans_end_with_eot",
     }
     state_checks = {name for (asset, name) in specs if asset == "hidden_states"}
-    assert state_checks == {"shapes_match_token_counts", "no_nan_or_inf", "ids_match_merged"}
+    assert state_checks == {
+        "shapes_match_token_counts",
+        "no_nan_or_inf",
+        "ids_match_merged",
+        "states_not_degenerate",
+        "layers_as_configured",
+        "norm_convention_matches_states",
+        "teacher_agreement",
+    }
     assert all(spec.blocking for spec in specs.values())
     # One check per step: a failing gate never blocks through a passing neighbour.
     assert all(len(list(c.check_specs)) == 1 for c in defs.asset_checks)

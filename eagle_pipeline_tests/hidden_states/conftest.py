@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from eagle_pipeline.hidden_states import build_tiny_model
 
@@ -84,3 +85,54 @@ def tiny_ds():
 @pytest.fixture(scope="session")
 def tiny_llama():
     return build_tiny_model(VOCAB, family="llama", seed=0)
+
+
+def with_norm_weights(model, seed: int = 3):
+    """Give the final norm weights far from 1, so a missing or doubled norm changes the numbers."""
+    from eagle_pipeline.hidden_states import get_backbone
+
+    g = torch.Generator().manual_seed(seed)
+    norm = get_backbone(model).norm
+    with torch.no_grad():
+        norm.weight.copy_(0.5 + 1.5 * torch.rand(norm.weight.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="session")
+def normed_model():
+    """A tiny DeepSeek-V3-family target with non-trivial final-norm weights."""
+    return with_norm_weights(build_tiny_model(VOCAB, family="deepseek_v3", seed=7))
+
+
+def greedy_rows(
+    model, n: int, *, seed: int = 0, prompt_len: tuple[int, int] = (3, 12), new_tokens: int = 24
+) -> list[dict]:
+    """Rows whose outputs are `model`'s own greedy continuations of random prompts (the texts a real target would
+    have written at temperature 0), split train/eval like make_rows."""
+    from eagle_pipeline.hidden_states import get_backbone
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        ids = rng.integers(1, VOCAB, int(rng.integers(*prompt_len))).tolist()
+        prompt = len(ids)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                hidden = get_backbone(model)(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state
+                ids.append(int(model.lm_head(hidden[0, -1]).argmax()))
+        t = len(ids)
+        rows.append(
+            {
+                "sample_id": f"G{i % 2 + 1}-{seed}-{i:04d}",
+                "dataset": f"G{i % 2 + 1}",
+                "input_ids": ids,
+                "loss_mask": [0] * prompt + [1] * (t - prompt),
+                "n_tokens": t,
+                "n_prompt_tokens": prompt,
+                "source": "vllm",
+                "backend": "local",
+                "provider": None,
+                "split": "eval" if i % 5 == 4 else "train",
+            }
+        )
+    return rows

@@ -40,7 +40,15 @@ def test_batched_extraction_equals_per_sample_forward(family, tiny_ds, tiny_llam
     model = tiny_ds if family == "deepseek_v3" else tiny_llama
     rows = make_rows(20, seed=1, min_len=1, max_len=60)
     merged = merged_factory(rows, [7, 13])
-    s = extract_shard(model, merged, shard_index=0, shard_size=20, out_dir=tmp_path / "hs", max_tokens_per_batch=150)
+    s = extract_shard(
+        model,
+        merged,
+        shard_index=0,
+        shard_size=20,
+        out_dir=tmp_path / "hs",
+        max_tokens_per_batch=150,
+        final_state="post_norm",
+    )
     # The test is only meaningful if it really batched rows of different lengths together.
     assert 1 < s.batches < 20 and s.padded_tokens > 0
     assert s.aux_layers == [1, 3, 4] and s.final_state_is_post_norm

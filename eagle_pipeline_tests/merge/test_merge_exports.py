@@ -13,6 +13,7 @@ from eagle_pipeline.merge import (
     MergeSettings,
     export_hf_parquet,
     export_specforge_jsonl,
+    hf_manifest_path,
     merge_datasets,
     read_merged,
 )
@@ -68,7 +69,8 @@ def test_hf_parquet_round_trips_and_cleans_stale(merged, tmp_path):
     assert s.rows["train"] + s.rows["eval"] == 120
     n_train_files = len(s.files["train"])
     assert n_train_files > 1 and all(pq.ParquetFile(p).metadata.num_rows <= 20 for p in s.files["train"])
-    assert json.loads((out / "export_manifest.json").read_text())["rows"] == s.rows
+    assert json.loads(hf_manifest_path(out).read_text())["rows"] == s.rows
+    assert sorted(p.name for p in out.iterdir()) == ["eval", "train"]  # nothing but data in the data folder
 
     s2 = export_hf_parquet(merged, out, rows_per_shard=1000)
     assert len(list((out / "train").glob("part-*.parquet"))) == 1 == len(s2.files["train"])
@@ -96,3 +98,16 @@ def test_hf_parquet_loads_with_datasets(merged, tmp_path):
     assert ds["train"].num_rows == s.rows["train"] and ds["eval"].num_rows == s.rows["eval"]
     first = read_merged(merged, ["input_ids", "loss_mask"], split="train").slice(0, 1).to_pylist()[0]
     assert ds["train"][0]["input_ids"] == first["input_ids"] and ds["train"][0]["loss_mask"] == first["loss_mask"]
+
+
+def test_hf_parquet_folder_loads_without_data_files(merged, tmp_path):
+    """`load_dataset(folder)` reads exactly the rows: no manifest inside the data folder is taken for data."""
+    datasets = pytest.importorskip("datasets", reason="`datasets` is not installed in this environment")
+    out = tmp_path / "hf"
+    (out).mkdir()
+    (out / "export_manifest.json").write_text("{}")  # where an older export put it: must be removed
+    s = export_hf_parquet(merged, out)
+    ds = datasets.load_dataset(str(out), cache_dir=str(tmp_path / "hf_cache"))
+    assert sorted(ds) == ["test", "train"]  # datasets names the eval folder "test"
+    assert ds["train"].num_rows == s.rows["train"] and ds["test"].num_rows == s.rows["eval"]
+    assert set(ds["train"].column_names) == set(HF_SCHEMA.names)

@@ -1,0 +1,433 @@
+"""Semantic audit of an extracted shard: are these the target's states for these tokens?
+
+The structural checks (`verify.py`) prove shapes, finiteness and ids. The failures that cost the field weeks pass
+all of those: all-zero states, a dropped or repeated layer, the wrong layer ids, pre/post-norm confusion, states
+of another model or shifted by one token. Four checks, each reading one sample at a time:
+
+* `degenerate_states`: no all-zero or constant position (a row of H values) in any layer, and no layer whose
+  every position holds the same vector;
+* `layer_layout`: the shard's aux layers are the configured ones in the configured order, the widths match the
+  layer count, T equals the merged row's token count, and no two stored layers are identical (a wrong id);
+* `norm_convention`: the recorded final-state convention agrees with the states' statistics. A post-norm state
+  divided by the final-norm weight has RMS 1 at every position (sqrt(ms / (ms + eps)), to within bf16 rounding);
+  a pre-norm residual stream has no reason to;
+* `teacher_agreement`: on a sample of rows, `lm_head(final_norm(final state))` at each position whose next token
+  is supervised predicts that next token as its top-1 at a rate a target reaches on its own text
+  (`DEFAULT_MIN_TOP1`, docs/hidden_states.md §7). A shifted, wrong-layer, wrong-model or zeroed state falls far
+  below it (measured: <= 0.16). Where the texts were not written by the extraction model the check reports `not_judged` and says
+  why: it never passes or fails silently.
+
+No Dagster imports; `defs/hidden_states.py` turns each result into a blocking asset check.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .format import read_index, read_index_meta, shard_paths
+from .head import POST_NORM, PRE_NORM, TargetHead, load_target_head
+from .merged import read_rows
+from .trainer_layouts import open_shard, shard_final_state
+from .verify import MAX_FAILING_IDS, CheckResult
+
+# docs/hidden_states.md §7: tiny targets on their own greedy text agree at 1.0, every injected corruption at <= 0.16;
+# real targets' rates on sampled text (E[p_max] of their distribution) are not measured here: a judgement, settable.
+DEFAULT_MIN_TOP1 = 0.4
+DEFAULT_SAMPLE_ROWS = 16
+DEFAULT_MAX_POSITIONS = 4096
+POST_NORM_RMS_TOLERANCE = 0.02  # |rms(final / w) - 1| for a post-norm position (bf16 rounding is ~0.4%)
+POST_NORM_SHARE = 0.99  # a post-norm shard: at least this share of positions within the tolerance
+PRE_NORM_MAX_SHARE = 0.5  # a pre-norm shard: at most this share (else it looks normalised: a double norm ahead)
+AUDIT_CHECKS = ("degenerate_states", "layer_layout", "norm_convention", "teacher_agreement")
+PASS, FAIL, NOT_JUDGED = "pass", "fail", "not_judged"
+
+
+@dataclass
+class AuditCheck(CheckResult):
+    """A `CheckResult` with a verdict ('pass' | 'fail' | 'not_judged') and figures a user can act on."""
+
+    verdict: str = PASS
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TeacherJudgement:
+    """Whether teacher agreement can be judged here, and why not when it cannot."""
+
+    judge: bool
+    reason: str = ""
+
+
+def teacher_judgement(
+    *, extraction_model: str, sources: Sequence[str | None], texts_by_extraction_model: bool | None
+) -> TeacherJudgement:
+    """Decide from provenance whether the texts were written by the model the states come from.
+
+    `texts_by_extraction_model` (config `hidden_states.texts_by_extraction_model`) overrides; unset, the answer is
+    no for a tiny random stand-in model or simulated texts, and yes otherwise (a wrong yes then fails loudly and
+    the message says how to declare off-policy texts).
+    """
+    if texts_by_extraction_model is not None:
+        if texts_by_extraction_model:
+            return TeacherJudgement(True)
+        return TeacherJudgement(False, "hidden_states.texts_by_extraction_model is false (texts from another model)")
+    if extraction_model == "tiny-random":
+        return TeacherJudgement(
+            False, "the extraction model is a tiny random stand-in, not the model that wrote the texts"
+        )
+    simulated = sorted({s for s in sources if s == "simulated"})
+    if simulated:
+        return TeacherJudgement(False, "the texts are simulated (source 'simulated'), not written by any model")
+    return TeacherJudgement(True)
+
+
+class _Failures:
+    def __init__(self) -> None:
+        self.checked = 0
+        self.ids: list[str] = []
+        self.notes: list[str] = []
+        self.failing = 0
+
+    def record(self, sid: str, problems: list[str]) -> None:
+        self.checked += 1
+        if problems:
+            self.failing += 1
+            if len(self.ids) < MAX_FAILING_IDS:
+                self.ids.append(sid)
+                self.notes.append(f"{sid}: {'; '.join(problems)}")
+
+    def result(self, name: str, metrics: dict[str, Any], detail_prefix: str = "") -> AuditCheck:
+        passed = self.failing == 0
+        detail = "; ".join(([detail_prefix] if detail_prefix else []) + self.notes)
+        return AuditCheck(
+            name,
+            passed,
+            self.checked,
+            self.failing,
+            self.ids,
+            detail,
+            verdict=PASS if passed else FAIL,
+            metrics=metrics,
+        )
+
+
+def _layers(t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> dict[str, torch.Tensor]:
+    aux = t["aux_hidden_states"]
+    out = {f"aux{j}": aux[:, j * hidden : (j + 1) * hidden] for j in range(n_aux)}
+    out["final"] = t["final_hidden_state"]
+    return out
+
+
+def _degenerate(name: str, x: torch.Tensor) -> list[str]:
+    finite_rows = torch.isfinite(x).all(-1)
+    zero = int(((x == 0).all(-1) & finite_rows).sum())
+    const = int(((x.amax(-1) == x.amin(-1)) & finite_rows).sum()) - zero
+    problems = []
+    if zero:
+        problems.append(f"{name}: {zero}/{len(x)} positions all zero")
+    if const > 0:
+        problems.append(f"{name}: {const}/{len(x)} positions constant")
+    if len(x) > 1 and not zero and bool(torch.isfinite(x).all()) and bool((x == x[:1]).all()):
+        problems.append(f"{name}: every position holds the same vector")
+    return problems
+
+
+def audit_shard(
+    out_dir: str | Path,
+    shard_index: int,
+    merged_dir: str | Path,
+    *,
+    expected_aux_layers: Sequence[int] | None,
+    judgement: TeacherJudgement,
+    min_top1: float = DEFAULT_MIN_TOP1,
+    sample_rows: int = DEFAULT_SAMPLE_ROWS,
+    max_positions: int = DEFAULT_MAX_POSITIONS,
+    head: TargetHead | None = None,
+    device: str = "cpu",
+) -> dict[str, AuditCheck]:
+    """The four semantic checks of one shard (see the module docstring), keyed by `AUDIT_CHECKS` names.
+
+    `expected_aux_layers` None means the default for the shard's model depth. The target head (final norm +
+    lm_head) is read from beside the shards unless given.
+    """
+    from .layers import default_aux_layers
+
+    idx_path = shard_paths(out_dir, shard_index)[1]
+    meta = read_index_meta(idx_path)
+    index = read_index(idx_path)
+    hidden, aux_layers = int(meta["hidden_size"]), [int(x) for x in meta["aux_layers"]]
+    n_layers = meta.get("model", {}).get("num_layers")
+    expected = (
+        list(expected_aux_layers)
+        if expected_aux_layers is not None
+        else (list(default_aux_layers(int(n_layers))) if n_layers else aux_layers)
+    )
+    convention = shard_final_state(meta)
+    head = (head if head is not None else load_target_head(out_dir)).prepared(device)
+    merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
+    merged_len = {sid: len(ids) for sid, ids in zip(merged.sample_ids, merged.input_ids)}
+    sample_ids = index.column("sample_id").to_pylist()
+    datasets = index.column("dataset").to_pylist()
+    n = len(sample_ids)
+    teacher_rows = set(np.linspace(0, n - 1, min(sample_rows, n)).round().astype(int).tolist()) if n else set()
+    per_row_positions = max(1, max_positions // max(len(teacher_rows), 1))
+
+    degenerate, layout = _Failures(), _Failures()
+    layer_counts: dict[str, int] = defaultdict(int)
+    layout_prefix = ""
+    if aux_layers != expected:
+        layout_prefix = f"shard aux layers {aux_layers} != configured {expected} (count or order)"
+    w = head.norm_weight.to(device="cpu", dtype=torch.float32)
+    w_ok = w != 0
+    near_one = positions = 0
+    rms_values: list[np.ndarray] = []
+    agree_total = pos_total = 0
+    agree_by_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    per_sample_rate: list[tuple[float, str, int]] = []
+
+    with open_shard(out_dir, shard_index) as reader:
+        for i, (sid, ds) in enumerate(zip(sample_ids, datasets)):
+            t = reader.get(sid)
+            n_tok = int(t["input_ids"].numel())
+            layers = _layers(t, len(aux_layers), hidden)
+            problems = [p for name, x in layers.items() for p in _degenerate(name, x)]
+            for p in problems:
+                layer_counts[p.split(":", 1)[0]] += 1
+            degenerate.record(sid, problems)
+
+            lay: list[str] = []
+            if t["aux_hidden_states"].shape[-1] != len(expected) * hidden:
+                lay.append(f"aux width {t['aux_hidden_states'].shape[-1]} != {len(expected)} layers x {hidden}")
+            if sid in merged_len and n_tok != merged_len[sid]:
+                lay.append(f"T={n_tok} but the merged row has {merged_len[sid]} tokens")
+            names = list(layers)
+            for a in range(len(names)):
+                for b in range(a + 1, len(names)):
+                    xa, xb = layers[names[a]], layers[names[b]]
+                    if xa.shape == xb.shape and bool((xa != 0).any()) and torch.equal(xa, xb):
+                        lay.append(f"{names[a]} and {names[b]} are identical (a wrong layer id)")
+            layout.record(sid, lay)
+
+            final = t["final_hidden_state"].to(torch.float32)
+            finite = torch.isfinite(final).all(-1)
+            r = (final[:, w_ok] / w[w_ok]).pow(2).mean(-1).sqrt()[finite]
+            near_one += int(((r - 1).abs() < POST_NORM_RMS_TOLERANCE).sum())
+            positions += int(r.numel())
+            rms_values.append(r.numpy())
+
+            if i in teacher_rows and n_tok > 1:
+                mask = t["loss_mask"].to(torch.bool)
+                pos = torch.nonzero(mask[1:]).flatten()[:per_row_positions]  # p whose next token is supervised
+                if len(pos):
+                    top1 = head.top1(t["final_hidden_state"][pos].to(device), convention).cpu()
+                    agree = int((top1 == t["input_ids"][pos + 1].to(torch.int64)).sum())
+                    agree_total += agree
+                    pos_total += len(pos)
+                    agree_by_ds[ds][0] += agree
+                    agree_by_ds[ds][1] += len(pos)
+                    per_sample_rate.append((agree / len(pos), sid, len(pos)))
+
+    deg = degenerate.result("degenerate_states", {"failing_samples_per_layer": dict(layer_counts)})
+    lay_result = layout.result(
+        "layer_layout", {"aux_layers": aux_layers, "expected_aux_layers": expected}, detail_prefix=layout_prefix
+    )
+    if layout_prefix:
+        lay_result.passed, lay_result.verdict = False, FAIL
+    return {
+        "degenerate_states": deg,
+        "layer_layout": lay_result,
+        "norm_convention": _norm_result(convention, near_one, positions, rms_values, w, n),
+        "teacher_agreement": _teacher_result(
+            judgement, min_top1, agree_total, pos_total, agree_by_ds, per_sample_rate, int(head.lm_head.shape[0])
+        ),
+    }
+
+
+def _norm_result(
+    convention: str, near_one: int, positions: int, rms_values: list[np.ndarray], w: torch.Tensor, n: int
+) -> AuditCheck:
+    share = near_one / positions if positions else 0.0
+    rms = np.concatenate(rms_values) if rms_values else np.zeros(0)
+    metrics = {
+        "recorded_convention": convention,
+        "share_of_positions_with_unit_rms_after_dividing_by_norm_weight": round(share, 4),
+        "rms_over_norm_weight_median": float(np.median(rms)) if rms.size else None,
+        "rms_over_norm_weight_p05_p95": [float(np.percentile(rms, 5)), float(np.percentile(rms, 95))]
+        if rms.size
+        else None,
+        "final_norm_weight_rms": float(w.pow(2).mean().sqrt()),
+        "positions": positions,
+    }
+    if convention == POST_NORM:
+        ok = share >= POST_NORM_SHARE
+        detail = (
+            f"post-norm recorded and {share:.1%} of positions have rms(final / norm weight) = 1"
+            if ok
+            else f"post-norm recorded but only {share:.1%} of positions have rms(final / norm weight) = 1 (a post-norm "
+            "state has it everywhere): the states are not normalised by this target's final norm"
+        )
+    elif convention == PRE_NORM:
+        ok = share <= PRE_NORM_MAX_SHARE
+        detail = (
+            f"pre-norm recorded; {share:.1%} of positions look normalised"
+            if ok
+            else f"pre-norm recorded but {share:.1%} of positions have rms(final / norm weight) = 1: these states are "
+            "already normalised, and the trainer's final norm would be applied twice"
+        )
+    else:
+        ok, detail = False, f"unknown final-state convention {convention!r}"
+    return AuditCheck(
+        "norm_convention", ok, n, 0 if ok else n, [], detail, verdict=PASS if ok else FAIL, metrics=metrics
+    )
+
+
+def _teacher_result(
+    judgement: TeacherJudgement,
+    min_top1: float,
+    agree: int,
+    positions: int,
+    by_ds: dict[str, list[int]],
+    per_sample: list[tuple[float, str, int]],
+    vocab: int,
+) -> AuditCheck:
+    rate = agree / positions if positions else None
+    worst = sorted(per_sample)[:MAX_FAILING_IDS]
+    metrics = {
+        "top1_agreement": round(rate, 4) if rate is not None else None,
+        "threshold": min_top1,
+        "chance": round(1 / vocab, 8),
+        "positions": positions,
+        "rows_sampled": len(per_sample),
+        "per_dataset": {
+            ds: {"agreement": round(a / p, 4), "positions": p} for ds, (a, p) in sorted(by_ds.items()) if p
+        },
+        "lowest_samples": [{"sample_id": sid, "agreement": round(r, 4), "positions": p} for r, sid, p in worst],
+    }
+    measured = (
+        f"top-1 agreement {rate:.3f} over {positions} positions" if rate is not None else "no supervised position"
+    )
+    if not judgement.judge:
+        return AuditCheck(
+            "teacher_agreement",
+            True,
+            len(per_sample),
+            0,
+            [],
+            f"NOT JUDGED: {judgement.reason}. Measured {measured} (threshold {min_top1}); it says nothing here.",
+            verdict=NOT_JUDGED,
+            metrics={**metrics, "not_judged_reason": judgement.reason},
+        )
+    if rate is None:
+        return AuditCheck(
+            "teacher_agreement",
+            True,
+            0,
+            0,
+            [],
+            "NOT JUDGED: no supervised position in the sampled rows",
+            verdict=NOT_JUDGED,
+            metrics=metrics,
+        )
+    ok = rate >= min_top1
+    low = [sid for r, sid, _ in worst if r < min_top1]
+    detail = (
+        f"{measured} >= {min_top1}"
+        if ok
+        else f"{measured} < {min_top1} (chance {1 / vocab:.2g}): these are not this target's states for these tokens "
+        "(shifted, wrong layer, wrong model, zeroed, or a norm applied wrongly). If the texts were written by "
+        "another model, set hidden_states.texts_by_extraction_model: false."
+    )
+    return AuditCheck(
+        "teacher_agreement",
+        ok,
+        len(per_sample),
+        0 if ok else len(low),
+        low,
+        detail,
+        verdict=PASS if ok else FAIL,
+        metrics=metrics,
+    )
+
+
+def audit_path(out_dir: str | Path, shard_index: int) -> Path:
+    return Path(out_dir) / "audit" / f"shard-{shard_index:05d}.audit.json"
+
+
+def audit_shard_cached(
+    out_dir: str | Path, shard_index: int, merged_dir: str | Path, **settings: Any
+) -> dict[str, AuditCheck]:
+    """`audit_shard`, computed once per (shard bytes, recorded head, merged manifest, settings) and kept in
+    `{out_dir}/audit/shard-NNNNN.audit.json`, so the four Dagster checks of a shard share one pass over its data
+    and the per-dataset summary (`summarize_audits`) reads only these files."""
+    from ..storage import file_sha256, read_json, write_json_atomic
+
+    meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
+    manifest = Path(merged_dir) / "manifest.json"
+    key = {
+        "shard_sha256": meta["sha256"],
+        "sample_files_sha256": [f["sha256"] for f in meta.get("sample_files", [])],
+        "target_head_sha256": meta.get("target_head_sha256"),
+        "merged_manifest_sha256": file_sha256(manifest) if manifest.exists() else None,
+        "settings": {k: (asdict(v) if k == "judgement" else v) for k, v in sorted(settings.items()) if k != "device"},
+    }
+    path = audit_path(out_dir, shard_index)
+    if path.exists():
+        stored = read_json(path)
+        if stored.get("key") == json.loads(json.dumps(key)):
+            return {name: AuditCheck(**d) for name, d in stored["checks"].items()}
+    results = audit_shard(out_dir, shard_index, merged_dir, **settings)
+    write_json_atomic({"key": key, "checks": {n: r.to_dict() for n, r in results.items()}}, path)
+    return results
+
+
+def summarize_audits(out_dir: str | Path) -> dict[str, Any]:
+    """Per-dataset and per-shard summary of every stored shard audit: teacher agreement (position-weighted),
+    norm statistics, and which shards and samples failed which check."""
+    from ..storage import read_json
+
+    per_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    shards: dict[str, Any] = {}
+    failing: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((Path(out_dir) / "audit").glob("shard-*.audit.json")):
+        checks = read_json(path)["checks"]
+        shard = path.name.split(".")[0]
+        teacher = checks["teacher_agreement"]["metrics"]
+        for ds, d in teacher["per_dataset"].items():
+            per_ds[ds][0] += round(d["agreement"] * d["positions"])
+            per_ds[ds][1] += d["positions"]
+        shards[shard] = {
+            "verdicts": {n: c["verdict"] for n, c in checks.items()},
+            "top1_agreement": teacher["top1_agreement"],
+            "rms_over_norm_weight_median": checks["norm_convention"]["metrics"]["rms_over_norm_weight_median"],
+        }
+        for n, c in checks.items():
+            if not c["passed"]:
+                failing[n].append(shard)
+    return {
+        "per_dataset_top1_agreement": {ds: round(a / p, 4) for ds, (a, p) in sorted(per_ds.items()) if p},
+        "per_dataset_positions": {ds: p for ds, (_a, p) in sorted(per_ds.items())},
+        "shards": shards,
+        "failing_shards_per_check": dict(failing),
+    }
+
+
+def audit_markdown(summary: dict[str, Any]) -> str:
+    """`summarize_audits` as Markdown tables for the UI: per dataset, then per shard."""
+    lines = ["| dataset | top-1 agreement | positions |", "|---|---|---|"]
+    for ds, rate in summary["per_dataset_top1_agreement"].items():
+        lines.append(f"| {ds} | {rate:.3f} | {summary['per_dataset_positions'][ds]} |")
+    lines += ["", "| shard | " + " | ".join(AUDIT_CHECKS) + " | top-1 | median rms(final / w) |"]
+    lines.append("|---" * (len(AUDIT_CHECKS) + 3) + "|")
+    for shard, d in summary["shards"].items():
+        verdicts = " | ".join(d["verdicts"].get(n, "-") for n in AUDIT_CHECKS)
+        rms = d["rms_over_norm_weight_median"]
+        lines.append(f"| {shard} | {verdicts} | {d['top1_agreement']} | {rms:.3g} |" if rms is not None else "")
+    return "\n".join(lines)

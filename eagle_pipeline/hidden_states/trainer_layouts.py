@@ -1,0 +1,517 @@
+"""The hidden states in each trainer's own offline layout: written directly by extraction, or derived from shards.
+
+* SpecForge (`data.hidden_states_path`, `data.eval_hidden_states_path`): `{out}/train/` and `{out}/eval/`, one
+  `torch.save` file `{sample_id}.ckpt` per sample with `input_ids` int64 [T], `loss_mask` int64 [T],
+  `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] **after** the final norm; `draft_vocab.pt` beside.
+* speculators (`--data-path`): an Arrow dataset (`save_to_disk`, torch format: `input_ids`, `loss_mask`, `seq_len`,
+  `sample_id`; train rows in merged order, then eval rows), `hidden_states/hs_{i}.safetensors` for row i with
+  `hidden_states` [T, 4, H] (the aux layers, then the final state **before** the final norm) and `token_ids` [T]
+  int64, `d2t.npy` / `t2d.npy`, and `--train-data-ratio` = (n_train + 0.5) / n in `export.json` and README.md.
+
+With `hidden_states.layout: specforge | speculators` extraction writes each sample's states straight into that
+trainer's files (`plan_layout_target`, `SampleFilesWriter`); the shard file keeps only ids and masks, and every
+check reads the trainer's files through `open_shard`. Otherwise `write_layout` converts the shards: they hold the
+final state pre-norm plus the target's final norm (`head.py`), so SpecForge's post-norm state is `final_norm(pre)`,
+bit-equal to the model's own norm. Every file is written atomically; files of rows no longer merged are removed.
+Disk and time of each choice at scale: docs/hidden_states.md §14.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ..storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
+from .fingerprint import LAYOUT_SHARDS
+from .format import TENSOR_NAMES, read_index, read_index_meta, shard_paths, tensor_key
+from .head import POST_NORM, PRE_NORM, load_target_head
+from .layers import aux_layer_to_vllm_id
+
+SPLITS = ("train", "eval")
+SHARDS, SPECFORGE, SPECULATORS = LAYOUT_SHARDS, "specforge", "speculators"
+LAYOUTS = (SHARDS, SPECFORGE, SPECULATORS)
+STATE_NAMES = ("aux_hidden_states", "final_hidden_state")
+# The final-state convention each trainer's files must hold.
+LAYOUT_FINAL_STATE = {SPECFORGE: POST_NORM, SPECULATORS: PRE_NORM}
+EXPORT_JSON = "export.json"
+
+
+def final_state_for_layout(layout: str) -> str:
+    """The final-state convention extraction stores under `hidden_states.layout`: a trainer's own, else pre-norm."""
+    return LAYOUT_FINAL_STATE.get(layout, PRE_NORM)
+
+
+SPECULATORS_HS_DIR = "hidden_states"
+
+
+@dataclass
+class StatesExportSummary:
+    format: str
+    path: str
+    rows: dict[str, int]
+    tokens: dict[str, int]
+    bytes_written: int
+    final_state: str  # the convention of the final state in the files written
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shard_final_state(meta: dict[str, Any]) -> str:
+    """The final-state convention a shard's index metadata records ('pre_norm' | 'post_norm')."""
+    if "final_state" in meta:
+        return str(meta["final_state"])
+    return POST_NORM if meta.get("final_state_is_post_norm", True) else PRE_NORM
+
+
+@dataclass(frozen=True)
+class LayoutTarget:
+    """Where extraction writes each sample's states when `hidden_states.layout` is a trainer's layout: the trainer's
+    export folder and, per sample id, its file there (relative to `root`)."""
+
+    name: str
+    root: Path
+    file_of: dict[str, str]
+
+
+def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | Path) -> LayoutTarget | None:
+    """The per-sample file of every merged row in `layout` (None for 'shards'): speculators' `hs_{i}` numbers rows
+    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`."""
+    if layout == SHARDS:
+        return None
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown hidden-states layout {layout!r}; expected one of {LAYOUTS}")
+    splits = _merged_splits(merged_dir)
+    if layout == SPECFORGE:
+        files = {sid: f"{split}/{_safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
+    else:
+        ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
+        files = {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
+    return LayoutTarget(layout, Path(export_root), files)
+
+
+def _serialise(layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> bytes:
+    """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
+    trainer's convention)."""
+    n_tok = int(t["input_ids"].numel())
+    if layout == SPECULATORS:
+        from safetensors.torch import save
+
+        states = torch.cat(
+            [t["aux_hidden_states"].view(n_tok, n_aux, hidden), t["final_hidden_state"].view(n_tok, 1, hidden)], dim=1
+        )
+        return save({"hidden_states": states.contiguous(), "token_ids": t["input_ids"].to(torch.int64).contiguous()})
+    record = {
+        "input_ids": t["input_ids"].to(torch.int64),
+        "loss_mask": t["loss_mask"].to(torch.int64),
+        "aux_hidden_state": t["aux_hidden_states"].contiguous().unsqueeze(0),
+        "hidden_state": t["final_hidden_state"].contiguous().unsqueeze(0),
+    }
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    return buf.getvalue()
+
+
+def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
+    """aux [T, n_aux*H] and final [T, H] of one trainer file."""
+    if layout == SPECULATORS:
+        from safetensors.torch import load_file
+
+        states = load_file(str(path))["hidden_states"]
+        return {"aux_hidden_states": states[:, :n_aux].flatten(1), "final_hidden_state": states[:, n_aux]}
+    rec = torch.load(path, mmap=True, weights_only=True)
+    return {"aux_hidden_states": rec["aux_hidden_state"][0], "final_hidden_state": rec["hidden_state"][0]}
+
+
+class SampleFilesWriter:
+    """Stands in for the shard's `StreamingSafetensorsWriter` when the states go straight into a trainer's layout:
+    ids and masks still go to the shard file (small: 5 B/token), each sample's aux and final states to its own
+    trainer file, written atomically as soon as both arrive, with its size and sha256 recorded for `shard_status`.
+    """
+
+    def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
+        self._inner, self._target, self._out_dir, self._masks, self._n_aux = inner, target, out_dir, masks, n_aux
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.files: list[dict[str, Any]] = []
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self._inner.total_bytes)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        sid, name = key.rsplit("/", 1)
+        if name not in STATE_NAMES:  # ids and masks stay in the shard file
+            self._inner.write(key, tensor)
+        if name == "loss_mask":  # known from the merged rows; arrives after every sample's file is written
+            return
+        got = self._pending.setdefault(sid, {})
+        got[name] = tensor
+        if len(got) == 3:  # aux, final, ids
+            self._write_sample(sid, self._pending.pop(sid))
+
+    def _write_sample(self, sid: str, t: dict[str, torch.Tensor]) -> None:
+        rel = self._target.file_of.get(sid)
+        if rel is None:
+            raise ValueError(f"sample {sid!r} has no file in the {self._target.name} layout: the merged table changed")
+        hidden = int(t["final_hidden_state"].shape[-1])
+        data = _serialise(
+            self._target.name, {**t, "loss_mask": torch.from_numpy(self._masks[sid])}, self._n_aux, hidden
+        )
+        path = self._target.root / rel
+        write_bytes_atomic(data, path)
+        self.files.append(
+            {
+                "sample_id": sid,
+                "path": os.path.relpath(path, self._out_dir),
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+
+    def finish(self) -> str:
+        if self._pending:
+            raise ValueError(f"{len(self._pending)} samples never received all their states")
+        return str(self._inner.finish())
+
+
+def shard_layout(meta: dict[str, Any]) -> str:
+    return str(meta.get("layout", SHARDS))
+
+
+class ShardReader:
+    """The four canonical tensors of each sample of one shard, whatever its layout (`open_shard`)."""
+
+    def __init__(self, f: Any, meta: dict[str, Any], out_dir: Path):
+        self._f, self.meta, self._out_dir = f, meta, out_dir
+        self.layout = shard_layout(meta)
+        self._keys = set(f.keys())
+        self._files = {d["sample_id"]: out_dir / d["path"] for d in meta.get("sample_files", [])}
+        self._n_aux = len(meta["aux_layers"])
+
+    def has(self, sid: str) -> bool:
+        own = TENSOR_NAMES if self.layout == SHARDS else ("input_ids", "loss_mask")
+        if not all(tensor_key(sid, n) in self._keys for n in own):
+            return False
+        return self.layout == SHARDS or (sid in self._files and self._files[sid].exists())
+
+    def get(self, sid: str) -> dict[str, torch.Tensor]:
+        if self.layout == SHARDS:
+            return {n: self._f.get_tensor(tensor_key(sid, n)) for n in TENSOR_NAMES}
+        out = {n: self._f.get_tensor(tensor_key(sid, n)) for n in ("input_ids", "loss_mask")}
+        out.update(_deserialise(self.layout, self._files[sid], self._n_aux))
+        return {n: out[n] for n in TENSOR_NAMES}
+
+
+@contextmanager
+def open_shard(out_dir: str | Path, shard_index: int) -> Iterator[ShardReader]:
+    """A reader over one shard's samples (states in the shard file, or in a trainer's files)."""
+    from safetensors import safe_open
+
+    st_path, idx_path = shard_paths(out_dir, shard_index)
+    meta = read_index_meta(idx_path)
+    with safe_open(str(st_path), framework="pt") as f:
+        yield ShardReader(f, meta, Path(out_dir))
+
+
+def _shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[str]]]:
+    out = []
+    for idx_path in sorted(Path(hs_dir).glob("shard-*.index.parquet")):
+        meta = read_index_meta(idx_path)
+        out.append((int(meta["shard_index"]), meta, read_index(idx_path).column("sample_id").to_pylist()))
+    return out
+
+
+def iter_shard_samples(
+    hs_dir: str | Path, *, skip_layout: str | None = None
+) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]:
+    """(sample_id, the four tensors, the shard's index metadata) for every sample of every shard, one at a time;
+    shards already in `skip_layout` are passed over."""
+    for shard, meta, sample_ids in _shard_indexes(hs_dir):
+        if skip_layout is not None and shard_layout(meta) == skip_layout:
+            continue
+        with open_shard(hs_dir, shard) as reader:
+            for sid in sample_ids:
+                yield sid, reader.get(sid), meta
+
+
+def _direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
+    """Samples whose states extraction already wrote in `target`'s layout, checked to sit where the current merged
+    table puts them."""
+    found: set[str] = set()
+    for _shard, meta, _ids in _shard_indexes(hs_dir):
+        if shard_layout(meta) != target.name:
+            continue
+        for d in meta.get("sample_files", []):
+            want = target.file_of.get(d["sample_id"])
+            if want is None or (Path(hs_dir) / d["path"]).resolve() != (target.root / want).resolve():
+                raise ValueError(
+                    f"{hs_dir}: shard {meta['shard_index']} wrote {d['sample_id']!r} to {d['path']}, but the merged "
+                    f"table now puts it at {target.root / str(want)}: re-extract the shard"
+                )
+            found.add(d["sample_id"])
+    return found
+
+
+def write_layout(layout: str, hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path) -> tuple[int, int]:
+    """Put every merged row's states in `layout` under `out_dir`: samples extraction wrote there directly are
+    checked and left alone, every other shard's samples are converted (the final state brought to the trainer's
+    convention); files of rows no longer merged are removed. Returns (bytes written, samples written directly)."""
+    out_dir = Path(out_dir)
+    target = plan_layout_target(layout, out_dir, merged_dir)
+    assert target is not None
+    direct = _direct_samples(hs_dir, target)
+    refuse_without_room(hs_dir, out_dir, layout, skip_layout=layout)
+    for d in {(out_dir / rel).parent for rel in target.file_of.values()}:
+        d.mkdir(parents=True, exist_ok=True)
+        clean_stale_tmp(d)
+    head = None
+    found, nbytes = set(direct), 0
+    want = LAYOUT_FINAL_STATE[layout]
+    for sid, t, meta in iter_shard_samples(hs_dir, skip_layout=layout):
+        rel = target.file_of.get(sid)
+        if rel is None:
+            raise ValueError(f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table")
+        have = shard_final_state(meta)
+        if have != want and want == PRE_NORM:
+            raise ValueError(
+                f"{hs_dir}: shard {meta['shard_index']} stores the final state post-norm; {layout} applies the final "
+                "norm itself and would normalise it twice. Re-extract with final_state='pre_norm'."
+            )
+        if have != want:
+            head = head or load_target_head(hs_dir)
+            t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
+        data = _serialise(layout, t, len(meta["aux_layers"]), int(meta["hidden_size"]))
+        write_bytes_atomic(data, out_dir / rel)
+        nbytes += len(data)
+        found.add(sid)
+    _check_complete(found, target.file_of, hs_dir)
+    keep = {(out_dir / rel).resolve() for rel in target.file_of.values()}
+    pattern = f"{SPECULATORS_HS_DIR}/hs_*.safetensors" if layout == SPECULATORS else "*/*.ckpt"
+    for p in out_dir.glob(pattern):
+        if p.resolve() not in keep:
+            p.unlink()
+    return nbytes, len(direct)
+
+
+def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
+    """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
+    converting them to a trainer layout writes again."""
+    return sum(
+        int(meta["size_bytes"])
+        for _shard, meta, _ids in _shard_indexes(hs_dir)
+        if skip_layout is None or shard_layout(meta) != skip_layout
+    )
+
+
+def refuse_without_room(hs_dir: str | Path, out_dir: str | Path, what: str, *, skip_layout: str | None = None) -> None:
+    """Raise before writing a trainer layout that the disk under `out_dir` has no room for (each layout is a
+    second copy of the states: 7.94 TB at Kimi scale, docs/hidden_states.md §14)."""
+    need = states_bytes(hs_dir, skip_layout=skip_layout)
+    probe = Path(out_dir)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise OSError(
+            f"{what} export needs about {need:,} bytes ({need / 1e12:.3g} TB) under {out_dir}, but only {free:,} are "
+            "free. Export fewer trainer layouts (hidden_states.trainer_layouts) or free disk."
+        )
+
+
+def _merged_tables(merged_dir: str | Path, columns: list[str]) -> list[pa.Table]:
+    """The merged part files in global row order, as extraction reads them (`merged.merged_parts`), so the trainer
+    files are planned over exactly the rows the shards hold."""
+    import pyarrow.parquet as pq
+
+    from .merged import merged_parts
+
+    return [pq.read_table(p, columns=columns) for p in merged_parts(merged_dir)]
+
+
+def _split_counts(merged_dir: str | Path) -> tuple[dict[str, int], dict[str, int]]:
+    """(rows, tokens) per split of the merged table."""
+    rows, tokens = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    for t in _merged_tables(merged_dir, ["split", "n_tokens"]):
+        for split, n in zip(t.column("split").to_pylist(), t.column("n_tokens").to_pylist()):
+            rows[split] += 1
+            tokens[split] += int(n)
+    return rows, tokens
+
+
+def _merged_splits(merged_dir: str | Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for t in _merged_tables(merged_dir, ["sample_id", "split"]):
+        out.update(zip(t.column("sample_id").to_pylist(), t.column("split").to_pylist()))
+    return out
+
+
+def _safe_file_stem(sample_id: str) -> str:
+    if not sample_id or "/" in sample_id or "\\" in sample_id or sample_id.startswith(".") or "\x00" in sample_id:
+        raise ValueError(f"sample_id {sample_id!r} cannot name a file: SpecForge features are one file per sample id")
+    return sample_id
+
+
+def _check_complete(found: set[str], expected: dict[str, str], hs_dir: str | Path) -> None:
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise ValueError(
+            f"{len(missing)} merged rows have no hidden states under {hs_dir} (e.g. {missing[:5]}): extract every "
+            "shard before exporting"
+        )
+
+
+def export_specforge_states(
+    hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path, *, draft_vocab_pt: str | Path | None = None
+) -> StatesExportSummary:
+    """SpecForge's offline features under `{out_dir}/train/` and `{out_dir}/eval/` (see the module docstring)."""
+    out_dir = Path(out_dir)
+    nbytes, n_direct = write_layout(SPECFORGE, hs_dir, merged_dir, out_dir)
+    dirs = {s: out_dir / s for s in SPLITS}
+    rows, tokens = _split_counts(merged_dir)
+    if draft_vocab_pt is not None:
+        with atomic_path(out_dir / "draft_vocab.pt") as tmp:
+            shutil.copyfile(draft_vocab_pt, tmp)
+    summary = StatesExportSummary(
+        format="specforge_offline",
+        path=str(out_dir),
+        rows=rows,
+        tokens=tokens,
+        bytes_written=nbytes,
+        final_state=POST_NORM,
+        extra={
+            "samples_written_by_extraction": n_direct,
+            "config": {
+                "data.hidden_states_path": str(dirs["train"]),
+                "data.eval_hidden_states_path": str(dirs["eval"]) if rows["eval"] else None,
+                "model.vocab_mapping_path": str(out_dir / "draft_vocab.pt") if draft_vocab_pt is not None else None,
+            },
+            "note": "an offline config with an eval path also needs training.eval_interval",
+        },
+    )
+    write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
+    return summary
+
+
+def train_data_ratio(n_train: int, n_eval: int) -> float | None:
+    """speculators' `--train-data-ratio` that puts exactly the first n_train rows in train: int(n * r) = n_train.
+    None when there is no eval row (speculators needs a ratio strictly inside (0, 1))."""
+    n = n_train + n_eval
+    if n_eval == 0 or n_train == 0:
+        return None
+    return (n_train + 0.5) / n
+
+
+def _speculators_table(merged_dir: str | Path) -> tuple[pa.Table, int]:
+    """The merged rows as speculators' dataset columns, train rows (merged order) then eval rows; and n_train."""
+    import pyarrow.compute as pc
+
+    merged = pa.concat_tables(_merged_tables(merged_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens", "split"]))
+    parts = []
+    for split in SPLITS:
+        t = merged.filter(pc.equal(merged["split"], split))
+        parts.append(
+            pa.table(
+                {
+                    "input_ids": t["input_ids"].cast(pa.list_(pa.int64())),
+                    "loss_mask": t["loss_mask"].cast(pa.list_(pa.int64())),
+                    "seq_len": t["n_tokens"].cast(pa.int64()),
+                    "sample_id": t["sample_id"],
+                }
+            )
+        )
+    return pa.concat_tables(parts), parts[0].num_rows
+
+
+def export_speculators_states(
+    hs_dir: str | Path,
+    merged_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    draft_vocab_dir: str | Path | None = None,
+) -> StatesExportSummary:
+    """speculators' offline data directory at `out_dir` (see the module docstring)."""
+    import datasets
+
+    out_dir = Path(out_dir)
+    nbytes, n_direct = write_layout(SPECULATORS, hs_dir, merged_dir, out_dir)
+    table, n_train = _speculators_table(merged_dir)
+    n_eval = table.num_rows - n_train
+    aux_layers = next((list(meta["aux_layers"]) for _s, meta, _ids in _shard_indexes(hs_dir)), [])
+    _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
+    if draft_vocab_dir is not None:
+        for name in ("d2t.npy", "t2d.npy"):
+            with atomic_path(out_dir / name) as tmp:
+                shutil.copyfile(Path(draft_vocab_dir) / name, tmp)
+    ratio = train_data_ratio(n_train, n_eval)
+    vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
+    summary = StatesExportSummary(
+        format="speculators_offline",
+        path=str(out_dir),
+        rows={"train": n_train, "eval": n_eval},
+        tokens={"all": int(np.asarray(table.column("seq_len")).sum())},
+        bytes_written=nbytes,
+        final_state=PRE_NORM,
+        extra={
+            "samples_written_by_extraction": n_direct,
+            "train_data_ratio": ratio,
+            "aux_layers_0_based_outputs": aux_layers,
+            "aux_layer_ids_vllm": vllm_ids,
+            "args": f"--data-path {out_dir}" + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
+        },
+    )
+    write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
+    _write_speculators_readme(out_dir, summary)
+    return summary
+
+
+def _save_arrow(ds: Any, out_dir: Path) -> None:
+    """`save_to_disk` into a temporary folder, then move its files into `out_dir`, state.json last (the files a
+    reader opens first are never half written)."""
+    tmp = out_dir / ".arrow.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    for old in out_dir.glob("data-*.arrow"):  # shards of a larger earlier dataset
+        if not (tmp / old.name).exists():
+            old.unlink()
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "state.json"):
+        os.replace(tmp / name, out_dir / name)
+    tmp.rmdir()
+
+
+def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
+    ratio = s.extra["train_data_ratio"]
+    lines = [
+        "# speculators offline data (written by eagle-pipeline)",
+        "",
+        f"Rows: {s.rows['train']} train, then {s.rows['eval']} eval (eval rows last).",
+        "",
+        "Train with:",
+        "",
+        "```",
+        f"python scripts/train.py {s.extra['args']} \\",
+        f"    --d2t-path {out_dir / 'd2t.npy'} --t2d-path {out_dir / 't2d.npy'} ...",
+        "```",
+        "",
+        f"`--train-data-ratio` = (n_train + 0.5) / n = {ratio!r}: int(n * ratio) = n_train exactly."
+        if ratio is not None
+        else "No eval rows: speculators needs --train-data-ratio strictly inside (0, 1); set merge.eval_fraction > 0.",
+        "",
+        "`hidden_states/hs_{i}.safetensors`: `hidden_states` [T, 4, H] = aux layers "
+        f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
+        f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
+        "",
+    ]
+    with atomic_path(out_dir / "README.md") as tmp:
+        tmp.write_text("\n".join(lines))

@@ -1,0 +1,217 @@
+"""The trainer-facing files, read with code written from the trainers' contracts (docs/merge.md, trainer_formats),
+not with the project's writer, and compared tensor by tensor with the shards and with the model itself."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
+from eagle_pipeline.hidden_states.trainer_layouts import export_specforge_states, export_speculators_states
+
+from .conftest import VOCAB, make_rows
+
+H = 64
+
+
+@pytest.fixture
+def extracted(normed_model, merged_factory, tmp_path):
+    rows = make_rows(14, seed=11)
+    for i in (2, 5, 9):
+        rows[i]["split"] = "eval"
+    merged = merged_factory(rows, [6, 8])
+    hs = tmp_path / "hs"
+    for shard in range(2):
+        extract_shard(normed_model, merged, shard_index=shard, shard_size=8, out_dir=hs, max_tokens_per_batch=96)
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    np.save(vocab / "d2t.npy", np.arange(4, dtype=np.int64))
+    np.save(vocab / "t2d.npy", np.arange(VOCAB) < 4)
+    torch.save({"d2t": torch.arange(4), "t2d": torch.arange(VOCAB) < 4}, vocab / "draft_vocab.pt")
+    return rows, merged, hs, vocab
+
+
+def _post_norm_forward(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return get_backbone(model)(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+
+
+def test_specforge_offline_files_follow_its_contract(extracted, normed_model, tmp_path):
+    rows, merged, hs, vocab = extracted
+    out = tmp_path / "exports" / "specforge"
+    (out / "train").mkdir(parents=True)
+    torch.save({}, out / "train" / "stale.ckpt")
+    s = export_specforge_states(hs, merged, out, draft_vocab_pt=vocab / "draft_vocab.pt")
+    assert s.rows == {"train": 11, "eval": 3} and s.final_state == "post_norm"
+    # SpecForge's reader: every *.ckpt under the folder (recursively), torch.load(mmap=True), one sample per file.
+    found = {}
+    for split in ("train", "eval"):
+        for root, _dirs, names in os.walk(out / split):
+            for name in names:
+                if name.endswith((".ckpt", ".ckpt.gz")):
+                    found[name[: -len(".ckpt")]] = (split, torch.load(os.path.join(root, name), mmap=True))
+    assert set(found) == {r["sample_id"] for r in rows}
+    for r in rows:
+        split, rec = found[r["sample_id"]]
+        t = r["n_tokens"]
+        assert split == r["split"]
+        assert set(rec) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        assert rec["input_ids"].dtype == torch.int64 and rec["input_ids"].tolist() == r["input_ids"]
+        assert rec["loss_mask"].dtype == torch.int64 and rec["loss_mask"].tolist() == r["loss_mask"]
+        assert rec["aux_hidden_state"].shape == (1, t, 3 * H) and rec["hidden_state"].shape == (1, t, H)
+        shard = load_sample(hs, r["sample_id"])
+        assert torch.equal(rec["aux_hidden_state"][0], shard["aux_hidden_states"])
+        # Post-norm: the model's own final norm of the stored pre-norm state, and the backbone's output.
+        with torch.no_grad():
+            assert torch.equal(rec["hidden_state"][0], get_backbone(normed_model).norm(shard["final_hidden_state"]))
+        torch.testing.assert_close(rec["hidden_state"][0], _post_norm_forward(normed_model, r["input_ids"]))
+    assert torch.load(out / "draft_vocab.pt")["d2t"].tolist() == [0, 1, 2, 3]
+
+
+def test_speculators_offline_files_follow_its_contract(extracted, normed_model, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows, merged, hs, vocab = extracted
+    out = tmp_path / "exports" / "speculators"
+    (out / "hidden_states").mkdir(parents=True)
+    (out / "hidden_states" / "hs_99.safetensors").write_bytes(b"stale")
+    s = export_speculators_states(hs, merged, out, draft_vocab_dir=vocab)
+    # speculators' ArrowDataset: load_from_disk(data_path), torch format, seq_len, then split by the ratio.
+    data = datasets.load_from_disk(str(out))
+    assert data.format["type"] == "torch"
+    assert {"input_ids", "loss_mask", "seq_len", "sample_id"} <= set(data.column_names)
+    train = [r for r in rows if r["split"] == "train"]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert list(data.with_format(None)["sample_id"]) == [r["sample_id"] for r in train + evals]
+    ratio = s.extra["train_data_ratio"]
+    assert 0 < ratio < 1 and int(len(data) * ratio) == len(train)
+    assert sorted(p.name for p in (out / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(len(rows))
+    )
+    for i, r in enumerate(train + evals):
+        item = data[i]
+        loaded = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        assert set(loaded) == {"hidden_states", "token_ids"}
+        assert torch.equal(loaded["token_ids"], item["input_ids"])  # speculators drops the row otherwise
+        assert item["seq_len"].item() == r["n_tokens"] and item["loss_mask"].tolist() == r["loss_mask"]
+        states = loaded["hidden_states"]
+        assert states.shape == (r["n_tokens"], 4, H)
+        shard = load_sample(hs, r["sample_id"])
+        assert torch.equal(states[:, :-1].flatten(1), shard["aux_hidden_states"])
+        assert torch.equal(states[:, -1], shard["final_hidden_state"])
+        # Pre-norm: speculators applies the verifier norm itself; that must give the model's post-norm state.
+        with torch.no_grad():
+            renormed = get_backbone(normed_model).norm(states[:, -1])
+        torch.testing.assert_close(renormed, _post_norm_forward(normed_model, r["input_ids"]))
+    assert np.array_equal(np.load(out / "d2t.npy"), np.arange(4)) and np.load(out / "t2d.npy").sum() == 4
+    assert f"--train-data-ratio {ratio!r}" in (out / "README.md").read_text()
+
+
+def test_speculators_refuses_post_norm_shards(normed_model, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(4, seed=12))
+    hs = tmp_path / "hs"
+    extract_shard(normed_model, merged, shard_index=0, shard_size=4, out_dir=hs, final_state="post_norm")
+    with pytest.raises(ValueError, match="shard 0 stores the final state post-norm"):
+        export_speculators_states(hs, merged, tmp_path / "spec")
+
+
+def test_export_refuses_missing_shards(extracted, tmp_path):
+    _rows, merged, hs, _ = extracted
+    for p in hs.glob("shard-00001.*"):
+        p.unlink()
+    with pytest.raises(ValueError, match="6 merged rows have no hidden states"):
+        export_specforge_states(hs, merged, tmp_path / "sf")
+
+
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merged_factory, tmp_path):
+    """hidden_states.layout = a trainer's: the states exist once, in the trainer's files; the shard keeps ids and
+    masks; every project check reads them; the export writes no state byte again."""
+    from eagle_pipeline.hidden_states import shard_status, verify_shard
+    from eagle_pipeline.hidden_states.audit import TeacherJudgement, audit_shard
+    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+
+    from .conftest import greedy_rows
+
+    rows = greedy_rows(normed_model, 8, seed=21)
+    merged = merged_factory(rows)
+    final_state = "pre_norm" if layout == "speculators" else "post_norm"
+    ref = tmp_path / "ref"
+    for shard in range(2):
+        extract_shard(normed_model, merged, shard_index=shard, shard_size=4, out_dir=ref, final_state=final_state)
+    hs, out = tmp_path / "hs", tmp_path / "exports" / layout
+    target = plan_layout_target(layout, out, merged)
+    for shard in range(2):
+        extract_shard(
+            normed_model,
+            merged,
+            shard_index=shard,
+            shard_size=4,
+            out_dir=hs,
+            final_state=final_state,
+            layout_target=target,
+        )
+    shard_bytes = sum(p.stat().st_size for p in hs.glob("shard-*.safetensors"))
+    states_bytes = sum(4 * r["n_tokens"] * H * 4 for r in rows)  # 3 aux + final, fp32
+    assert shard_bytes < states_bytes / 20  # ids and masks only: the states are not in the shard
+    for shard in range(2):
+        assert shard_status(hs, shard) == "done"
+        assert all(r.passed for r in verify_shard(hs, shard, merged).values())
+        audit = audit_shard(hs, shard, merged, expected_aux_layers=None, judgement=TeacherJudgement(True))
+        assert all(r.passed for r in audit.values()), {n: r.detail for n, r in audit.items()}
+        assert audit["teacher_agreement"].metrics["top1_agreement"] == 1.0
+    for r in rows:  # the same numbers as a shard-layout extraction
+        got, want = load_sample(hs, r["sample_id"]), load_sample(ref, r["sample_id"])
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    if layout == "speculators":
+        s = export_speculators_states(hs, merged, out)
+        assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
+        order = [r for r in rows if r["split"] == "train"] + [r for r in rows if r["split"] == "eval"]
+        for i, r in enumerate(order):
+            states = load_file(out / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
+            assert torch.equal(states[:, -1], load_sample(ref, r["sample_id"])["final_hidden_state"])
+        derived = export_specforge_states(hs, merged, tmp_path / "exports" / "specforge")  # the other trainer: a copy
+        assert derived.bytes_written > 0
+    else:
+        s = export_specforge_states(hs, merged, out)
+        assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
+        rec = torch.load(out / rows[0]["split"] / f"{rows[0]['sample_id']}.ckpt", mmap=True)
+        assert torch.equal(rec["hidden_state"][0], load_sample(ref, rows[0]["sample_id"])["final_hidden_state"])
+        with pytest.raises(ValueError, match="post-norm"):
+            export_speculators_states(hs, merged, tmp_path / "exports" / "speculators")
+    # A damaged trainer file makes its shard partial; extraction then redoes it.
+    victim = next(out.rglob("*.ckpt" if layout == "specforge" else "hs_*.safetensors"))
+    victim.write_bytes(b"damaged")
+    assert "partial" in {shard_status(hs, 0), shard_status(hs, 1)}
+    for shard in range(2):
+        extract_shard(
+            normed_model,
+            merged,
+            shard_index=shard,
+            shard_size=4,
+            out_dir=hs,
+            final_state=final_state,
+            layout_target=target,
+        )
+        assert shard_status(hs, shard) == "done"
+    assert victim.stat().st_size > 100
+
+
+def test_trainer_layout_refuses_the_wrong_convention(normed_model, merged_factory, tmp_path):
+    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+
+    merged = merged_factory(make_rows(3, seed=2))
+    target = plan_layout_target("speculators", tmp_path / "out", merged)
+    with pytest.raises(ValueError, match="speculators layout holds the final state pre_norm"):
+        extract_shard(
+            normed_model,
+            merged,
+            shard_index=0,
+            shard_size=3,
+            out_dir=tmp_path / "hs",
+            final_state="post_norm",
+            layout_target=target,
+        )
