@@ -171,7 +171,13 @@ def audit_shard(
         else (list(default_aux_layers(int(n_layers))) if n_layers else aux_layers)
     )
     convention = shard_final_state(meta)
-    head = (head if head is not None else load_target_head(out_dir)).prepared(device)
+    no_head = ""  # an engine that recorded no final norm / lm_head: those two checks say they cannot judge
+    if head is None:
+        try:
+            head = load_target_head(out_dir)
+        except FileNotFoundError as exc:
+            no_head = f"no recorded final norm / lm_head ({exc})"
+    head = head.prepared(device) if head is not None else None
     merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
     merged_len = {sid: len(ids) for sid, ids in zip(merged.sample_ids, merged.input_ids)}
     sample_ids = index.column("sample_id").to_pylist()
@@ -185,7 +191,7 @@ def audit_shard(
     layout_prefix = ""
     if aux_layers != expected:
         layout_prefix = f"shard aux layers {aux_layers} != configured {expected} (count or order)"
-    w = head.norm_weight.to(device="cpu", dtype=torch.float32)
+    w = head.norm_weight.to(device="cpu", dtype=torch.float32) if head is not None else torch.ones(hidden)
     w_ok = w != 0
     near_one = positions = 0
     rms_values: list[np.ndarray] = []
@@ -223,7 +229,7 @@ def audit_shard(
             positions += int(r.numel())
             rms_values.append(r.numpy())
 
-            if i in teacher_rows and n_tok > 1:
+            if head is not None and i in teacher_rows and n_tok > 1:
                 mask = t["loss_mask"].to(torch.bool)
                 pos = torch.nonzero(mask[1:]).flatten()[:per_row_positions]  # p whose next token is supervised
                 if len(pos):
@@ -241,6 +247,12 @@ def audit_shard(
     )
     if layout_prefix:
         lay_result.passed, lay_result.verdict = False, FAIL
+    if head is None:
+        unjudged = {
+            name: AuditCheck(name, True, 0, 0, [], f"NOT JUDGED: {no_head}", verdict=NOT_JUDGED)
+            for name in ("norm_convention", "teacher_agreement")
+        }
+        return {"degenerate_states": deg, "layer_layout": lay_result, **unjudged}
     return {
         "degenerate_states": deg,
         "layer_layout": lay_result,
@@ -400,13 +412,13 @@ def summarize_audits(out_dir: str | Path) -> dict[str, Any]:
         checks = read_json(path)["checks"]
         shard = path.name.split(".")[0]
         teacher = checks["teacher_agreement"]["metrics"]
-        for ds, d in teacher["per_dataset"].items():
+        for ds, d in teacher.get("per_dataset", {}).items():
             per_ds[ds][0] += round(d["agreement"] * d["positions"])
             per_ds[ds][1] += d["positions"]
         shards[shard] = {
             "verdicts": {n: c["verdict"] for n, c in checks.items()},
-            "top1_agreement": teacher["top1_agreement"],
-            "rms_over_norm_weight_median": checks["norm_convention"]["metrics"]["rms_over_norm_weight_median"],
+            "top1_agreement": teacher.get("top1_agreement"),
+            "rms_over_norm_weight_median": checks["norm_convention"]["metrics"].get("rms_over_norm_weight_median"),
         }
         for n, c in checks.items():
             if not c["passed"]:

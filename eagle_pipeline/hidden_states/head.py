@@ -102,8 +102,17 @@ def save_target_head_from_model(
     if head is None:
         raise TypeError(f"{type(model).__name__}: no lm_head to record")
     return save_target_head(
-        out_dir, norm_weight=norm.weight, eps=final_norm_eps(model), lm_head=head.weight, source=source
+        out_dir,
+        norm_weight=_full(norm.weight),
+        eps=final_norm_eps(model),
+        lm_head=_full(head.weight),
+        source=source,
     )
+
+
+def _full(weight: Any) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel (DTensor) weight; every rank must call this (it gathers)."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def final_norm_eps(model: torch.nn.Module) -> float:

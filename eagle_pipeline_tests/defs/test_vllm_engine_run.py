@@ -26,7 +26,7 @@ def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, ins
     result = _run_shard(instance, "00001")
     assert result.success
     checks = result.get_asset_check_evaluations()
-    assert len(checks) == 3 and all(e.passed for e in checks)
+    assert len(checks) == 7 and all(e.passed for e in checks)  # 3 structural + 4 semantic (2 NOT JUDGED: no head)
     (mat,) = result.asset_materializations_for_node("hidden_states")
     assert mat.metadata["engine"].value == "vllm" and mat.metadata["device"].value == "vllm: simulated"
     assert shard_status(root.hidden_states_dir, 1) == "done"

@@ -28,7 +28,7 @@ def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     assert "--nproc-per-node 2" in logs[0] and not s.skipped
     assert shard_status(tmp_path / "tp", 0) == "done"
     assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
-    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one")
+    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
     tp, one = load_file(s.path), load_file(ref.path)
     assert tp.keys() == one.keys()
     for key, want in one.items():
