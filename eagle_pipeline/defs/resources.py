@@ -50,3 +50,7 @@ class PipelineResource(dg.ConfigurableResource):
 
     def audit_settings(self):
         return self.config().audit
+
+
+# The one resource every asset, check, schedule and sensor of the location takes.
+resources = dg.Definitions(resources={"pipeline": PipelineResource()})

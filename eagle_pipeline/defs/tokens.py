@@ -166,3 +166,7 @@ def build_gate_check(gate: GateSpec) -> dg.AssetChecksDefinition:
 
 def build_gate_checks() -> list[dg.AssetChecksDefinition]:
     return [build_gate_check(g) for g in GATES]
+
+
+# Module level, so that the defs folder's autoloading finds them (definitions.py).
+gate_checks = build_gate_checks()
