@@ -11,7 +11,7 @@ STAMP := $(VENV)/.eagle-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test ui validate bench gpu-check clean-data
+.PHONY: venv demo test lint ui validate bench gpu-check clean-data
 
 venv: $(STAMP)
 
@@ -27,8 +27,15 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) -m eagle_pipeline.demo
 
-test: venv
+test: venv lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint, format, types and the code location, as CI runs them (import rules run in the tests).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/dg check defs
 
 validate: venv
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml

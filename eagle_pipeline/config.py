@@ -26,7 +26,7 @@ from pydantic import BeforeValidator, Field, PlainValidator, TypeAdapter, Valida
 from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
-from eagle_pipeline.audit.spec import AuditSettings, AuditSettingsError
+from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
 from eagle_pipeline.generation.spec import (
     DEFAULT_MAX_TOKENS,
     BackendKind,
@@ -297,37 +297,20 @@ class PoolsConfig(SpecBase):
 
 
 def _audit_settings(value: Any, info: ValidationInfo) -> AuditSettings:
-    """The `audit` section is the audit's own AuditSettings: its checks, reported once, each at its key."""
+    """The `audit` section is the audit's own AuditSettings: its one validation, each problem at its key."""
     if value is None:
         return AuditSettings()
     if isinstance(value, AuditSettings):
         return value
-    if not isinstance(value, Mapping):
-        raise RuleProblems("audit", [((), f"expected a mapping, got {type(value).__name__}")])
-    if info.context and info.context.get(NULL_IS_DEFAULT):
+    if isinstance(value, Mapping) and info.context and info.context.get(NULL_IS_DEFAULT):
         value = {k: v for k, v in value.items() if v is not None}
-    try:
-        return AuditSettings.from_dict(value)
-    except AuditSettingsError:
-        pass
-    # Ask the audit about one key (one gate action) at a time, so each problem gets its path in the file.
-    problems: list[Problem] = []
-    for key, item in value.items():
-        if key == "actions" and isinstance(item, Mapping):
-            for gate, action in item.items():
-                problems += [(("actions", gate), m) for m in _audit_problems({"actions": {gate: action}}, key)]
-        else:
-            problems += [((key,), m) for m in _audit_problems({key: item}, key)]
-    raise RuleProblems("audit", problems or [((), "invalid audit settings")])
-
-
-def _audit_problems(data: dict[str, Any], key: str) -> list[str]:
-    try:
-        AuditSettings.from_dict(data)
-    except AuditSettingsError as exc:
-        lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")] or [str(exc)]
-        return [ln.removeprefix(f"{key} ") for ln in lines]
-    return []
+    problems = audit_settings_problems(value)
+    if problems:
+        # The path names the key already: "billing_aggregate_bound must be in ..." reads "must be in ..." there.
+        raise RuleProblems(
+            "audit", [(p.path, p.message.removeprefix(f"{p.path[-1]} ") if p.path else p.message) for p in problems]
+        )
+    return AuditSettings.from_dict(value)
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)

@@ -2,7 +2,6 @@
 
 import os
 import socket
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,6 @@ from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.progress import progress_reporter
 from eagle_pipeline.storage import write_json_atomic
-
-warnings.filterwarnings("ignore", category=dg.PreviewWarning)
-warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 # Scale-out: with the k8s_job_executor each shard step runs in its own pod with this GPU request (docs/scaling.md).
 GPU_OP_TAGS = {

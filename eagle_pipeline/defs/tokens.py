@@ -1,7 +1,5 @@
 """Token samples (exact target ids) and the structural audit: one blocking asset check per gate."""
 
-import warnings
-
 import dagster as dg
 import pyarrow.compute as pc
 
@@ -12,9 +10,6 @@ from eagle_pipeline.defs.generation import responses
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.storage import file_sha256, write_parquet_atomic
-
-# Partitioned asset checks are a preview feature in Dagster 1.13; we run them one partition per run, where they work.
-warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 
 
 @dg.asset(
