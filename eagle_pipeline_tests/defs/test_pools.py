@@ -38,11 +38,13 @@ def test_the_sensor_creates_the_pools_of_the_configuration(pipeline_config, inst
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     sensor = build_defs().resolve_sensor_def("pool_limits")
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING  # a fresh deployment's daemon runs it
-    ctx = dg.build_sensor_context(instance=instance, resources={"pipeline": PipelineResource()})
-    first = pool_limits(ctx)
+    # Contexts as context managers: an unclosed one leaves Dagster's current defs-state storage on a dead instance.
+    with dg.build_sensor_context(instance=instance, resources={"pipeline": PipelineResource()}) as ctx:
+        first = pool_limits(ctx)
     assert isinstance(first, dg.SkipReason) and "created pools" in first.skip_message
     assert _limits(instance) == {"llm_api": 2, "gpu": 4}
-    again = pool_limits(dg.build_sensor_context(instance=instance, resources={"pipeline": PipelineResource()}))
+    with dg.build_sensor_context(instance=instance, resources={"pipeline": PipelineResource()}) as ctx:
+        again = pool_limits(ctx)
     assert "every pool has a limit" in again.skip_message
 
 
