@@ -35,7 +35,7 @@ def histogram_png(
             edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
             for name, v in zip(series.keys(), values):
                 if v.size:
-                    ax.hist(v, bins=edges, alpha=0.55, label=f"{name} (n={v.size}, median={np.median(v):.0f})")
+                    ax.hist(v, bins=edges.tolist(), alpha=0.55, label=f"{name} (n={v.size}, median={np.median(v):.0f})")
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)

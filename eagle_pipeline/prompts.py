@@ -65,7 +65,7 @@ def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Prom
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
     for lineno, where, obj, problem in iter_jsonl_objects(p):
-        if problem:
+        if problem or obj is None:
             raise PromptFileError(f"{where}: {problem}")
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -103,7 +103,7 @@ def _is_tool(t: Any) -> bool:
 
 def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str, Any]) -> pa.Table:
     """The prompts asset's table: one row per prompt with its stable sample id."""
-    rows = {name: [] for name in PROMPTS_SCHEMA.names}
+    rows: dict[str, list[Any]] = {name: [] for name in PROMPTS_SCHEMA.names}
     for pr in prompts:
         rows["sample_id"].append(make_sample_id(dataset, pr.messages, pr.tools, sampling))
         rows["dataset"].append(dataset)

@@ -338,7 +338,8 @@ class _ShardRun:
     async def _one(self, client: HttpClient, endpoint: str, i: int) -> _Row:
         ids = self.rows.input_ids[i].tolist()
         body = json.dumps({"prompt": ids, "max_tokens": 1, "return_token_ids": True}).encode()
-        status, raw, retry_after = await client.post(f"{endpoint}/v1/completions", body)
+        status, body_or_none, retry_after = await client.post(f"{endpoint}/v1/completions", body)
+        raw = body_or_none or b""
         if status != 200:
             raise F.classify_status(status, F.truncate(raw.decode("utf-8", "replace")), retry_after_s=retry_after)
         try:
