@@ -30,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from eagle_pipeline.hidden_states import build_tiny_model, default_aux_layers, read_rows
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm, validate_states_file, vllm_layer_ids
+from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, shard_layout, tensor_key
 from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
+from eagle_pipeline.hidden_states.vllm_files import validate_states_file, vllm_layer_ids
 
 VOCAB = 2560
 

@@ -358,7 +358,7 @@ def _hidden_states_config(args: argparse.Namespace):
 
 
 def cmd_vllm_command(args: argparse.Namespace) -> int:
-    from eagle_pipeline.hidden_states.engine_vllm import serve_command_from_config
+    from eagle_pipeline.hidden_states.vllm_command import serve_command_from_config
 
     cfg, vocab = _hidden_states_config(args)
     try:
@@ -377,13 +377,10 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
 
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     from eagle_pipeline.generation.failures import RequestFailure
-    from eagle_pipeline.hidden_states.engine_vllm import (
-        describe_engine_model,
-        resolved_endpoints,
-        smoke_request,
-        vllm_layer_ids,
-    )
+    from eagle_pipeline.hidden_states.engine_vllm import smoke_request
     from eagle_pipeline.hidden_states.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.vllm_command import describe_engine_model, resolved_endpoints
+    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states

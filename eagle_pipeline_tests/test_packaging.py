@@ -23,7 +23,7 @@ from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.config import load_config
 defs.resolve_all_job_defs()
 print(json.dumps({"module": eagle_pipeline.__file__, "datasets": dataset_partitions.get_partition_keys(),
-                  "prompts": str(load_config().datasets["B1"].prompts), "n_assets": len(list(defs.assets))}))
+                  "prompts": str(load_config().datasets["B1"].prompts), "n_assets": len(defs.resolve_asset_graph().get_all_asset_keys())}))
 """
 
 

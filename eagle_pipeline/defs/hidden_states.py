@@ -103,7 +103,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     if decision.reuse is not None:
         summary, device = decision.reuse, "none (already done)"
     elif h.engine == "vllm":  # HTTP clients of running vLLM servers: no GPU, no model load here
-        from eagle_pipeline.hidden_states.engine_vllm import extract_shard_from_config
+        from eagle_pipeline.hidden_states.vllm_command import extract_shard_from_config
 
         summary, device = extract_shard_from_config(
             h,

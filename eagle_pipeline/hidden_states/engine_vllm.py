@@ -12,15 +12,12 @@ vLLM id L (`num_hidden_layers`), the last layer's output **before** the final no
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import heapq
 import io
 import json
-import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,164 +39,29 @@ from .format import (
     dtype_name,
     shard_layout,
     shard_paths,
-    shard_stem,
     tensor_key,
 )
 from .layers import (
     aux_layer_to_hf_index,
-    aux_layer_to_vllm_id,
     default_aux_layers,
     final_state_hf_index,
     validate_aux_layers,
 )
 from .merged import count_rows, read_rows, shard_row_range
 from .shards import ShardSummary, prepare_shard
-
-# error_class values of this path, beside generation's (a RequestFailure either way).
-FINAL_LAYER_MISSING = "final_layer_missing"
-LAYER_COUNT = "layer_count"
-PROMPT_IDS_MISMATCH = "prompt_ids_mismatch"
-NO_KV_TRANSFER = "no_kv_transfer_params"
-INVALID_STATES = "invalid_hidden_states"
-SIMULATED = "simulated"
-
-# The vLLM bug that drops id L on this backbone (docs/hidden_states.md §10): named in the refusal.
-DROPPED_FINAL_LAYER_BUG = (
-    "vLLM PR #46973 (merged 2026-06-28): vLLM >= 0.18 builds without it drop the final id (num_hidden_layers) on the "
-    "DeepSeek-V2 backbone (DeepSeek-V3, Kimi-K2/K2.5, GLM-MoE), returning N - 1 layers. Run a vLLM build that "
-    "contains that fix (pin it; Model-Optimizer pins v0.22.0) and restart the server"
+from .vllm_files import (
+    NO_KV_TRANSFER,
+    PROMPT_IDS_MISMATCH,
+    EngineShardError,
+    FileFacts,
+    clean_journal,
+    delete_request_files,
+    journal_path,
+    server_file_path,
+    validate_states_file,
+    vllm_layer_ids,
+    wait_for_lock,
 )
-
-
-class EngineShardError(RuntimeError):
-    """A shard could not be extracted through the engine; the message names the shard, row, sample and endpoint."""
-
-
-def vllm_layer_ids(aux_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """vLLM's `eagle_aux_hidden_state_layer_ids` for project aux layers (k -> k + 1) plus the final id L."""
-    aux = validate_aux_layers(aux_layers, num_layers)
-    if list(aux) != sorted(aux):
-        raise ValueError(f"aux layers {list(aux)} must be ascending for the vllm engine (its file follows id order)")
-    ids = [aux_layer_to_vllm_id(k) for k in aux]
-    if num_layers in ids:
-        raise ValueError(
-            f"aux layer {num_layers - 1} (the last decoder layer) is vLLM id {num_layers}, the final state itself; "
-            "choose a lower aux layer"
-        )
-    return (*ids, num_layers)
-
-
-@dataclass(frozen=True)
-class FileFacts:
-    tokens: int
-    hidden_size: int
-    dtype: torch.dtype
-
-
-def validate_states_file(
-    path: str | os.PathLike, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
-) -> FileFacts:
-    """Check one connector file against what was asked: `hidden_states` [len(ids), len(layer_ids), H], finite, no
-    all-zero position or layer, `token_ids == ids`. Raises a non-retryable RequestFailure saying what is wrong."""
-    from safetensors import safe_open
-
-    n_ids, t_want = len(layer_ids), len(ids)
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        if not {"hidden_states", "token_ids"} <= keys:
-            raise RequestFailure(
-                INVALID_STATES, f"{path}: tensors {sorted(keys)}, need hidden_states and token_ids", False
-            )
-        hs = f.get_tensor("hidden_states")
-        tok = f.get_tensor("token_ids")
-
-    def bad(cls: str, msg: str) -> RequestFailure:
-        return RequestFailure(cls, f"{path}: {msg}", False)
-
-    if hs.ndim != 3 or not hs.is_floating_point():
-        raise bad(INVALID_STATES, f"hidden_states {hs.dtype} {tuple(hs.shape)}, expected a float [T, {n_ids}, H]")
-    t, n, h = hs.shape
-    if n == n_ids - 1:
-        raise bad(
-            FINAL_LAYER_MISSING,
-            f"{n} layers for the {n_ids} layer ids {list(layer_ids)}: the final id {layer_ids[-1]} is missing. "
-            + DROPPED_FINAL_LAYER_BUG,
-        )
-    if n != n_ids:
-        raise bad(
-            LAYER_COUNT,
-            f"{n} layers, expected {n_ids} for layer ids {list(layer_ids)}: the server was "
-            "started with other eagle_aux_hidden_state_layer_ids (print them with `eagle-pipeline vllm-command`)",
-        )
-    if hidden_size is not None and h != hidden_size:
-        raise bad(INVALID_STATES, f"hidden size {h}, expected {hidden_size}: the server runs another model")
-    if t != t_want:
-        raise bad(
-            INVALID_STATES,
-            f"states for {t} positions, {t_want} sent (short by {t_want - t}): prefix caching on? start the server "
-            "with --no-enable-prefix-caching --no-enable-chunked-prefill",
-        )
-    if tok.shape != (t_want,) or not torch.equal(tok.to(torch.int64), torch.as_tensor(list(ids), dtype=torch.int64)):
-        raise bad(INVALID_STATES, "token_ids in the file differ from the ids sent")
-    top = _max_magnitude_bits(hs)  # [T, n]: the largest |x| of each state vector, as IEEE bits
-    inf_bits = _FLOAT_BITS[hs.dtype][2] if hs.dtype in _FLOAT_BITS else None
-    if inf_bits is None:
-        nonfinite = int((~torch.isfinite(hs)).sum())
-    else:  # Inf and NaN are the bit patterns at and above the exponent mask
-        nonfinite = int((top >= inf_bits).sum())
-    if nonfinite:
-        raise bad(INVALID_STATES, f"{nonfinite} state vectors with NaN/Inf")
-    zero = top == 0  # a position whose state in a layer is all (+-)zero
-    if bool(zero.any()):
-        layers = [int(layer_ids[int(j)]) for j in np.flatnonzero(zero.any(0))]
-        raise bad(INVALID_STATES, f"{int(zero.sum())} all-zero state vectors (layer ids {layers})")
-    return FileFacts(t, h, hs.dtype)
-
-
-# dtype -> (unsigned view, magnitude mask, bits of +Inf): one integer reduction checks finiteness and zeros together
-# (about 7x faster than torch.isfinite on bf16 CPU tensors; docs/hidden_states.md §12).
-_FLOAT_BITS = {
-    torch.bfloat16: (np.uint16, 0x7FFF, 0x7F80),
-    torch.float16: (np.uint16, 0x7FFF, 0x7C00),
-    torch.float32: (np.uint32, 0x7FFFFFFF, 0x7F800000),
-}
-
-
-def _max_magnitude_bits(hs: torch.Tensor) -> np.ndarray:
-    """Per state vector (last axis), the maximum of |x| as its IEEE bit pattern (order-preserving for |x|)."""
-    if hs.dtype not in _FLOAT_BITS:
-        return hs.abs().nan_to_num(nan=float("inf")).amax(-1).numpy()
-    view, mask, _ = _FLOAT_BITS[hs.dtype]
-    bits: Any = hs.contiguous().view(torch.int16 if view is np.uint16 else torch.int32).numpy().view(view)
-    return (bits & mask).max(axis=-1)
-
-
-def _server_path(returned: str, storage_path: Path) -> Path:
-    """Where this process sees the file the server named: as given when it lies under `storage_path`, else the same
-    name under `storage_path` (the server mounts the shared volume elsewhere)."""
-    p = Path(returned)
-    try:
-        p.relative_to(storage_path)
-        return p
-    except ValueError:
-        return storage_path / p.name
-
-
-def _journal_path(out_dir: Path, shard_index: int) -> Path:
-    # Lists the connector files a run of this shard received, so a run after kill -9 can delete them.
-    return out_dir / f".{shard_stem(shard_index)}.vllm-requests"
-
-
-def _delete_request_files(paths: Sequence[Path]) -> None:
-    for p in paths:
-        p.unlink(missing_ok=True)
-        Path(f"{p}.lock").unlink(missing_ok=True)
-
-
-def _clean_journal(journal: Path) -> None:
-    if journal.exists():
-        _delete_request_files([Path(x) for x in journal.read_text().split("\n") if x])
-        journal.unlink()
 
 
 @dataclass
@@ -281,7 +143,7 @@ class _ShardRun:
                     await asyncio.to_thread(self.write_row, i, row.path, row.facts)
                     # Copied into the shard's temporary file: no run ever reads it again (a shard that does not
                     # commit is redone from its first request), so it leaves the connector's storage now.
-                    _delete_request_files([row.path])
+                    delete_request_files([row.path])
                     self.write_seconds += time.perf_counter() - tw
                     async with self._advanced:
                         self.written = i + 1
@@ -349,7 +211,7 @@ class _ShardRun:
             raise RequestFailure(F.MALFORMED_BODY, F.truncate(raw.decode("utf-8", "replace")), True) from None
         kv = obj.get("kv_transfer_params") or {}
         returned = kv.get("hidden_states_path") if isinstance(kv, dict) else None
-        path = _server_path(returned, self.storage_path) if isinstance(returned, str) and returned else None
+        path = server_file_path(returned, self.storage_path) if isinstance(returned, str) and returned else None
         if path is not None:  # noted before anything can fail, so every file received is cleaned up
             self.received.append(path)
             self.journal.write(f"{path}\n")
@@ -378,7 +240,7 @@ class _ShardRun:
                 False,
             )
         deadline = time.monotonic() + self.timeout_s
-        await _wait_for_lock(path, deadline, self.timeout_s)
+        await wait_for_lock(path, deadline, self.timeout_s)
         facts = await self._validated(path, ids, deadline)
         return _Row(path, facts)
 
@@ -399,27 +261,6 @@ class _ShardRun:
             if time.monotonic() >= deadline:
                 raise RequestFailure(F.TIMEOUT, f"{path}: {problem} {self.timeout_s:g} s after the response", True)
             await asyncio.sleep(0.01)
-
-
-async def _wait_for_lock(path: Path, deadline: float, timeout_s: float) -> None:
-    """Wait until no one holds the connector's `{path}.lock` (polls LOCK_EX | LOCK_NB, as speculators does)."""
-    lock = f"{path}.lock"
-    while True:
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            return  # a connector without the lock: the file check that follows waits for the file itself
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
-        if time.monotonic() >= deadline:
-            raise RequestFailure(F.TIMEOUT, f"{lock} still locked {timeout_s:g} s after the response", True)
-        await asyncio.sleep(0.005)
 
 
 def extract_shard_vllm(
@@ -461,9 +302,9 @@ def extract_shard_vllm(
     st_path, idx_path = shard_paths(out_dir, shard_index)
     n_rows = count_rows(merged_dir)
     row_start, row_stop = shard_row_range(shard_index, shard_size, n_rows)
-    journal_path = _journal_path(out_dir, shard_index)
+    journal = journal_path(out_dir, shard_index)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _clean_journal(journal_path)  # files of a run killed before it could delete them
+    clean_journal(journal)  # files of a run killed before it could delete them
     aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
     wanted = fingerprint or ExtractionFingerprint(
         model=dict(model_description or {}),
@@ -546,7 +387,7 @@ def extract_shard_vllm(
     t0 = time.perf_counter()
     run: _ShardRun | None = None
     try:
-        with open(journal_path, "a") as journal:
+        with open(journal, "a") as journal_file:
             with atomic_path(st_path) as tmp, open(tmp, "wb") as fh:
                 state["fh"] = fh
                 run = _ShardRun(
@@ -560,7 +401,7 @@ def extract_shard_vllm(
                     timeout_s=timeout_s,
                     max_retries=max_retries,
                     backoff_base_s=backoff_base_s,
-                    journal=journal,
+                    journal=journal_file,
                     write_row=write_row,
                     log=log,
                     progress=progress,
@@ -609,196 +450,9 @@ def extract_shard_vllm(
     finally:
         # Whatever is left (retried attempts' files; all of them after a failure): never reused, a rerun asks again.
         if run is not None:
-            _delete_request_files(run.received)
-        journal_path.unlink(missing_ok=True)
+            delete_request_files(run.received)
+        journal.unlink(missing_ok=True)
     return summary
-
-
-@contextlib.contextmanager
-def resolved_endpoints(
-    endpoints: Sequence[str],
-    *,
-    storage_path: str | Path,
-    model: str,
-    family: str,
-    seed: int,
-    vocab_size: int,
-    layer_ids: Sequence[int],
-) -> Iterator[list[str]]:
-    """`endpoints` with `simulated` replaced by a loopback double of the vLLM server (the demo and tests) serving
-    the tiny model `hidden_states.model: tiny-random` would build in process."""
-    if SIMULATED not in endpoints:
-        yield list(endpoints)
-        return
-    from .runtime import TINY_RANDOM, load_extraction_model
-    from .vllm_double import VLLMHiddenStatesDouble
-
-    if model != TINY_RANDOM:
-        raise ValueError(f"hidden_states.vllm.endpoints: 'simulated' serves tiny-random only, model is {model!r}")
-    tiny = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
-    with VLLMHiddenStatesDouble(tiny, layer_ids=layer_ids, storage_path=storage_path) as double:
-        yield [double.url if e == SIMULATED else e for e in endpoints]
-
-
-def describe_engine_model(model: str, *, family: str, vocab_size: int) -> dict[str, Any]:
-    """Shape of the model the servers run, from its config only (no weights): `tiny-random` or a directory (or
-    config.json) of the target."""
-    from .model import describe_model_config, load_text_config, tiny_config
-    from .runtime import TINY_RANDOM
-
-    if model == TINY_RANDOM:
-        return describe_model_config(tiny_config(vocab_size, family=family))
-    return describe_model_config(load_text_config(model))
-
-
-def extract_shard_from_config(
-    h: Any,
-    *,
-    merged_dir: Path,
-    out_dir: Path,
-    shard_index: int,
-    vocab_size: int,
-    log: Callable[[str], None] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[ShardSummary, str]:
-    """One shard through the engine `hidden_states.engine` names (`h` is the `hidden_states` config section), for
-    the Dagster asset. Returns the summary and where it ran."""
-    from .runtime import fingerprint_for_config
-
-    if h.engine != "vllm":
-        raise ValueError(f"hidden_states.engine {h.engine!r} is not an HTTP engine")
-    v = h.vllm
-    wanted = fingerprint_for_config(h, merged_dir=merged_dir, vocab_size=vocab_size)
-    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
-    n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
-    ids = vllm_layer_ids(aux, n_layers)
-    with resolved_endpoints(
-        v.endpoints,
-        storage_path=v.storage_path,
-        model=h.model,
-        family=h.family,
-        seed=h.seed,
-        vocab_size=vocab_size,
-        layer_ids=ids,
-    ) as endpoints:
-        summary = extract_shard_vllm(
-            merged_dir,
-            shard_index=shard_index,
-            shard_size=h.shard_size,
-            out_dir=out_dir,
-            endpoints=endpoints,
-            storage_path=v.storage_path,
-            num_layers=n_layers,
-            aux_layers=aux,
-            hidden_size=int(desc["hidden_size"]),
-            model_description=desc,
-            fingerprint=wanted,
-            on_mismatch=h.on_settings_change,
-            concurrency=v.concurrency,
-            timeout_s=v.timeout_s,
-            max_retries=v.max_retries,
-            log=log,
-            progress=progress,
-        )
-    return summary, "vllm: " + ", ".join(v.endpoints)
-
-
-# Model-Optimizer's Kimi-K2.5 recipe: cold MoE kernels stall the first steps past vLLM's default timeouts.
-COLD_START_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200", "VLLM_ENGINE_ITERATION_TIMEOUT_S": "1200"}
-_DEEPSEEK_BACKBONE = {"deepseek_v3", "deepseek_v2", "kimi_k2", "kite_text"}
-
-
-@dataclass(frozen=True)
-class ServeCommand:
-    """`vllm serve` for extraction: the environment and the argument vector (one source for the CLI and deploy/)."""
-
-    env: dict[str, str]
-    argv: list[str]
-
-    def shell(self) -> str:
-        env = " ".join(f"{k}={v}" for k, v in self.env.items())
-        args = " \\\n  ".join(_pairs(self.argv))
-        return f"{env} \\\n{args}" if env else args
-
-
-def _pairs(argv: list[str]) -> list[str]:
-    """Shell-quoted lines: `vllm serve MODEL` on the first, then each `--flag [value]` on its own."""
-    import shlex
-
-    out: list[str] = [" ".join(shlex.quote(a) for a in argv[:3])]
-    for a in argv[3:]:
-        if a.startswith("--"):
-            out.append(a)
-        else:
-            out[-1] += " " + shlex.quote(a)
-    return out
-
-
-def vllm_serve_command(
-    served_model: str,
-    *,
-    layer_ids: Sequence[int],
-    storage_path: str,
-    tensor_parallel_size: int = 8,
-    port: int = 8000,
-    model_type: str = "",
-) -> ServeCommand:
-    """The exact server command: the extract_hidden_states speculative config with `layer_ids`, the connector
-    writing to `storage_path`, prefix caching and chunked prefill off (short states otherwise), remote code on,
-    and, for the DeepSeek/Kimi backbone, Model-Optimizer's cold-start knobs."""
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [int(k) for k in layer_ids]}},
-    }
-    kv = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": storage_path},
-    }
-    argv = [
-        "vllm",
-        "serve",
-        served_model,
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--port",
-        str(port),
-        "--trust-remote-code",
-        "--speculative-config",
-        json.dumps(spec),
-        "--kv-transfer-config",
-        json.dumps(kv),
-        "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill",
-    ]
-    deepseek = model_type in _DEEPSEEK_BACKBONE
-    if deepseek:
-        argv += ["--enforce-eager", "--no-enable-flashinfer-autotune"]
-    return ServeCommand(env=dict(COLD_START_ENV) if deepseek else {}, argv=argv)
-
-
-def serve_command_from_config(
-    h: Any, *, served_model: str | None, vocab_size: int, tensor_parallel_size: int = 8, port: int = 8000
-) -> ServeCommand:
-    """`vllm_serve_command` for the `hidden_states` config section: its model's layers, aux layers, storage path."""
-    from .runtime import TINY_RANDOM
-
-    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
-    n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
-    model = served_model or (h.model if h.model != TINY_RANDOM else None)
-    if model is None:
-        raise ValueError("hidden_states.model is tiny-random: name the model the server loads (--served-model)")
-    return vllm_serve_command(
-        model,
-        layer_ids=vllm_layer_ids(aux, n_layers),
-        storage_path=h.vllm.storage_path,
-        tensor_parallel_size=tensor_parallel_size,
-        port=port,
-        model_type=str(desc["model_type"]),
-    )
 
 
 def smoke_request(
@@ -841,4 +495,4 @@ def smoke_request(
     try:
         return run_coroutine(one)
     finally:
-        _delete_request_files(run.received)
+        delete_request_files(run.received)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from eagle_pipeline.hidden_states.engine_vllm import vllm_layer_ids, vllm_serve_command
 from eagle_pipeline.hidden_states.layers import default_aux_layers
+from eagle_pipeline.hidden_states.vllm_command import vllm_serve_command
+from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "vllm-server.yaml"
 

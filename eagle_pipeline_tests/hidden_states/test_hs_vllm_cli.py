@@ -11,8 +11,8 @@ import yaml
 
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import DEFAULT_CONFIG
-from eagle_pipeline.hidden_states.engine_vllm import vllm_serve_command
 from eagle_pipeline.hidden_states.runtime import load_extraction_model
+from eagle_pipeline.hidden_states.vllm_command import vllm_serve_command
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 
 

@@ -18,14 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_vllm import (
-    DROPPED_FINAL_LAYER_BUG,
-    EngineShardError,
-    extract_shard_vllm,
-    vllm_layer_ids,
-)
+from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble, ids_key
+from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
 
 from .conftest import make_rows
 
@@ -207,9 +203,10 @@ def test_a_transient_fault_that_persists_ends_in_a_clear_error(tiny_ds, merged, 
 
 def test_rows_spread_over_endpoints_within_the_concurrency_bound(tiny_ds, merged, tmp_path, clean_sha):
     storage = tmp_path / "s"
+    # 0.3 s a request: one endpoint alone would need 1.2 s for the 8 rows, so both take part even on a busy machine.
     with (
-        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.05) as a,
-        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.05) as b,
+        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.3) as a,
+        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.3) as b,
     ):
         s = _engine(merged, tmp_path / "out", [a.url, b.url], storage, concurrency=2)
         assert a.total_requests > 0 and b.total_requests > 0 and a.total_requests + b.total_requests == 8
@@ -273,7 +270,7 @@ def test_file_validation_finds_nan_inf_and_zero_vectors_in_every_dtype(dtype, tm
     from safetensors.torch import save_file
 
     from eagle_pipeline.generation.failures import RequestFailure
-    from eagle_pipeline.hidden_states.engine_vllm import validate_states_file
+    from eagle_pipeline.hidden_states.vllm_files import validate_states_file
 
     ids = list(range(3, 11))
     good = (torch.randn(8, 4, 16) * 3).to(dtype)

@@ -1,0 +1,202 @@
+"""The vLLM engine as the configuration sets it up: the `vllm serve` command for extraction (one source for the CLI,
+the docs and deploy/k8s), the endpoints (a loopback double for `simulated`), and a shard run from the settings."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .engine_vllm import extract_shard_vllm
+from .layers import default_aux_layers
+from .shards import ShardSummary
+from .vllm_files import SIMULATED, vllm_layer_ids
+
+# Model-Optimizer's Kimi-K2.5 recipe: cold MoE kernels stall the first steps past vLLM's default timeouts.
+COLD_START_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200", "VLLM_ENGINE_ITERATION_TIMEOUT_S": "1200"}
+_DEEPSEEK_BACKBONE = {"deepseek_v3", "deepseek_v2", "kimi_k2", "kite_text"}
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """`vllm serve` for extraction: the environment and the argument vector (one source for the CLI and deploy/)."""
+
+    env: dict[str, str]
+    argv: list[str]
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        args = " \\\n  ".join(_pairs(self.argv))
+        return f"{env} \\\n{args}" if env else args
+
+
+def _pairs(argv: list[str]) -> list[str]:
+    """Shell-quoted lines: `vllm serve MODEL` on the first, then each `--flag [value]` on its own."""
+    import shlex
+
+    out: list[str] = [" ".join(shlex.quote(a) for a in argv[:3])]
+    for a in argv[3:]:
+        if a.startswith("--"):
+            out.append(a)
+        else:
+            out[-1] += " " + shlex.quote(a)
+    return out
+
+
+def vllm_serve_command(
+    served_model: str,
+    *,
+    layer_ids: Sequence[int],
+    storage_path: str,
+    tensor_parallel_size: int = 8,
+    port: int = 8000,
+    model_type: str = "",
+) -> ServeCommand:
+    """The exact server command: the extract_hidden_states speculative config with `layer_ids`, the connector
+    writing to `storage_path`, prefix caching and chunked prefill off (short states otherwise), remote code on,
+    and, for the DeepSeek/Kimi backbone, Model-Optimizer's cold-start knobs."""
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [int(k) for k in layer_ids]}},
+    }
+    kv = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage_path},
+    }
+    argv = [
+        "vllm",
+        "serve",
+        served_model,
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--port",
+        str(port),
+        "--trust-remote-code",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+    ]
+    deepseek = model_type in _DEEPSEEK_BACKBONE
+    if deepseek:
+        argv += ["--enforce-eager", "--no-enable-flashinfer-autotune"]
+    return ServeCommand(env=dict(COLD_START_ENV) if deepseek else {}, argv=argv)
+
+
+def serve_command_from_config(
+    h: Any, *, served_model: str | None, vocab_size: int, tensor_parallel_size: int = 8, port: int = 8000
+) -> ServeCommand:
+    """`vllm_serve_command` for the `hidden_states` config section: its model's layers, aux layers, storage path."""
+    from .runtime import TINY_RANDOM
+
+    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
+    n_layers = int(desc["num_layers"])
+    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+    model = served_model or (h.model if h.model != TINY_RANDOM else None)
+    if model is None:
+        raise ValueError("hidden_states.model is tiny-random: name the model the server loads (--served-model)")
+    return vllm_serve_command(
+        model,
+        layer_ids=vllm_layer_ids(aux, n_layers),
+        storage_path=h.vllm.storage_path,
+        tensor_parallel_size=tensor_parallel_size,
+        port=port,
+        model_type=str(desc["model_type"]),
+    )
+
+
+@contextlib.contextmanager
+def resolved_endpoints(
+    endpoints: Sequence[str],
+    *,
+    storage_path: str | Path,
+    model: str,
+    family: str,
+    seed: int,
+    vocab_size: int,
+    layer_ids: Sequence[int],
+) -> Iterator[list[str]]:
+    """`endpoints` with `simulated` replaced by a loopback double of the vLLM server (the demo and tests) serving
+    the tiny model `hidden_states.model: tiny-random` would build in process."""
+    if SIMULATED not in endpoints:
+        yield list(endpoints)
+        return
+    from .runtime import TINY_RANDOM, load_extraction_model
+    from .vllm_double import VLLMHiddenStatesDouble
+
+    if model != TINY_RANDOM:
+        raise ValueError(f"hidden_states.vllm.endpoints: 'simulated' serves tiny-random only, model is {model!r}")
+    tiny = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
+    with VLLMHiddenStatesDouble(tiny, layer_ids=layer_ids, storage_path=storage_path) as double:
+        yield [double.url if e == SIMULATED else e for e in endpoints]
+
+
+def describe_engine_model(model: str, *, family: str, vocab_size: int) -> dict[str, Any]:
+    """Shape of the model the servers run, from its config only (no weights): `tiny-random` or a directory (or
+    config.json) of the target."""
+    from .model import describe_model_config, load_text_config, tiny_config
+    from .runtime import TINY_RANDOM
+
+    if model == TINY_RANDOM:
+        return describe_model_config(tiny_config(vocab_size, family=family))
+    return describe_model_config(load_text_config(model))
+
+
+def extract_shard_from_config(
+    h: Any,
+    *,
+    merged_dir: Path,
+    out_dir: Path,
+    shard_index: int,
+    vocab_size: int,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[ShardSummary, str]:
+    """One shard through the engine `hidden_states.engine` names (`h` is the `hidden_states` config section), for
+    the Dagster asset. Returns the summary and where it ran."""
+    from .runtime import fingerprint_for_config
+
+    if h.engine != "vllm":
+        raise ValueError(f"hidden_states.engine {h.engine!r} is not an HTTP engine")
+    v = h.vllm
+    wanted = fingerprint_for_config(h, merged_dir=merged_dir, vocab_size=vocab_size)
+    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
+    n_layers = int(desc["num_layers"])
+    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+    ids = vllm_layer_ids(aux, n_layers)
+    with resolved_endpoints(
+        v.endpoints,
+        storage_path=v.storage_path,
+        model=h.model,
+        family=h.family,
+        seed=h.seed,
+        vocab_size=vocab_size,
+        layer_ids=ids,
+    ) as endpoints:
+        summary = extract_shard_vllm(
+            merged_dir,
+            shard_index=shard_index,
+            shard_size=h.shard_size,
+            out_dir=out_dir,
+            endpoints=endpoints,
+            storage_path=v.storage_path,
+            num_layers=n_layers,
+            aux_layers=aux,
+            hidden_size=int(desc["hidden_size"]),
+            model_description=desc,
+            fingerprint=wanted,
+            on_mismatch=h.on_settings_change,
+            concurrency=v.concurrency,
+            timeout_s=v.timeout_s,
+            max_retries=v.max_retries,
+            log=log,
+            progress=progress,
+        )
+    return summary, "vllm: " + ", ".join(v.endpoints)
