@@ -8,7 +8,6 @@ from .format import (
     TENSOR_NAMES,
     SampleLocation,
     build_sample_index,
-    load_sample,
     shard_paths,
     shard_status,
 )
@@ -41,6 +40,7 @@ from .shards import (
     require_shards_ready,
     shard_state,
 )
+from .trainer_layouts import load_sample
 from .verify import CheckResult, verify_shard
 
 __all__ = [

@@ -262,17 +262,3 @@ def build_sample_index(out_dir: str | Path) -> dict[str, SampleLocation]:
         for sid, row in zip(t.column("sample_id").to_pylist(), t.column("row_index").to_pylist()):
             found[sid] = SampleLocation(int(meta["shard_index"]), st_path, int(row))
     return found
-
-
-def load_sample(
-    out_dir: str | Path, sample_id: str, *, index: dict[str, SampleLocation] | None = None
-) -> dict[str, torch.Tensor]:
-    """The four tensors of one sample (keys without the sample_id prefix). Pass a `build_sample_index` result
-    as `index` when loading many samples, to avoid rescanning the index files each time."""
-    from .trainer_layouts import open_shard  # reads states from the shard file or a trainer's layout
-
-    loc = (index if index is not None else build_sample_index(out_dir)).get(sample_id)
-    if loc is None:
-        raise KeyError(f"sample {sample_id!r} not in any shard index under {out_dir}")
-    with open_shard(out_dir, loc.shard_index) as reader:
-        return reader.get(sample_id)

@@ -34,7 +34,15 @@ import torch
 
 from ..storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
 from .fingerprint import LAYOUT_SHARDS
-from .format import TENSOR_NAMES, read_index, read_index_meta, shard_paths, tensor_key
+from .format import (
+    TENSOR_NAMES,
+    SampleLocation,
+    build_sample_index,
+    read_index,
+    read_index_meta,
+    shard_paths,
+    tensor_key,
+)
 from .head import POST_NORM, PRE_NORM, load_target_head
 from .layers import aux_layer_to_vllm_id
 
@@ -515,3 +523,15 @@ def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
     ]
     with atomic_path(out_dir / "README.md") as tmp:
         tmp.write_text("\n".join(lines))
+
+
+def load_sample(
+    out_dir: str | Path, sample_id: str, *, index: dict[str, SampleLocation] | None = None
+) -> dict[str, torch.Tensor]:
+    """The four tensors of one sample, from the shard file or the trainer layout the shard was written in (keys without the sample_id prefix). Pass a `build_sample_index` result
+    as `index` when loading many samples, to avoid rescanning the index files each time."""
+    loc = (index if index is not None else build_sample_index(out_dir)).get(sample_id)
+    if loc is None:
+        raise KeyError(f"sample {sample_id!r} not in any shard index under {out_dir}")
+    with open_shard(out_dir, loc.shard_index) as reader:
+        return reader.get(sample_id)
