@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.storage import iter_jsonl_objects
+from eagle_pipeline.generation.response_lines import ResponseLinesError, read_response_lines, responses_table
 
 EXIT_OK, EXIT_BLOCKED, EXIT_USAGE = 0, 1, 2
 PROG = "eagle-pipeline"
@@ -36,123 +36,11 @@ class CliError(Exception):
 # ---- reconstruct ---------------------------------------------------------------------------------------------------
 
 
-def _read_response_lines(
-    path: Path, default_dataset: str, skip_unusable: bool
-) -> tuple[list[dict[str, Any]], list[int], int]:
-    """Parse a responses JSONL file into responses-table rows; returns (rows, line numbers, skipped)."""
-    import dataclasses
-
-    from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
-    from eagle_pipeline.generation.failures import RequestFailure
-    from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, response_values
-
-    if not path.is_file():
-        raise CliError(f"{path}: input file not found")
-    rows: list[dict[str, Any]] = []
-    lines: list[int] = []
-    first_line: dict[str, int] = {}
-    skipped = 0
-    for lineno, where, rec, problem in iter_jsonl_objects(path):
-        if problem or rec is None:  # rec is None exactly when the line has a problem
-            raise CliError(f"{where}: {problem}")
-        sid = rec.get("sample_id")
-        if not isinstance(sid, str) or not sid:
-            raise CliError(f"{where}: 'sample_id' must be a non-empty string")
-        if sid in first_line:
-            raise CliError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
-        first_line[sid] = lineno
-        body = rec.get("response")
-        if isinstance(body, str):  # the body exactly as returned, as text
-            try:
-                body = json.loads(body)
-            except json.JSONDecodeError as exc:
-                raise CliError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
-        if not isinstance(body, dict):
-            raise CliError(f"{where}: 'response' must be the chat-completion body (an object)")
-        dataset = rec.get("dataset", default_dataset)
-        if not isinstance(dataset, str) or not dataset:
-            raise CliError(f"{where}: 'dataset' must be a non-empty string")
-        tools = rec.get("tools")
-        if not (tools is None or isinstance(tools, (bool, list))):
-            raise CliError(f"{where}: 'tools' must be a list of tool definitions, true or false")
-        thinking = rec.get("thinking", True)
-        if not isinstance(thinking, bool):
-            raise CliError(f"{where}: 'thinking' must be true or false")
-        messages = rec.get("messages")
-        if messages is not None and not isinstance(messages, list):
-            raise CliError(f"{where}: 'messages' must be a list of chat messages")
-        choices = body.get("choices")
-        want_ids = (
-            bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
-        )
-        try:
-            parsed = parse_chat_completion(body, 200, want_ids=want_ids)
-        except RequestFailure as exc:
-            if skip_unusable:
-                skipped += 1
-                continue
-            raise CliError(f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines") from None
-        prompt_ids = parsed.prompt_token_ids
-        if prompt_ids is None and messages is None:
-            prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
-        item = PromptItem(
-            sid,
-            json.dumps(messages if messages is not None else [], ensure_ascii=False),
-            json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
-        )
-        prov = RowProvenance(
-            dataset=dataset,
-            source="import",
-            backend="import",
-            endpoint=str(path),
-            model=None,
-            quantization=None,
-            sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
-            thinking=thinking,
-        )
-        values = response_values(
-            prov,
-            item,
-            dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
-            latency_s=0.0,
-            attempts=0,
-            started_us=0,
-            finished_us=0,
-            raw_response_json=None,
-        )
-        row = dict(zip(RESPONSE_COLUMNS, values))
-        row["has_tools"] = bool(tools)
-        row["has_prompt"] = messages is not None or parsed.prompt_token_ids is not None
-        rows.append(row)
-        lines.append(lineno)
-    return rows, lines, skipped
-
-
-def _responses_table(rows: list[dict[str, Any]]):
-    import pyarrow as pa
-
-    ids = pa.list_(pa.int32())
-    schema = pa.schema(
-        [
-            ("sample_id", pa.string()),
-            ("dataset", pa.string()),
-            ("messages_json", pa.string()),
-            ("tools_json", pa.string()),
-            ("source", pa.string()),
-            ("backend", pa.string()),
-            ("provider", pa.string()),
-            ("reasoning", pa.string()),
-            ("content", pa.string()),
-            ("tool_calls_json", pa.string()),
-            ("prompt_token_ids", ids),
-            ("output_token_ids", ids),
-            ("finish_reason", pa.string()),
-            ("usage_completion_tokens", pa.int64()),
-            ("usage_prompt_tokens", pa.int64()),
-            ("thinking", pa.bool_()),
-        ]
-    )
-    return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
+def _read_responses(path: Path, dataset: str, skip_unusable: bool) -> tuple[list[dict[str, Any]], list[int], int]:
+    try:
+        return read_response_lines(path, dataset, skip_unusable)
+    except ResponseLinesError as exc:
+        raise CliError(str(exc)) from None
 
 
 def cmd_reconstruct(args: argparse.Namespace) -> int:
@@ -165,7 +53,7 @@ def cmd_reconstruct(args: argparse.Namespace) -> int:
 
     tok, profile = _load_target(args.tokenizer, args.profile)
     src = Path(args.input)
-    rows, lines, skipped = _read_response_lines(src, args.dataset, args.skip_unusable)
+    rows, lines, skipped = _read_responses(src, args.dataset, args.skip_unusable)
     if not rows:
         raise CliError(f"{src}: no usable responses" + (f" ({skipped} skipped)" if skipped else ""))
     # dataset_has_tools is a dataset property: a dataset declares tools when any of its lines does.
@@ -177,7 +65,7 @@ def cmd_reconstruct(args: argparse.Namespace) -> int:
         has_tools = any(rows[i]["has_tools"] for i in idx)
         part_rows = [rows[i] for i in idx]
         try:
-            parts.append(reconstruct_table(_responses_table(part_rows), tok, profile, dataset_has_tools=has_tools))
+            parts.append(reconstruct_table(responses_table(part_rows), tok, profile, dataset_has_tools=has_tools))
         except ValueError as exc:
             raise CliError(
                 _locate_failure(src, part_rows, [lines[i] for i in idx], tok, profile, has_tools, exc)
@@ -211,7 +99,7 @@ def _locate_failure(
 
     for row, line in zip(rows, lines):
         try:
-            reconstruct_table(_responses_table([row]), tok, profile, dataset_has_tools=has_tools)
+            reconstruct_table(responses_table([row]), tok, profile, dataset_has_tools=has_tools)
         except ValueError as one:
             return f"{src}:{line}: cannot reconstruct: {one}"
     return f"{src}: cannot reconstruct: {exc}"

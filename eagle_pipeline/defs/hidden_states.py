@@ -318,7 +318,7 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.audit import audit_markdown, summarize_audits
     from eagle_pipeline.hidden_states.runtime import fingerprint_for_config
     from eagle_pipeline.hidden_states.shards import ShardsNotReadyError, require_shards_ready
-    from eagle_pipeline.hidden_states.trainer_layouts import export_specforge_states, export_speculators_states
+    from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
     from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
 
     root = pipeline.data_root()

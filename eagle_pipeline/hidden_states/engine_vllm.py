@@ -11,26 +11,20 @@ vLLM id L (`num_hidden_layers`), the last layer's output **before** the final no
 
 from __future__ import annotations
 
-import asyncio
-import heapq
 import io
 import json
-import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..generation import failures as F
 from ..generation.client import HttpClient
-from ..generation.failures import RequestFailure
 from ..generation.runner import run_coroutine
 from ..storage import atomic_path
-from .extract import IDS_DTYPE, MASK_DTYPE, _transformers_version, _write_shard_index
+from .extract import IDS_DTYPE, MASK_DTYPE
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import (
     FORMAT_NAME,
@@ -48,219 +42,17 @@ from .layers import (
     validate_aux_layers,
 )
 from .merged import count_rows, read_rows, shard_row_range
+from .shard_index import transformers_version, write_shard_index
 from .shards import ShardSummary, prepare_shard
 from .vllm_files import (
-    NO_KV_TRANSFER,
-    PROMPT_IDS_MISMATCH,
     EngineShardError,
     FileFacts,
     clean_journal,
     delete_request_files,
     journal_path,
-    server_file_path,
-    validate_states_file,
     vllm_layer_ids,
-    wait_for_lock,
 )
-
-
-@dataclass
-class _Row:
-    path: Path | None = None
-    facts: FileFacts | None = None
-
-
-class _ShardRun:
-    """The async part: workers per endpoint pull rows, request, wait for the lock, validate; the writer copies in
-    row order as files become ready."""
-
-    def __init__(
-        self,
-        rows: Any,
-        *,
-        shard_index: int,
-        endpoints: Sequence[str],
-        storage_path: Path,
-        layer_ids: tuple[int, ...],
-        hidden_size: int | None,
-        concurrency: int,
-        timeout_s: float,
-        max_retries: int,
-        backoff_base_s: float,
-        journal: Any,
-        write_row: Callable[[int, Path, FileFacts], None],
-        log: Callable[[str], None] | None,
-        progress: Callable[[int, int], None] | None,
-    ) -> None:
-        self.rows, self.shard_index = rows, shard_index
-        self.endpoints = [e.rstrip("/") for e in endpoints]
-        self.storage_path, self.layer_ids, self.hidden_size = storage_path, layer_ids, hidden_size
-        self.concurrency, self.timeout_s, self.max_retries = concurrency, timeout_s, max_retries
-        self.backoff_base_s = backoff_base_s
-        self.journal, self.write_row, self.log, self.progress = journal, write_row, log, progress
-        self.results: list[_Row] = [_Row() for _ in range(len(rows))]
-        self.attempts = [0] * len(rows)
-        self.received: list[Path] = []
-        # Rows fetched ahead of the writer are files on the connector's storage (often /dev/shm, i.e. RAM): a slow
-        # row must not let the rest of the shard pile up behind it. Copied rows' files are deleted at once.
-        self.window = 2 * concurrency * len(self.endpoints)
-        self.written = 0
-        self.retries = 0
-        self.compute_seconds = 0.0
-        self.write_seconds = 0.0
-        self._rng = random.Random(shard_index)
-
-    def _where(self, i: int) -> str:
-        return f"shard {self.shard_index:05d}, merged row {self.rows.row_start + i} ({self.rows.sample_ids[i]})"
-
-    def _backoff(self, attempt: int, f: RequestFailure) -> float:
-        if f.retry_after_s is not None:
-            return f.retry_after_s
-        return self._rng.uniform(0.5, 1.0) * self.backoff_base_s * 2 ** (attempt - 1)
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        self.pending = list(range(len(self.rows)))  # a heap: the lowest row first, retries included
-        self.ready = [loop.create_future() for _ in range(len(self.rows))]
-        self.fatal: asyncio.Future[None] = loop.create_future()
-        self._advanced = asyncio.Condition()
-        self._pushes: set[asyncio.Future[None]] = set()  # retries being put back (kept referenced until done)
-        n_conn = self.concurrency * len(self.endpoints)
-        async with HttpClient(concurrency=n_conn, timeout_s=self.timeout_s) as client:
-            workers = [
-                asyncio.create_task(self._worker(client, ep)) for ep in self.endpoints for _ in range(self.concurrency)
-            ]
-            try:
-                for i in range(len(self.rows)):
-                    await asyncio.wait({self.ready[i], self.fatal}, return_when=asyncio.FIRST_COMPLETED)
-                    if self.fatal.done():
-                        self.fatal.result()
-                    self.compute_seconds = time.perf_counter() - t0
-                    row = self.results[i]
-                    assert row.path is not None and row.facts is not None
-                    tw = time.perf_counter()
-                    await asyncio.to_thread(self.write_row, i, row.path, row.facts)
-                    # Copied into the shard's temporary file: no run ever reads it again (a shard that does not
-                    # commit is redone from its first request), so it leaves the connector's storage now.
-                    delete_request_files([row.path])
-                    self.write_seconds += time.perf_counter() - tw
-                    async with self._advanced:
-                        self.written = i + 1
-                        self._advanced.notify_all()
-                    if self.progress is not None:
-                        self.progress(i + 1, len(self.rows))
-            finally:
-                for w in workers:
-                    w.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-
-    def _requeue(self, i: int) -> None:
-        async def push() -> None:
-            async with self._advanced:
-                heapq.heappush(self.pending, i)
-                self._advanced.notify_all()
-
-        self._pushes.add(task := asyncio.ensure_future(push()))
-        task.add_done_callback(self._pushes.discard)
-
-    async def _worker(self, client: HttpClient, endpoint: str) -> None:
-        consecutive = 0
-        while True:
-            async with self._advanced:
-                await self._advanced.wait_for(
-                    lambda: bool(self.pending) and self.pending[0] < self.written + self.window
-                )
-                i = heapq.heappop(self.pending)
-            self.attempts[i] += 1
-            attempt = self.attempts[i]
-            try:
-                self.results[i] = await self._one(client, endpoint, i)
-                self.ready[i].set_result(None)
-                consecutive = 0
-            except RequestFailure as f:
-                where = f"{self._where(i)}: {f} (endpoint {endpoint}, attempt {attempt} of {self.max_retries + 1})"
-                if not f.retryable or attempt > self.max_retries:
-                    if not self.fatal.done():
-                        self.fatal.set_exception(EngineShardError(where))
-                    return
-                self.retries += 1
-                if self.log is not None:
-                    self.log(f"retrying {where}")
-                asyncio.get_running_loop().call_later(self._backoff(attempt, f), self._requeue, i)
-                if f.error_class in (F.CONNECTION, F.SERVER_ERROR, F.TIMEOUT):
-                    consecutive += 1  # an endpoint that keeps failing slows down; others take its rows
-                    await asyncio.sleep(min(self.backoff_base_s * 2 ** (consecutive - 1), 60.0))
-            except Exception as exc:  # a bug or a local I/O error: stop the shard rather than wait for this row
-                if not self.fatal.done():
-                    where = f"{self._where(i)} (endpoint {endpoint}, attempt {attempt})"
-                    self.fatal.set_exception(EngineShardError(f"{where}: {type(exc).__name__}: {exc}"))
-                return
-
-    async def _one(self, client: HttpClient, endpoint: str, i: int) -> _Row:
-        ids = self.rows.input_ids[i].tolist()
-        body = json.dumps({"prompt": ids, "max_tokens": 1, "return_token_ids": True}).encode()
-        status, body_or_none, retry_after = await client.post(f"{endpoint}/v1/completions", body)
-        raw = body_or_none or b""
-        if status != 200:
-            raise F.classify_status(status, F.truncate(raw.decode("utf-8", "replace")), retry_after_s=retry_after)
-        try:
-            obj = json.loads(raw)
-            choice = obj["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise RequestFailure(F.MALFORMED_BODY, F.truncate(raw.decode("utf-8", "replace")), True) from None
-        kv = obj.get("kv_transfer_params") or {}
-        returned = kv.get("hidden_states_path") if isinstance(kv, dict) else None
-        path = server_file_path(returned, self.storage_path) if isinstance(returned, str) and returned else None
-        if path is not None:  # noted before anything can fail, so every file received is cleaned up
-            self.received.append(path)
-            self.journal.write(f"{path}\n")
-            self.journal.flush()
-        got = choice.get("prompt_token_ids")
-        if got is None:
-            raise RequestFailure(
-                F.MISSING_TOKEN_IDS,
-                "no choices[0].prompt_token_ids: the server ignored return_token_ids (vLLM >= 0.10.2 is needed)",
-                False,
-            )
-        if got != ids:
-            first = next((k for k, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
-            raise RequestFailure(
-                PROMPT_IDS_MISMATCH,
-                f"prompt_token_ids returned differ from the ids sent ({len(got)} vs {len(ids)} ids, first "
-                f"difference at position {first}): the server changed the prompt, so its states are not this row's",
-                False,
-            )
-        if path is None:
-            raise RequestFailure(
-                NO_KV_TRANSFER,
-                "no kv_transfer_params.hidden_states_path in the response: the server was not started with "
-                "--kv-transfer-config ExampleHiddenStatesConnector and the extract_hidden_states speculative config "
-                "(print the command with `eagle-pipeline vllm-command`)",
-                False,
-            )
-        deadline = time.monotonic() + self.timeout_s
-        await wait_for_lock(path, deadline, self.timeout_s)
-        facts = await self._validated(path, ids, deadline)
-        return _Row(path, facts)
-
-    async def _validated(self, path: Path, ids: list[int], deadline: float) -> FileFacts:
-        """Wait for the file to exist and be readable (it may appear late or still be growing), then validate."""
-        while True:
-            if path.exists():
-                try:
-                    return await asyncio.to_thread(
-                        validate_states_file, path, ids, self.layer_ids, hidden_size=self.hidden_size
-                    )
-                except RequestFailure:
-                    raise
-                except Exception as exc:  # unreadable: a write still in progress, or a torn file
-                    problem = f"{type(exc).__name__}: {exc}"
-            else:
-                problem = "does not exist"
-            if time.monotonic() >= deadline:
-                raise RequestFailure(F.TIMEOUT, f"{path}: {problem} {self.timeout_s:g} s after the response", True)
-            await asyncio.sleep(0.01)
+from .vllm_requests import ShardRequests
 
 
 def extract_shard_vllm(
@@ -349,7 +141,7 @@ def extract_shard_vllm(
         "model": json.dumps(model_description or {}, sort_keys=True),
         "fingerprint": json.dumps(wanted.to_dict(), sort_keys=True),
         "torch_version": torch.__version__,
-        "transformers_version": _transformers_version(),
+        "transformers_version": transformers_version(),
     }
     state: dict[str, Any] = {}
 
@@ -385,12 +177,12 @@ def extract_shard_vllm(
         w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
 
     t0 = time.perf_counter()
-    run: _ShardRun | None = None
+    run: ShardRequests | None = None
     try:
         with open(journal, "a") as journal_file:
             with atomic_path(st_path) as tmp, open(tmp, "wb") as fh:
                 state["fh"] = fh
-                run = _ShardRun(
+                run = ShardRequests(
                     rows,
                     shard_index=shard_index,
                     endpoints=endpoints,
@@ -446,7 +238,7 @@ def extract_shard_vllm(
             }
             nonfinite = np.zeros(len(rows), dtype=np.int64)  # refused above: a shard never holds NaN/Inf here
             model = model_description or {}
-            _write_shard_index(idx_path, rows, summary, nonfinite, hidden=facts.hidden_size, model=model, extra=extra)
+            write_shard_index(idx_path, rows, summary, nonfinite, hidden=facts.hidden_size, model=model, extra=extra)
     finally:
         # Whatever is left (retried attempts' files; all of them after a failure): never reused, a rerun asks again.
         if run is not None:
@@ -469,7 +261,7 @@ def smoke_request(
 
     row = np.asarray(list(ids), dtype=np.int32)
     rows = MergedRows(0, ["smoke"], ["smoke"], [row], [np.ones(len(row), dtype=np.int8)])
-    run = _ShardRun(
+    run = ShardRequests(
         rows,
         shard_index=0,
         endpoints=[endpoint],

@@ -15,18 +15,17 @@ import numpy as np
 import torch
 
 from ..storage import atomic_path
+from .batching import padding_of, plan_batches
 from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
 from .fingerprint import model_identity as identity_of_model
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    TENSOR_NAMES,
     StreamingSafetensorsWriter,
     dtype_name,
     shard_layout,
     shard_paths,
     tensor_key,
-    write_index,
 )
 from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_model
 from .layers import (
@@ -41,40 +40,12 @@ from .layers import (
 )
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
-from .shards import FINGERPRINT_META_KEY, ShardSummary, prepare_shard
+from .shard_index import transformers_version, write_shard_index
+from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, STATE_NAMES, LayoutTarget, SampleFilesWriter
 
 IDS_DTYPE = torch.int32
 MASK_DTYPE = torch.int8
-
-
-def plan_batches(lengths: Sequence[int], max_tokens_per_batch: int, *, sort: bool = True) -> list[list[int]]:
-    """Group row positions into batches whose padded size (rows x longest row) stays within the budget.
-
-    Sorted longest-first so similar lengths share a batch (little padding) and an out-of-memory batch, if any,
-    comes first rather than hours in. A row longer than the budget runs alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if sort else list(range(len(lengths)))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    cur_max = 0
-    for i in order:
-        new_max = max(cur_max, lengths[i])
-        if cur and new_max * (len(cur) + 1) > max_tokens_per_batch:
-            batches.append(cur)
-            cur, new_max = [], lengths[i]
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def padding_of(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(real tokens, padding tokens) of running `batches` right-padded to each batch's longest row."""
-    real = sum(lengths)
-    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches) - real
-    return real, padded
 
 
 def default_state_dtype(device: str) -> torch.dtype:
@@ -218,7 +189,7 @@ def extract_shard(
             layout_root=os.path.relpath(layout_target.root, out_dir),
             sample_files=written.sample_files,
         )
-    _write_shard_index(
+    write_shard_index(
         idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"]), extra=extra
     )
     return summary
@@ -263,7 +234,7 @@ def _safetensors_metadata(
         "model": json.dumps(_model_description(model), sort_keys=True),
         "fingerprint": json.dumps(fingerprint.to_dict(), sort_keys=True),
         "torch_version": torch.__version__,
-        "transformers_version": _transformers_version(),
+        "transformers_version": transformers_version(),
     }
 
 
@@ -418,52 +389,6 @@ def _shard_summary(
     )
 
 
-def _write_shard_index(
-    idx_path: Path,
-    rows: MergedRows,
-    summary: ShardSummary,
-    nonfinite: np.ndarray,
-    *,
-    hidden: int,
-    model: dict[str, Any],
-    extra: Mapping[str, Any] | None = None,
-) -> None:
-    """The index, written last: the shard's 'done' marker, with the file's hash and the fingerprint (and `extra`:
-    what an engine records of its own, the final-state convention, the recorded head's hash and, in a trainer
-    layout, its files)."""
-    index_meta = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "safetensors_file": Path(summary.path).name,
-        "sha256": summary.sha256,
-        "size_bytes": summary.size_bytes,
-        "shard_index": summary.shard_index,
-        "row_start": summary.row_start,
-        "row_stop": summary.row_stop,
-        "aux_layers": summary.aux_layers,
-        "hidden_size": hidden,
-        "dtype": summary.dtype,
-        "final_state_is_post_norm": summary.final_state_is_post_norm,
-        "model": model,
-        FINGERPRINT_META_KEY: summary.fingerprint,
-        "summary": summary.to_dict(),
-        **(extra or {}),
-    }
-    write_index(
-        idx_path,
-        {
-            "sample_id": rows.sample_ids,
-            "dataset": rows.datasets,
-            "row_index": [rows.row_start + i for i in range(len(rows))],
-            "n_tokens": rows.lengths,
-            "n_supervised": [int((m != 0).sum()) for m in rows.loss_mask],
-            "n_nonfinite": nonfinite.tolist(),
-            "keys": [[tensor_key(sid, k) for k in TENSOR_NAMES] for sid in rows.sample_ids],
-        },
-        index_meta,
-    )
-
-
 def _write_batch(
     writer: StreamingSafetensorsWriter | SampleFilesWriter,
     rows: MergedRows,
@@ -490,12 +415,3 @@ def _check_rows(rows: MergedRows, vocab: int) -> None:
             raise ValueError(f"{where}: zero tokens")
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"{where}: token id outside the model's vocabulary [0, {vocab})")
-
-
-def _transformers_version() -> str:
-    try:
-        import transformers
-
-        return transformers.__version__
-    except Exception:
-        return "unknown"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -32,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
+from ..storage import write_bytes_atomic
 from .fingerprint import LAYOUT_SHARDS
 from .format import (
     TENSOR_NAMES,
@@ -43,8 +42,7 @@ from .format import (
     shard_paths,
     tensor_key,
 )
-from .head import POST_NORM, PRE_NORM, load_target_head
-from .layers import aux_layer_to_vllm_id
+from .head import POST_NORM, PRE_NORM
 
 SPLITS = ("train", "eval")
 SHARDS, SPECFORGE, SPECULATORS = LAYOUT_SHARDS, "specforge", "speculators"
@@ -101,16 +99,16 @@ def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | P
         return None
     if layout not in LAYOUTS:
         raise ValueError(f"unknown hidden-states layout {layout!r}; expected one of {LAYOUTS}")
-    splits = _merged_splits(merged_dir)
+    splits = merged_splits(merged_dir)
     if layout == SPECFORGE:
-        files = {sid: f"{split}/{_safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
+        files = {sid: f"{split}/{safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
     else:
         ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
         files = {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
     return LayoutTarget(layout, Path(export_root), files)
 
 
-def _serialise(layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> bytes:
+def serialise(layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> bytes:
     """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
     trainer's convention)."""
     n_tok = int(t["input_ids"].numel())
@@ -174,9 +172,7 @@ class SampleFilesWriter:
         if rel is None:
             raise ValueError(f"sample {sid!r} has no file in the {self._target.name} layout: the merged table changed")
         hidden = int(t["final_hidden_state"].shape[-1])
-        data = _serialise(
-            self._target.name, {**t, "loss_mask": torch.from_numpy(self._masks[sid])}, self._n_aux, hidden
-        )
+        data = serialise(self._target.name, {**t, "loss_mask": torch.from_numpy(self._masks[sid])}, self._n_aux, hidden)
         path = self._target.root / rel
         write_bytes_atomic(data, path)
         self.files.append(
@@ -233,7 +229,7 @@ def open_shard(out_dir: str | Path, shard_index: int) -> Iterator[ShardReader]:
         yield ShardReader(f, meta, Path(out_dir))
 
 
-def _shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[str]]]:
+def shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[str]]]:
     out = []
     for idx_path in sorted(Path(hs_dir).glob("shard-*.index.parquet")):
         meta = read_index_meta(idx_path)
@@ -246,7 +242,7 @@ def iter_shard_samples(
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]:
     """(sample_id, the four tensors, the shard's index metadata) for every sample of every shard, one at a time;
     shards already in `skip_layout` are passed over."""
-    for shard, meta, sample_ids in _shard_indexes(hs_dir):
+    for shard, meta, sample_ids in shard_indexes(hs_dir):
         if skip_layout is not None and shard_layout(meta) == skip_layout:
             continue
         with open_shard(hs_dir, shard) as reader:
@@ -254,11 +250,11 @@ def iter_shard_samples(
                 yield sid, reader.get(sid), meta
 
 
-def _direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
+def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
     """Samples whose states extraction already wrote in `target`'s layout, checked to sit where the current merged
     table puts them."""
     found: set[str] = set()
-    for _shard, meta, _ids in _shard_indexes(hs_dir):
+    for _shard, meta, _ids in shard_indexes(hs_dir):
         if shard_layout(meta) != target.name:
             continue
         for d in meta.get("sample_files", []):
@@ -272,73 +268,7 @@ def _direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
     return found
 
 
-def write_layout(layout: str, hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path) -> tuple[int, int]:
-    """Put every merged row's states in `layout` under `out_dir`: samples extraction wrote there directly are
-    checked and left alone, every other shard's samples are converted (the final state brought to the trainer's
-    convention); files of rows no longer merged are removed. Returns (bytes written, samples written directly)."""
-    out_dir = Path(out_dir)
-    target = plan_layout_target(layout, out_dir, merged_dir)
-    assert target is not None
-    direct = _direct_samples(hs_dir, target)
-    refuse_without_room(hs_dir, out_dir, layout, skip_layout=layout)
-    for d in {(out_dir / rel).parent for rel in target.file_of.values()}:
-        d.mkdir(parents=True, exist_ok=True)
-        clean_stale_tmp(d)
-    head = None
-    found, nbytes = set(direct), 0
-    want = LAYOUT_FINAL_STATE[layout]
-    for sid, t, meta in iter_shard_samples(hs_dir, skip_layout=layout):
-        rel = target.file_of.get(sid)
-        if rel is None:
-            raise ValueError(f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table")
-        have = shard_final_state(meta)
-        if have != want and want == PRE_NORM:
-            raise ValueError(
-                f"{hs_dir}: shard {meta['shard_index']} stores the final state post-norm; {layout} applies the final "
-                "norm itself and would normalise it twice. Re-extract with final_state='pre_norm'."
-            )
-        if have != want:
-            head = head or load_target_head(hs_dir)
-            t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
-        data = _serialise(layout, t, len(meta["aux_layers"]), int(meta["hidden_size"]))
-        write_bytes_atomic(data, out_dir / rel)
-        nbytes += len(data)
-        found.add(sid)
-    _check_complete(found, target.file_of, hs_dir)
-    keep = {(out_dir / rel).resolve() for rel in target.file_of.values()}
-    pattern = f"{SPECULATORS_HS_DIR}/hs_*.safetensors" if layout == SPECULATORS else "*/*.ckpt"
-    for p in out_dir.glob(pattern):
-        if p.resolve() not in keep:
-            p.unlink()
-    return nbytes, len(direct)
-
-
-def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
-    """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
-    converting them to a trainer layout writes again."""
-    return sum(
-        int(meta["size_bytes"])
-        for _shard, meta, _ids in _shard_indexes(hs_dir)
-        if skip_layout is None or shard_layout(meta) != skip_layout
-    )
-
-
-def refuse_without_room(hs_dir: str | Path, out_dir: str | Path, what: str, *, skip_layout: str | None = None) -> None:
-    """Raise before writing a trainer layout that the disk under `out_dir` has no room for (each layout is a
-    second copy of the states: 7.94 TB at Kimi scale, docs/hidden_states.md §14)."""
-    need = states_bytes(hs_dir, skip_layout=skip_layout)
-    probe = Path(out_dir)
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if need > free:
-        raise OSError(
-            f"{what} export needs about {need:,} bytes ({need / 1e12:.3g} TB) under {out_dir}, but only {free:,} are "
-            "free. Export fewer trainer layouts (hidden_states.trainer_layouts) or free disk."
-        )
-
-
-def _merged_tables(merged_dir: str | Path, columns: list[str]) -> list[pa.Table]:
+def merged_tables(merged_dir: str | Path, columns: list[str]) -> list[pa.Table]:
     """The merged part files in global row order, as extraction reads them (`merged.merged_parts`), so the trainer
     files are planned over exactly the rows the shards hold."""
     import pyarrow.parquet as pq
@@ -348,181 +278,17 @@ def _merged_tables(merged_dir: str | Path, columns: list[str]) -> list[pa.Table]
     return [pq.read_table(p, columns=columns) for p in merged_parts(merged_dir)]
 
 
-def _split_counts(merged_dir: str | Path) -> tuple[dict[str, int], dict[str, int]]:
-    """(rows, tokens) per split of the merged table."""
-    rows, tokens = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
-    for t in _merged_tables(merged_dir, ["split", "n_tokens"]):
-        for split, n in zip(t.column("split").to_pylist(), t.column("n_tokens").to_pylist()):
-            rows[split] += 1
-            tokens[split] += int(n)
-    return rows, tokens
-
-
-def _merged_splits(merged_dir: str | Path) -> dict[str, str]:
+def merged_splits(merged_dir: str | Path) -> dict[str, str]:
     out: dict[str, str] = {}
-    for t in _merged_tables(merged_dir, ["sample_id", "split"]):
+    for t in merged_tables(merged_dir, ["sample_id", "split"]):
         out.update(zip(t.column("sample_id").to_pylist(), t.column("split").to_pylist()))
     return out
 
 
-def _safe_file_stem(sample_id: str) -> str:
+def safe_file_stem(sample_id: str) -> str:
     if not sample_id or "/" in sample_id or "\\" in sample_id or sample_id.startswith(".") or "\x00" in sample_id:
         raise ValueError(f"sample_id {sample_id!r} cannot name a file: SpecForge features are one file per sample id")
     return sample_id
-
-
-def _check_complete(found: set[str], expected: dict[str, str], hs_dir: str | Path) -> None:
-    missing = sorted(set(expected) - found)
-    if missing:
-        raise ValueError(
-            f"{len(missing)} merged rows have no hidden states under {hs_dir} (e.g. {missing[:5]}): extract every "
-            "shard before exporting"
-        )
-
-
-def export_specforge_states(
-    hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path, *, draft_vocab_pt: str | Path | None = None
-) -> StatesExportSummary:
-    """SpecForge's offline features under `{out_dir}/train/` and `{out_dir}/eval/` (see the module docstring)."""
-    out_dir = Path(out_dir)
-    nbytes, n_direct = write_layout(SPECFORGE, hs_dir, merged_dir, out_dir)
-    dirs = {s: out_dir / s for s in SPLITS}
-    rows, tokens = _split_counts(merged_dir)
-    if draft_vocab_pt is not None:
-        with atomic_path(out_dir / "draft_vocab.pt") as tmp:
-            shutil.copyfile(draft_vocab_pt, tmp)
-    summary = StatesExportSummary(
-        format="specforge_offline",
-        path=str(out_dir),
-        rows=rows,
-        tokens=tokens,
-        bytes_written=nbytes,
-        final_state=POST_NORM,
-        extra={
-            "samples_written_by_extraction": n_direct,
-            "config": {
-                "data.hidden_states_path": str(dirs["train"]),
-                "data.eval_hidden_states_path": str(dirs["eval"]) if rows["eval"] else None,
-                "model.vocab_mapping_path": str(out_dir / "draft_vocab.pt") if draft_vocab_pt is not None else None,
-            },
-            "note": "an offline config with an eval path also needs training.eval_interval",
-        },
-    )
-    write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
-    return summary
-
-
-def train_data_ratio(n_train: int, n_eval: int) -> float | None:
-    """speculators' `--train-data-ratio` that puts exactly the first n_train rows in train: int(n * r) = n_train.
-    None when there is no eval row (speculators needs a ratio strictly inside (0, 1))."""
-    n = n_train + n_eval
-    if n_eval == 0 or n_train == 0:
-        return None
-    return (n_train + 0.5) / n
-
-
-def _speculators_table(merged_dir: str | Path) -> tuple[pa.Table, int]:
-    """The merged rows as speculators' dataset columns, train rows (merged order) then eval rows; and n_train."""
-    import pyarrow.compute as pc
-
-    merged = pa.concat_tables(_merged_tables(merged_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens", "split"]))
-    parts = []
-    for split in SPLITS:
-        t = merged.filter(pc.equal(merged["split"], split))
-        parts.append(
-            pa.table(
-                {
-                    "input_ids": t["input_ids"].cast(pa.list_(pa.int64())),
-                    "loss_mask": t["loss_mask"].cast(pa.list_(pa.int64())),
-                    "seq_len": t["n_tokens"].cast(pa.int64()),
-                    "sample_id": t["sample_id"],
-                }
-            )
-        )
-    return pa.concat_tables(parts), parts[0].num_rows
-
-
-def export_speculators_states(
-    hs_dir: str | Path,
-    merged_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    draft_vocab_dir: str | Path | None = None,
-) -> StatesExportSummary:
-    """speculators' offline data directory at `out_dir` (see the module docstring)."""
-    import datasets
-
-    out_dir = Path(out_dir)
-    nbytes, n_direct = write_layout(SPECULATORS, hs_dir, merged_dir, out_dir)
-    table, n_train = _speculators_table(merged_dir)
-    n_eval = table.num_rows - n_train
-    aux_layers = next((list(meta["aux_layers"]) for _s, meta, _ids in _shard_indexes(hs_dir)), [])
-    _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
-    if draft_vocab_dir is not None:
-        for name in ("d2t.npy", "t2d.npy"):
-            with atomic_path(out_dir / name) as tmp:
-                shutil.copyfile(Path(draft_vocab_dir) / name, tmp)
-    ratio = train_data_ratio(n_train, n_eval)
-    vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
-    summary = StatesExportSummary(
-        format="speculators_offline",
-        path=str(out_dir),
-        rows={"train": n_train, "eval": n_eval},
-        tokens={"all": int(np.asarray(table.column("seq_len")).sum())},
-        bytes_written=nbytes,
-        final_state=PRE_NORM,
-        extra={
-            "samples_written_by_extraction": n_direct,
-            "train_data_ratio": ratio,
-            "aux_layers_0_based_outputs": aux_layers,
-            "aux_layer_ids_vllm": vllm_ids,
-            "args": f"--data-path {out_dir}" + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
-        },
-    )
-    write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
-    _write_speculators_readme(out_dir, summary)
-    return summary
-
-
-def _save_arrow(ds: Any, out_dir: Path) -> None:
-    """`save_to_disk` into a temporary folder, then move its files into `out_dir`, state.json last (the files a
-    reader opens first are never half written)."""
-    tmp = out_dir / ".arrow.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
-    for old in out_dir.glob("data-*.arrow"):  # shards of a larger earlier dataset
-        if not (tmp / old.name).exists():
-            old.unlink()
-    for name in sorted(os.listdir(tmp), key=lambda n: n == "state.json"):
-        os.replace(tmp / name, out_dir / name)
-    tmp.rmdir()
-
-
-def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
-    ratio = s.extra["train_data_ratio"]
-    lines = [
-        "# speculators offline data (written by eagle-pipeline)",
-        "",
-        f"Rows: {s.rows['train']} train, then {s.rows['eval']} eval (eval rows last).",
-        "",
-        "Train with:",
-        "",
-        "```",
-        f"python scripts/train.py {s.extra['args']} \\",
-        f"    --d2t-path {out_dir / 'd2t.npy'} --t2d-path {out_dir / 't2d.npy'} ...",
-        "```",
-        "",
-        f"`--train-data-ratio` = (n_train + 0.5) / n = {ratio!r}: int(n * ratio) = n_train exactly."
-        if ratio is not None
-        else "No eval rows: speculators needs --train-data-ratio strictly inside (0, 1); set merge.eval_fraction > 0.",
-        "",
-        "`hidden_states/hs_{i}.safetensors`: `hidden_states` [T, 4, H] = aux layers "
-        f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
-        f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
-        "",
-    ]
-    with atomic_path(out_dir / "README.md") as tmp:
-        tmp.write_text("\n".join(lines))
 
 
 def load_sample(

@@ -14,10 +14,7 @@ from eagle_pipeline.merge.core import (
     MergeInput,
     MergeManifest,
     MergeSettings,
-    iter_merged_shards,
     merge_datasets,
-    merged_shard_paths,
-    read_merged,
 )
 from eagle_pipeline.merge.export import (
     HF_SCHEMA,
@@ -26,6 +23,7 @@ from eagle_pipeline.merge.export import (
     export_specforge_jsonl,
     hf_manifest_path,
 )
+from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths, read_merged
 from eagle_pipeline.merge.vocab import (
     D2T_NPY,
     DRAFT_VOCAB_PT,

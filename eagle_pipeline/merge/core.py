@@ -7,7 +7,7 @@ buffers, when each output shard is assembled. Output: `part-NNNNN.parquet` shard
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -443,42 +443,3 @@ def merge_datasets(
         if p.name not in keep:
             p.unlink()
     return manifest
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reading
-
-
-def merged_shard_paths(out_dir: str | Path) -> list[Path]:
-    """Shards listed by the manifest (the committed set); all `part-*.parquet` if there is no manifest."""
-    out_dir = Path(out_dir)
-    if (out_dir / MANIFEST_NAME).exists():
-        return [out_dir / sh["path"] for sh in MergeManifest.read(out_dir).shards]
-    return sorted(out_dir.glob(SHARD_GLOB))
-
-
-def iter_merged_shards(
-    out_dir: str | Path, columns: list[str] | None = None, *, batch_rows: int | None = None
-) -> Iterator[pa.Table]:
-    """Yield the merged data shard by shard (or in batches of about `batch_rows` rows), in merged order."""
-    for path in merged_shard_paths(out_dir):
-        if batch_rows is None:
-            yield pq.read_table(path, columns=columns)
-        else:
-            pf = pq.ParquetFile(path)
-            for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
-                yield pa.Table.from_batches([batch])
-
-
-def read_merged(out_dir: str | Path, columns: list[str] | None = None, *, split: str | None = None) -> pa.Table:
-    """The whole merged table (optionally one split). Use `iter_merged_shards` when it may not fit in memory."""
-    wanted = list(columns) if columns is not None else list(MERGED_SCHEMA.names)
-    read_cols = wanted if split is None or "split" in wanted else wanted + ["split"]
-    tables = []
-    for t in iter_merged_shards(out_dir, read_cols):
-        if split is not None:
-            t = t.filter(pc.equal(t["split"], split))
-        tables.append(t.select(wanted))
-    if not tables:
-        return pa.schema([MERGED_SCHEMA.field(c) for c in wanted]).empty_table()
-    return pa.concat_tables(tables)

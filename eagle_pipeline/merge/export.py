@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle_pipeline.arrow_lists import list_parts, make_list
-from eagle_pipeline.merge.core import MERGED_SCHEMA, ROW_GROUP_ROWS, SHARD_GLOB, iter_merged_shards, shard_name
+from eagle_pipeline.merge.core import MERGED_SCHEMA, ROW_GROUP_ROWS, SHARD_GLOB, shard_name
+from eagle_pipeline.merge.reader import iter_merged_shards
 from eagle_pipeline.storage import atomic_path, clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
 
 EXPORT_BATCH_ROWS = 1024

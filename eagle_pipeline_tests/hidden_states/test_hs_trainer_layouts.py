@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
-from eagle_pipeline.hidden_states.trainer_layouts import export_specforge_states, export_speculators_states
+from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
 
 from .conftest import VOCAB, make_rows
 

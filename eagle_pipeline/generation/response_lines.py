@@ -1,0 +1,138 @@
+"""Responses from a JSONL file of chat-completion bodies (answers from earlier runs), as responses-table rows for
+reconstruction and the audit: the command line's `reconstruct` input. Every row is built by the one row builder
+(`generation.rows.response_values`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ..storage import iter_jsonl_objects
+from .backends import PromptItem, parse_chat_completion
+from .failures import RequestFailure
+from .rows import RESPONSE_COLUMNS, RowProvenance, response_values
+
+
+class ResponseLinesError(ValueError):
+    """A line of a responses file that cannot be used; the message names the file and line."""
+
+
+def read_response_lines(
+    path: Path, default_dataset: str, skip_unusable: bool
+) -> tuple[list[dict[str, Any]], list[int], int]:
+    """Parse a responses JSONL file (one chat-completion body per line, as `eagle-pipeline reconstruct` takes it) into
+    responses-table rows; returns (rows, line numbers, skipped). Raises ResponseLinesError naming the file and line."""
+
+    if not path.is_file():
+        raise ResponseLinesError(f"{path}: input file not found")
+    rows: list[dict[str, Any]] = []
+    lines: list[int] = []
+    first_line: dict[str, int] = {}
+    skipped = 0
+    for lineno, where, rec, problem in iter_jsonl_objects(path):
+        if problem or rec is None:  # rec is None exactly when the line has a problem
+            raise ResponseLinesError(f"{where}: {problem}")
+        sid = rec.get("sample_id")
+        if not isinstance(sid, str) or not sid:
+            raise ResponseLinesError(f"{where}: 'sample_id' must be a non-empty string")
+        if sid in first_line:
+            raise ResponseLinesError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
+        first_line[sid] = lineno
+        body = rec.get("response")
+        if isinstance(body, str):  # the body exactly as returned, as text
+            try:
+                body = json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise ResponseLinesError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
+        if not isinstance(body, dict):
+            raise ResponseLinesError(f"{where}: 'response' must be the chat-completion body (an object)")
+        dataset = rec.get("dataset", default_dataset)
+        if not isinstance(dataset, str) or not dataset:
+            raise ResponseLinesError(f"{where}: 'dataset' must be a non-empty string")
+        tools = rec.get("tools")
+        if not (tools is None or isinstance(tools, (bool, list))):
+            raise ResponseLinesError(f"{where}: 'tools' must be a list of tool definitions, true or false")
+        thinking = rec.get("thinking", True)
+        if not isinstance(thinking, bool):
+            raise ResponseLinesError(f"{where}: 'thinking' must be true or false")
+        messages = rec.get("messages")
+        if messages is not None and not isinstance(messages, list):
+            raise ResponseLinesError(f"{where}: 'messages' must be a list of chat messages")
+        choices = body.get("choices")
+        want_ids = (
+            bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+        )
+        try:
+            parsed = parse_chat_completion(body, 200, want_ids=want_ids)
+        except RequestFailure as exc:
+            if skip_unusable:
+                skipped += 1
+                continue
+            raise ResponseLinesError(
+                f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines"
+            ) from None
+        prompt_ids = parsed.prompt_token_ids
+        if prompt_ids is None and messages is None:
+            prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
+        item = PromptItem(
+            sid,
+            json.dumps(messages if messages is not None else [], ensure_ascii=False),
+            json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
+        )
+        prov = RowProvenance(
+            dataset=dataset,
+            source="import",
+            backend="import",
+            endpoint=str(path),
+            model=None,
+            quantization=None,
+            sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
+            thinking=thinking,
+        )
+        values = response_values(
+            prov,
+            item,
+            dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
+            latency_s=0.0,
+            attempts=0,
+            started_us=0,
+            finished_us=0,
+            raw_response_json=None,
+        )
+        row = dict(zip(RESPONSE_COLUMNS, values))
+        row["has_tools"] = bool(tools)
+        row["has_prompt"] = messages is not None or parsed.prompt_token_ids is not None
+        rows.append(row)
+        lines.append(lineno)
+    return rows, lines, skipped
+
+
+def responses_table(rows: list[dict[str, Any]]) -> Any:
+    """The responses columns reconstruction reads, as an Arrow table."""
+
+    ids = pa.list_(pa.int32())
+    schema = pa.schema(
+        [
+            ("sample_id", pa.string()),
+            ("dataset", pa.string()),
+            ("messages_json", pa.string()),
+            ("tools_json", pa.string()),
+            ("source", pa.string()),
+            ("backend", pa.string()),
+            ("provider", pa.string()),
+            ("reasoning", pa.string()),
+            ("content", pa.string()),
+            ("tool_calls_json", pa.string()),
+            ("prompt_token_ids", ids),
+            ("output_token_ids", ids),
+            ("finish_reason", pa.string()),
+            ("usage_completion_tokens", pa.int64()),
+            ("usage_prompt_tokens", pa.int64()),
+            ("thinking", pa.bool_()),
+        ]
+    )
+    return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
