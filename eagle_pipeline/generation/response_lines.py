@@ -14,7 +14,7 @@ import pyarrow as pa
 from ..storage import iter_jsonl_objects
 from .backends import PromptItem, parse_chat_completion
 from .failures import RequestFailure
-from .rows import RESPONSE_COLUMNS, RowProvenance, response_values
+from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
 
 
 class ResponseLinesError(ValueError):
@@ -111,28 +111,28 @@ def read_response_lines(
     return rows, lines, skipped
 
 
-def responses_table(rows: list[dict[str, Any]]) -> Any:
-    """The responses columns reconstruction reads, as an Arrow table."""
+# The responses columns reconstruction reads (tokens/samples.py), typed as in the responses table.
+RECONSTRUCTION_COLUMNS = (
+    "sample_id",
+    "dataset",
+    "messages_json",
+    "tools_json",
+    "source",
+    "backend",
+    "provider",
+    "reasoning",
+    "content",
+    "tool_calls_json",
+    "prompt_token_ids",
+    "output_token_ids",
+    "finish_reason",
+    "usage_completion_tokens",
+    "usage_prompt_tokens",
+    "thinking",
+)
 
-    ids = pa.list_(pa.int32())
-    schema = pa.schema(
-        [
-            ("sample_id", pa.string()),
-            ("dataset", pa.string()),
-            ("messages_json", pa.string()),
-            ("tools_json", pa.string()),
-            ("source", pa.string()),
-            ("backend", pa.string()),
-            ("provider", pa.string()),
-            ("reasoning", pa.string()),
-            ("content", pa.string()),
-            ("tool_calls_json", pa.string()),
-            ("prompt_token_ids", ids),
-            ("output_token_ids", ids),
-            ("finish_reason", pa.string()),
-            ("usage_completion_tokens", pa.int64()),
-            ("usage_prompt_tokens", pa.int64()),
-            ("thinking", pa.bool_()),
-        ]
-    )
+
+def responses_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The columns reconstruction reads of `rows`, as an Arrow table with the responses table's types."""
+    schema = pa.schema([RESPONSES_SCHEMA.field(name) for name in RECONSTRUCTION_COLUMNS])
     return pa.table({name: [r[name] for r in rows] for name in schema.names}, schema=schema)
