@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..storage import iter_jsonl_objects
+from ..tokens.samples import RECONSTRUCTION_COLUMNS
 from .backends import PromptItem, parse_chat_completion
 from .failures import RequestFailure
 from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
@@ -109,27 +110,6 @@ def read_response_lines(
         rows.append(row)
         lines.append(lineno)
     return rows, lines, skipped
-
-
-# The responses columns reconstruction reads (tokens/samples.py), typed as in the responses table.
-RECONSTRUCTION_COLUMNS = (
-    "sample_id",
-    "dataset",
-    "messages_json",
-    "tools_json",
-    "source",
-    "backend",
-    "provider",
-    "reasoning",
-    "content",
-    "tool_calls_json",
-    "prompt_token_ids",
-    "output_token_ids",
-    "finish_reason",
-    "usage_completion_tokens",
-    "usage_prompt_tokens",
-    "thinking",
-)
 
 
 def responses_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -73,6 +73,8 @@ _OPTIONAL_COLUMNS = (
     "usage_prompt_tokens",
     "thinking",
 )
+# Every responses column reconstruction reads (callers building a responses table select these).
+RECONSTRUCTION_COLUMNS = _REQUIRED_COLUMNS + _OPTIONAL_COLUMNS
 
 
 def _parse_json(text: str | None, sample_id: str, field: str) -> Any:
