@@ -11,10 +11,12 @@ import pyarrow.parquet as pq
 
 from eagle_pipeline.dashboards import histogram_markdown, text_lengths
 from eagle_pipeline.defs.partitions import dataset_partitions
+from eagle_pipeline.defs.progress import report_progress
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.generation import (
     BackendSpec,
     GenerationSummary,
+    ProgressEvent,
     SimulatedOpenRouterServer,
     committed_totals,
     generate_dataset,
@@ -131,7 +133,7 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             ),
             commit_every_rows=cfg.generation.commit_every_rows,
             commit_every_s=cfg.generation.commit_every_s,
-            progress=lambda event: context.log.info(f"{ds.name}: {event.format()}"),
+            progress=lambda event: _report(context, event),
             progress_every_s=cfg.generation.progress_every_s,
         )
     # Only the rows answering the current prompts describe this materialization; the others are counted.
@@ -159,6 +161,11 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
     return dg.MaterializeResult(metadata=metadata)
 
 
+def _report(context: dg.AssetExecutionContext, event: ProgressEvent) -> None:
+    context.log.info(event.format())
+    report_progress(context, event.figures(), event.headline())
+
+
 def generation_metadata(
     summary: GenerationSummary, table: pa.Table, errors: pa.Table, *, simulated: bool
 ) -> dict[str, Any]:
@@ -176,6 +183,7 @@ def generation_metadata(
         "already_done": summary.already_done,
         "completed_this_run": summary.completed,
         "failed_this_run": summary.failed,
+        "errors_by_class_this_run": dg.MetadataValue.json(dict(sorted(summary.errors_by_class.items()))),
         "spend_usd_total": totals["spend_usd_total"],
         "spend_usd_this_run": round(float(summary.spend_usd), 6),
         "completion_tokens_total": totals["completion_tokens_total"],

@@ -217,6 +217,8 @@ class LiveRun:
             spend_total_usd=self.ledger.dataset_total_usd,
             errors=self.c.failed,
             elapsed_s=elapsed,
+            already_done=self.plan.already_done,
+            errors_by_class=dict(self.c.errors_by_class),
         )
 
     def _emit_progress(self) -> None:

@@ -7,7 +7,7 @@ rows committed by earlier runs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -30,15 +30,50 @@ class ProgressEvent:
     spend_total_usd: float  # the dataset's recorded spend: every committed row, earlier runs included, plus this run
     errors: int  # failed requests of this run
     elapsed_s: float
+    already_done: int = 0  # prompts of this call committed by earlier runs
+    errors_by_class: dict[str, int] = field(default_factory=dict)  # failed requests of this run, by failure class
+
+    def figures(self) -> dict[str, Any]:
+        """The figures as plain values, under the keys the final responses metadata gives the same quantities
+        (`current_prompts_answered`, `spend_usd_this_run`, `spend_usd_ledger`, ...), so that a live report and the
+        materialization that ends the run read alike. `eta_s` is absent while no rate is known."""
+        figures: dict[str, Any] = {
+            "current_prompts": self.total,
+            "current_prompts_answered": self.done,
+            "current_prompts_missing": max(0, self.total - self.done),
+            "percent_done": round(100.0 * self.done / self.total, 2) if self.total else 100.0,
+            "already_done": self.already_done,
+            "completed_this_run": self.done_this_run,
+            "failed_this_run": self.errors,
+            "errors_by_class_this_run": dict(sorted(self.errors_by_class.items())),
+            "rate_per_s": round(self.rate_per_s, 3),
+            "spend_usd_this_run": round(float(self.spend_usd), 6),
+            "spend_usd_ledger": round(float(self.spend_total_usd), 6),
+            "elapsed_s": round(float(self.elapsed_s), 2),
+        }
+        if self.eta_s is not None:
+            figures["eta_s"] = round(self.eta_s, 1)
+        return figures
+
+    def headline(self) -> str:
+        """The figures in a few words, for a run tag: `B1 12/40 (30%) 2.1/s eta 14s $0.1234 run $1.2345 total 3 failed`."""
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        eta = "-" if self.eta_s is None else f"{self.eta_s:,.0f}s"
+        return (
+            f"{self.dataset} {self.done:,}/{self.total:,} ({pct:.0f}%) {self.rate_per_s:,.1f}/s eta {eta} "
+            f"${self.spend_usd:,.4f} run ${self.spend_total_usd:,.4f} total {self.errors:,} failed"
+        )
 
     def format(self) -> str:
         """One log line, each figure labelled with what it counts."""
         pct = 100.0 * self.done / self.total if self.total else 100.0
         eta = "-" if self.eta_s is None else f"{self.eta_s:,.0f}s"
+        by_class = ", ".join(f"{k} {v:,}" for k, v in sorted(self.errors_by_class.items()))
+        by_class = f" ({by_class})" if by_class else ""
         return (
             f"[{self.dataset}] {self.done:,}/{self.total:,} done ({pct:.1f}%), {self.done_this_run:,} this run "
             f"at {self.rate_per_s:,.1f}/s, eta {eta}; spend ${self.spend_usd:,.4f} this run, "
-            f"${self.spend_total_usd:,.4f} dataset total; errors {self.errors:,} this run; "
+            f"${self.spend_total_usd:,.4f} dataset total; errors {self.errors:,} this run{by_class}; "
             f"elapsed {self.elapsed_s:,.0f}s"
         )
 
