@@ -36,23 +36,23 @@ class ProgressEvent:
     def figures(self) -> dict[str, Any]:
         """The figures as plain values, under the keys the final responses metadata gives the same quantities
         (`current_prompts_answered`, `spend_usd_this_run`, `spend_usd_ledger`, ...), so that a live report and the
-        materialization that ends the run read alike. `eta_s` is absent while no rate is known."""
+        materialization that ends the run read alike. In the order the UI lists them; `eta_s` is absent while no
+        rate is known."""
         figures: dict[str, Any] = {
-            "current_prompts": self.total,
             "current_prompts_answered": self.done,
-            "current_prompts_missing": max(0, self.total - self.done),
+            "current_prompts": self.total,
             "percent_done": round(100.0 * self.done / self.total, 2) if self.total else 100.0,
-            "already_done": self.already_done,
-            "completed_this_run": self.done_this_run,
-            "failed_this_run": self.errors,
-            "errors_by_class_this_run": dict(sorted(self.errors_by_class.items())),
+            **({"eta_s": round(self.eta_s, 1)} if self.eta_s is not None else {}),
             "rate_per_s": round(self.rate_per_s, 3),
             "spend_usd_this_run": round(float(self.spend_usd), 6),
             "spend_usd_ledger": round(float(self.spend_total_usd), 6),
+            "failed_this_run": self.errors,
+            "errors_by_class_this_run": dict(sorted(self.errors_by_class.items())),
+            "completed_this_run": self.done_this_run,
+            "already_done": self.already_done,
+            "current_prompts_missing": max(0, self.total - self.done),
             "elapsed_s": round(float(self.elapsed_s), 2),
         }
-        if self.eta_s is not None:
-            figures["eta_s"] = round(self.eta_s, 1)
         return figures
 
     def headline(self) -> str:

@@ -14,6 +14,7 @@ on 2 cores instead of about 50 s with the default multiprocess executor (one Pyt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,8 @@ START_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
+CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "/usr/bin/chromium")
+SCREENSHOT_ENV = "EAGLE_SCREENSHOT_DIR"
 RUN_CONFIG: dict = {}  # dataset_job already runs in one process (its executor)
 
 
@@ -224,11 +228,9 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
-@pytest.fixture(scope="package")
-def dagster_ui(tmp_path_factory) -> DagsterUI:
-    """A running `dagster dev` with B1 (passing) and B6 (failing audit) materialised through GraphQL."""
-    tmp = tmp_path_factory.mktemp("dagster_ui")
-    config = write_ui_config(tmp)
+@contextlib.contextmanager
+def running_dagster_dev(tmp: Path, config: Path) -> Iterator[DagsterUI]:
+    """`dagster dev` as `make ui` starts it, on `config`, in a temporary $DAGSTER_HOME under `tmp`; always stopped."""
     home = tmp / "dagster_home"
     home.mkdir()
     shutil.copyfile(REPO / "dagster.yaml", home / "dagster.yaml")
@@ -258,9 +260,36 @@ def dagster_ui(tmp_path_factory) -> DagsterUI:
         )
     try:
         _wait_for_location(ui, proc)
+        yield ui
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="package")
+def dagster_ui(tmp_path_factory) -> Iterator[DagsterUI]:
+    """A running `dagster dev` with B1 (passing) and B6 (failing audit) materialised through GraphQL."""
+    tmp = tmp_path_factory.mktemp("dagster_ui")
+    with running_dagster_dev(tmp, write_ui_config(tmp)) as ui:
         # One dataset after the other, so the latest billing_agreement evaluation (shown first in the UI) is B6's.
         for partition in (PASSING, FAILING):
             ui.runs[partition] = wait_for_run(ui, launch_dataset_run(ui, partition))
         yield ui
-    finally:
-        _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, for the browser tests (skipped, with the reason, when it is absent)."""
+    for candidate in CHROMIUM_CANDIDATES:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    pytest.skip("chromium not installed (CI installs it with `apt-get install -y chromium`); UI screenshots skipped")
+
+
+@pytest.fixture(scope="session")
+def screenshot_dir(tmp_path_factory) -> Path:
+    """$EAGLE_SCREENSHOT_DIR when set (docs/img/ holds the screenshots of docs/ui.md), else a temporary directory."""
+    configured = os.environ.get(SCREENSHOT_ENV)
+    path = Path(configured) if configured else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -10,9 +10,7 @@ the ones in docs/ui.md), else to the test's temporary directory.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -27,8 +25,6 @@ from eagle_pipeline_tests.ui.conftest import FAILING, PASSING
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "/usr/bin/chromium")
-SCREENSHOT_ENV = "EAGLE_SCREENSHOT_DIR"
 WIDTH, HEIGHT = 1600, 1000
 VIRTUAL_TIME_BUDGET_MS = 15000
 CHROMIUM_TIMEOUT_S = 120
@@ -44,23 +40,6 @@ ASSETS = (
     "trainer_exports",
 )
 GROUPS = ("generation", "tokens", "merge", "hidden_states", "exports")
-
-
-@pytest.fixture(scope="session")
-def chromium() -> str:
-    for candidate in CHROMIUM_CANDIDATES:
-        found = shutil.which(candidate)
-        if found:
-            return found
-    pytest.skip("chromium not installed (CI installs it with `apt-get install -y chromium`); UI screenshots skipped")
-
-
-@pytest.fixture(scope="session")
-def screenshot_dir(tmp_path_factory) -> Path:
-    configured = os.environ.get(SCREENSHOT_ENV)
-    path = Path(configured) if configured else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="package")
