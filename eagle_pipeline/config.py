@@ -8,6 +8,8 @@ config file. API keys are never in the file: a backend names the environment var
 Every section is a typed settings class (`eagle_pipeline.spec_model`); the backends and the sampling are the very
 classes of the Python API (`BackendSpec`, `SamplingSpec`), and the audit section is the audit's own `AuditSettings`,
 so each setting has one type, one check and one default whichever way it is given.
+
+Why this module is long: it is the whole file's schema, one class per section (the tables of docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class GenerationSettings(SpecBase):
     budget_usd: Annotated[Float, Field(ge=0)] | None = None
     commit_every_rows: Annotated[Int, Field(ge=1)] = 500
     commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
-    progress_every_s: Annotated[Float, Field(ge=0)] = 5.0
+    progress_every_s: Annotated[Float, Field(ge=0)] = 30.0
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
@@ -246,6 +248,7 @@ class HiddenStatesConfig(SpecBase):
     shard_size: Annotated[Int, Field(ge=1)] = 256
     aux_layers: tuple[Int, ...] | None = None  # None (or empty): low/mid/high
     max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
+    progress_every_s: Annotated[Float, Field(ge=0)] = 30.0  # a shard's progress reports (log line + observation)
     device: Str = "auto"
     disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
     # A finished shard extracted under other settings: refuse (naming what differs) or redo (old files kept aside).

@@ -10,8 +10,8 @@ import dagster as dg
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import shard_partitions
+from eagle_pipeline.defs.progress import step_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.progress import progress_reporter
 from eagle_pipeline.storage import write_json_atomic
 
 # Scale-out: with the k8s_job_executor each shard step runs in its own pod with this GPU request (docs/scaling.md).
@@ -112,7 +112,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             shard_index=shard,
             vocab_size=vocab,
             log=context.log.info,
-            progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
+            progress=step_progress(context, f"shard {shard:05d}", "rows", h.progress_every_s),
         )
     elif h.engine == "torchrun":  # one torchrun world of tp_size processes, started by this step
         from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_from_config as extract_torchrun
@@ -143,7 +143,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
                 device=device,
                 on_mismatch=h.on_settings_change,
                 model_identity=wanted.model,
-                progress=progress_reporter(context.log.info, f"shard {shard:05d}", unit="samples"),
+                progress=step_progress(context, f"shard {shard:05d}", "rows", h.progress_every_s),
                 final_state=wanted.final_state,
                 layout_target=target,
             )

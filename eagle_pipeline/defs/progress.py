@@ -1,5 +1,5 @@
-"""Live progress in the UI: each progress report of a running step becomes an observation of its asset partition
-and the run's `eagle/progress` tag.
+"""Live progress in the UI: each progress report of a running step (generation, a hidden-state shard) becomes an
+observation of its asset partition and the run's `eagle/progress` tag.
 
 The observation carries the core's figures under the keys the step's final materialization uses for the same
 quantities: the UI's metadata table of a partition shows an observation newer than the latest materialization in
@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import dagster as dg
+
+from eagle_pipeline.progress import ProgressCallback, WorkProgress, progress_reporter
 
 PROGRESS_TAG = "eagle/progress"
 
@@ -31,3 +33,14 @@ def report_progress(context: dg.AssetExecutionContext, figures: Mapping[str, Any
         )
     )
     context.instance.add_run_tags(context.run.run_id, {PROGRESS_TAG: headline})
+
+
+def step_progress(context: dg.AssetExecutionContext, label: str, unit: str, every_s: float) -> ProgressCallback:
+    """The core's progress callback for a running step: every `every_s` (and at the end) a log line and
+    `report_progress` with the `WorkProgress` figures."""
+
+    def report(progress: WorkProgress) -> None:
+        context.log.info(progress.format())
+        report_progress(context, progress.figures(), progress.headline())
+
+    return progress_reporter(report, label, unit=unit, every_s=every_s)

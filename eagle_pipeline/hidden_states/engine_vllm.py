@@ -23,6 +23,7 @@ import torch
 
 from ..generation.client import HttpClient
 from ..generation.runner import run_coroutine
+from ..progress import ProgressCallback
 from ..storage import atomic_path
 from .extract import IDS_DTYPE, MASK_DTYPE
 from .fingerprint import ExtractionFingerprint, merged_version
@@ -75,7 +76,7 @@ def extract_shard_vllm(
     on_mismatch: str = "refuse",
     force: bool = False,
     log: Callable[[str], None] | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ShardSummary:
     """Extract shard `shard_index` through vLLM servers into `out_dir/shard-NNNNN.safetensors` + `.index.parquet`.
 

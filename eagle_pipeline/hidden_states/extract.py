@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..progress import ProgressCallback
 from ..storage import atomic_path
 from .batching import padding_of, plan_batches
 from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
@@ -110,7 +111,7 @@ def extract_shard(
     on_mismatch: str = "refuse",
     model_identity: Mapping[str, Any] | None = None,
     engine: str = ENGINE_IN_PROCESS,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressCallback | None = None,
     layout_target: LayoutTarget | None = None,
 ) -> ShardSummary:
     """Extract aux-layer and final hidden states for global rows of shard `shard_index` into
@@ -123,8 +124,8 @@ def extract_shard(
     `n_nonfinite`, `n_nonfinite_samples`), never dropped. `final_state`: 'pre_norm' (the project's canonical
     convention: the last decoder layer's output, as vLLM gives it; the target's final norm and lm_head are recorded
     beside the shards, `head.TARGET_HEAD_FILE`, so the post-norm state is always derivable) or 'post_norm' (after the
-    final RMSNorm, what the lm_head consumes). An exception from `progress(rows_done, rows_total)` aborts cleanly:
-    atomic_path removes the temporary file. `layout_target` (`trainer_layouts.plan_layout_target`): write each
+    final RMSNorm, what the lm_head consumes). An exception from `progress(rows_done, rows_total, tokens_done,
+    tokens_total)` aborts cleanly: atomic_path removes the temporary file. `layout_target` (`trainer_layouts.plan_layout_target`): write each
     sample's states straight into a trainer's layout instead of the shard file, which then keeps only ids and masks
     (no second copy of the states).
     """
@@ -297,7 +298,7 @@ def _write_states(
     dev: torch.device,
     out_dtype: torch.dtype,
     post_norm: bool,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressCallback | None,
     layout_target: LayoutTarget | None = None,
 ) -> _Written:
     """Run every batch and stream the safetensors file, a writer thread overlapping the disk with the next forward."""
@@ -311,7 +312,8 @@ def _write_states(
     nonfinite = np.zeros(len(rows), dtype=np.int64)
     t0 = time.perf_counter()
     compute_s = wait_s = 0.0
-    done_rows = 0
+    lengths = rows.lengths
+    done_rows, done_tokens, total_tokens = 0, 0, int(sum(lengths))
     try:
         with atomic_path(st_path) as tmp, open(tmp, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
             layout = _tensor_layout(rows, order, target, out_dtype)
@@ -336,8 +338,9 @@ def _write_states(
                     pending.pop(0).result()
                 wait_s += time.perf_counter() - tw
                 done_rows += len(batch)
+                done_tokens += int(sum(lengths[i] for i in batch))
                 if progress is not None:
-                    progress(done_rows, len(rows))
+                    progress(done_rows, len(rows), done_tokens, total_tokens)
             tw = time.perf_counter()
             for f in pending:
                 f.result()

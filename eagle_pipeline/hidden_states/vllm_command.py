@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..progress import ProgressCallback
 from .engine_vllm import extract_shard_vllm
 from .layers import default_aux_layers
 from .shards import ShardSummary
@@ -157,7 +158,7 @@ def extract_shard_from_config(
     shard_index: int,
     vocab_size: int,
     log: Callable[[str], None] | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[ShardSummary, str]:
     """One shard through the engine `hidden_states.engine` names (`h` is the `hidden_states` config section), for
     the Dagster asset. Returns the summary and where it ran."""

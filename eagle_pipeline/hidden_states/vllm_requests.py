@@ -17,6 +17,7 @@ from typing import Any
 from ..generation import failures as F
 from ..generation.client import HttpClient
 from ..generation.failures import RequestFailure
+from ..progress import ProgressCallback
 from .vllm_files import (
     NO_KV_TRANSFER,
     PROMPT_IDS_MISMATCH,
@@ -55,7 +56,7 @@ class ShardRequests:
         journal: Any,
         write_row: Callable[[int, Path, FileFacts], None],
         log: Callable[[str], None] | None,
-        progress: Callable[[int, int], None] | None,
+        progress: ProgressCallback | None,
     ) -> None:
         self.rows, self.shard_index = rows, shard_index
         self.endpoints = [e.rstrip("/") for e in endpoints]
@@ -96,6 +97,8 @@ class ShardRequests:
             workers = [
                 asyncio.create_task(self._worker(client, ep)) for ep in self.endpoints for _ in range(self.concurrency)
             ]
+            lengths = self.rows.lengths
+            tokens_done, tokens_total = 0, int(sum(lengths))
             try:
                 for i in range(len(self.rows)):
                     await asyncio.wait({self.ready[i], self.fatal}, return_when=asyncio.FIRST_COMPLETED)
@@ -113,8 +116,9 @@ class ShardRequests:
                     async with self._advanced:
                         self.written = i + 1
                         self._advanced.notify_all()
+                    tokens_done += lengths[i]
                     if self.progress is not None:
-                        self.progress(i + 1, len(self.rows))
+                        self.progress(i + 1, len(self.rows), tokens_done, tokens_total)
             finally:
                 for w in workers:
                     w.cancel()

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from eagle_pipeline.definitions import build_defs
+from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
 from eagle_pipeline.defs.progress import PROGRESS_TAG
 
 pytestmark = pytest.mark.slow
@@ -94,3 +95,34 @@ def test_a_resumed_run_counts_earlier_rows_and_reports_failures_by_class(pipelin
     assert {k: last[k] for k in (*SHARED_KEYS, "errors_by_class_this_run")} == {
         k: final[k] for k in (*SHARED_KEYS, "errors_by_class_this_run")
     }
+
+
+def test_a_shard_run_observes_its_partition_with_rows_and_tokens(pipeline_config, instance):
+    path = pipeline_config(datasets=("B1",), limit=6)
+    cfg = yaml.safe_load(path.read_text())
+    # One batch per row or two, and a report after each.
+    cfg["hidden_states"].update(max_tokens_per_batch=64, progress_every_s=0)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    defs = build_defs()
+    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
+    assert defs.resolve_job_def("merge_job").execute_in_process(instance=instance).success
+    shard = sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME))[0]
+    result = defs.resolve_job_def("hidden_states_job").execute_in_process(instance=instance, partition_key=shard)
+    assert result.success
+
+    records = instance.fetch_observations(dg.AssetKey("hidden_states"), limit=100, ascending=True).records
+    seen = [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in records]
+    assert all(r.asset_observation.partition == shard for r in records)
+    assert len(seen) >= 2, seen
+    for key in ("rows_done", "tokens_done"):
+        values = [o[key] for o in seen]
+        assert values == sorted(values) and len(set(values)) == len(values), (key, values)
+    final = instance.fetch_materializations(dg.AssetKey("hidden_states"), limit=1).records[0]
+    meta = {k: v.value for k, v in final.asset_materialization.metadata.items()}
+    last = seen[-1]
+    assert (last["rows_done"], last["rows_total"]) == (meta["dagster/row_count"],) * 2
+    assert (last["tokens_done"], last["tokens_total"]) == (meta["tokens"],) * 2
+    assert last["percent_done"] == 100.0 and last["tokens_per_s"] > 0
+    tag = instance.get_run_by_id(result.run_id).tags[PROGRESS_TAG]
+    rows = meta["dagster/row_count"]
+    assert tag.startswith(f"shard {int(shard):05d} {rows}/{rows} rows (100%) "), tag

@@ -76,7 +76,7 @@ def test_hash_mismatch_is_partial_and_redone(tiny_ds, merged, tmp_path):
 def test_abort_mid_shard_leaves_nothing(tiny_ds, merged, tmp_path):
     out = tmp_path / "hs"
 
-    def stop(done, total):
+    def stop(done, total, tokens_done, tokens_total):
         if done >= 1:
             raise KeyboardInterrupt
 
