@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     deadline = started + args.max_seconds
 
-    def guard(done: int, total: int) -> None:
+    def guard(done: int, total: int, tokens_done: int, tokens_total: int) -> None:
         if time.perf_counter() > deadline:
             raise Deadline(f"--max-seconds {args.max_seconds} reached at {done}/{total} rows of the current shard")
 
