@@ -37,10 +37,14 @@ def report_progress(context: dg.AssetExecutionContext, figures: Mapping[str, Any
 
 def step_progress(context: dg.AssetExecutionContext, label: str, unit: str, every_s: float) -> ProgressCallback:
     """The core's progress callback for a running step: every `every_s` (and at the end) a log line and
-    `report_progress` with the `WorkProgress` figures."""
+    `report_progress` with the `WorkProgress` figures. A report that cannot be recorded is logged, never raised: the
+    engines abort on an exception from their callback."""
 
     def report(progress: WorkProgress) -> None:
         context.log.info(progress.format())
-        report_progress(context, progress.figures(), progress.headline())
+        try:
+            report_progress(context, progress.figures(), progress.headline())
+        except Exception as exc:  # an exception here would abort the shard: a report is never worth its work
+            context.log.warning(f"{progress.label}: progress not recorded ({exc!r})")
 
     return progress_reporter(report, label, unit=unit, every_s=every_s)
