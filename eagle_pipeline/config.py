@@ -37,6 +37,7 @@ from eagle_pipeline.generation.spec import (
     SamplingSpec,
 )
 from eagle_pipeline.merge.core import MergeSettings
+from eagle_pipeline.prompt_formats import PromptFormat
 from eagle_pipeline.spec_model import (
     BASE_DIR,
     NULL_IS_DEFAULT,
@@ -128,6 +129,7 @@ class DatasetConfig(SpecBase):
     prompts: ResolvedPath
     domain: Str
     backend: Str
+    prompts_format: PromptFormat = Field("auto", alias="format")  # how `prompts` is laid out (prompt_formats)
     tools: Bool = False
     limit: Annotated[Int, Field(ge=1)] | None = None  # None: every prompt
     max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS
@@ -144,7 +146,7 @@ class DatasetConfig(SpecBase):
     @_field_validator("prompts")
     @classmethod
     def _prompts_exist(cls, value: Path) -> Path:
-        if not value.is_file():
+        if not value.exists():  # a file, or a folder (Parquet files, a save_to_disk dataset)
             raise ValueError(f"file not found: {value}")
         return value
 

@@ -1,7 +1,8 @@
-"""Prompt sets: loading JSONL prompt files and giving every prompt a stable sample id.
+"""Prompt sets: loading prompt files and giving every prompt a stable sample id.
 
-A prompt file has one JSON object per line:
+The project's prompt file has one JSON object per line:
     {"id": "b1-001", "messages": [{"role": "user", "content": "..."}], "tools": [...]}   # tools optional
+ShareGPT files, Parquet files and `datasets` save_to_disk folders are read too (`prompt_formats`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from eagle_pipeline.storage import iter_jsonl_objects
+from eagle_pipeline.prompt_formats import iter_prompt_rows
 
 VALID_ROLES = {"system", "user", "assistant", "tool"}
 
@@ -57,14 +58,25 @@ def make_sample_id(dataset: str, messages: Sequence[Mapping[str, Any]], tools: A
     return f"{dataset}-{hashlib.sha256(payload.encode()).hexdigest()[:20]}"
 
 
-def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Prompt]:
-    """Read a JSONL prompt file; raise PromptFileError naming the file and line of the first problem."""
+def load_prompt_file(path: str | Path, *, limit: int | None = None, format: str = "auto") -> list[Prompt]:
+    """Read a prompt set in `format` (`prompt_formats.PROMPT_FORMATS`); raise PromptFileError naming the file and
+    line or row of the first problem."""
     p = Path(path)
-    if not p.exists():
-        raise PromptFileError(f"{p}: prompt file not found")
+    try:
+        prompts = _load(p, limit, format)
+    except PromptFileError:
+        raise
+    except (FileNotFoundError, ValueError) as exc:  # a file or folder that cannot be read at all
+        raise PromptFileError(str(exc)) from None
+    if not prompts:
+        raise PromptFileError(f"{p}: no prompts")
+    return prompts
+
+
+def _load(p: Path, limit: int | None, fmt: str) -> list[Prompt]:
     prompts: list[Prompt] = []
-    seen: dict[str, int] = {}
-    for lineno, where, obj, problem in iter_jsonl_objects(p):
+    seen: dict[str, str] = {}
+    for where, default_id, obj, problem in iter_prompt_rows(p, fmt):
         if problem or obj is None:
             raise PromptFileError(f"{where}: {problem}")
         messages = obj.get("messages")
@@ -80,15 +92,13 @@ def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Prom
         tools = obj.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(_is_tool(t) for t in tools)):
             raise PromptFileError(f"{where}: 'tools' must be a list of OpenAI-style function definitions")
-        source_id = str(obj.get("id", f"{p.stem}:{lineno}"))
+        source_id = str(obj.get("id", default_id))
         if source_id in seen:
-            raise PromptFileError(f"{where}: duplicate id {source_id!r} (first on line {seen[source_id]})")
-        seen[source_id] = lineno
+            raise PromptFileError(f"{where}: duplicate id {source_id!r} (first {seen[source_id]})")
+        seen[source_id] = f"on line {where[len(str(p)) + 1 :]}" if where.startswith(f"{p}:") else f"at {where}"
         prompts.append(Prompt(source_id=source_id, messages=messages, tools=tools))
         if limit is not None and len(prompts) >= limit:
             break
-    if not prompts:
-        raise PromptFileError(f"{p}: no prompts")
     return prompts
 
 
@@ -115,7 +125,8 @@ def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str
 
 def dataset_prompts_table(ds: Any) -> pa.Table:
     """The prompts table of a configured dataset (`config.DatasetConfig`) under its current limit and sampling."""
-    return prompts_table(ds.name, load_prompt_file(ds.prompts, limit=ds.limit), ds.sampling.to_dict())
+    prompts = load_prompt_file(ds.prompts, limit=ds.limit, format=ds.prompts_format)
+    return prompts_table(ds.name, prompts, ds.sampling.to_dict())
 
 
 def normalized_prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:
