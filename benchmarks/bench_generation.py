@@ -82,10 +82,15 @@ def _body() -> bytes:
     return obj
 
 
+def _compact(obj: dict) -> bytes:
+    """JSON without spaces, as OpenRouter and vLLM write their bodies and stream chunks."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _sse(obj: dict) -> bytes:
     from eagle_pipeline.generation.simulated.streaming import KEEPALIVE, completion_chunks
 
-    events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in completion_chunks(obj, chunk_chars=24))
+    events = b"".join(b"data: " + _compact(c) + b"\n\n" for c in completion_chunks(obj, chunk_chars=24))
     return KEEPALIVE + events + b"data: [DONE]\n\n"
 
 
@@ -100,7 +105,7 @@ def serve(latency: float, port_file: str) -> None:
     except ImportError:
         pass
     obj = _body()
-    body = json.dumps(obj).encode()
+    body = _compact(obj)
     response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     sse = _sse(obj)
     sse_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(sse)

@@ -263,7 +263,7 @@ class _ChatBackend(HttpBackend):
         parsed = parse_chat_completion(body, status, want_ids=self.want_ids, spec=self.spec)
         parsed.stream_chunks, parsed.stream_keepalives = events.chunks, events.keepalives
         # The stored body is the assembled equivalent of the non-streaming answer.
-        return _dumps(body), parsed
+        return events.body_json(body), parsed
 
     def static_body(self) -> dict[str, Any]:
         raise NotImplementedError

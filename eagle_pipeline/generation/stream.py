@@ -59,6 +59,7 @@ class ChatStreamAssembler:
         self._finish: Any = None
         self._choice_extra: dict[str, Any] = {}  # native_finish_reason, stop_reason of the finish chunk
         self._usage: Any = None
+        self._orjson = True  # the chunks were decoded by orjson, which can write the body back (`body_json`)
 
     # ---- input ---------------------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -90,7 +91,7 @@ class ChatStreamAssembler:
         tail = events.pop()  # after the last blank line: `[DONE]` without its blank line, or a chunk cut short
         if raw.count(b"\n") == 2 * len(events):
             # Every event is one line (what OpenRouter and vLLM send): framed without a Python step per event.
-            self.keepalives = raw.startswith(b":") + raw.count(b"\n:")
+            self.keepalives = [ev[:1] for ev in events].count(b":") + (tail[:1] == b":")  # one line each
             payloads = [ev[5:] for ev in events if ev[:5] == b"data:"]
             if tail[:5] == b"data:":
                 payloads.append(tail[5:])
@@ -142,6 +143,7 @@ class ChatStreamAssembler:
         except orjson.JSONDecodeError:
             pass
         try:  # what orjson refuses and json takes (NaN, integers beyond 64 bits)
+            self._orjson = False
             return json.loads(joined)
         except ValueError:
             pass
@@ -183,6 +185,18 @@ class ChatStreamAssembler:
                 content = delta.get("content")
                 if content is not None and len(delta) == 1 and self._content is not None:
                     self._content.append(content)  # the common chunk
+                elif (  # the common reasoning chunk: `reasoning` and its one reasoning_details fragment
+                    len(delta) == 2
+                    and self._reasoning is not None
+                    and (text := delta.get("reasoning")).__class__ is str
+                    and (details := delta.get("reasoning_details")).__class__ is list
+                    and len(details) == 1
+                    and (fragment := details[0]).__class__ is dict
+                    and (entry := self._details.get(fragment.get("index"))) is not None  # type: ignore[arg-type]
+                    and (fragment_text := fragment.get("text")).__class__ is str
+                ):
+                    self._reasoning.append(text)
+                    entry[1].append(fragment_text)
                 elif isinstance(delta, dict):
                     self._delta(delta)
             ids = ch.get("token_ids")
@@ -312,6 +326,17 @@ class ChatStreamAssembler:
         if self._prompt_ids is not None:
             out["prompt_token_ids"] = self._prompt_ids
         return out
+
+    def body_json(self, body: dict[str, Any]) -> str:
+        """`body` (from `body()`) as compact JSON text: the stored `raw_response_json`.
+
+        orjson writes it ~5x faster than the standard library, the same text but for the spelling of some floats
+        (`0.00001` for `1e-05`: the same number); what only the standard library decodes (NaN, integers beyond 64
+        bits) orjson cannot write back, so such a body is written by the standard library.
+        """
+        if self._orjson:
+            return orjson.dumps(body).decode()
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
 def _mid_stream(f: RequestFailure, chunks: int) -> RequestFailure:
