@@ -2,10 +2,10 @@
 
 Formats (a dataset's `format`; `auto`, the default, decides by the path, see `detect_format`):
 - `jsonl`: the project's prompt file, one `{"id", "messages", "tools"?}` object per line (`data/prompts/README.md`).
-- `sharegpt`: rows `{"id"?, "conversations": [{"from", "value"}], "system"?, "tools"?}` in a JSON array (`.json`)
-  or one per line (`.jsonl`); `from` is `human`, `gpt`, `system` or `tool` (`user`/`assistant` are taken too).
+- `sharegpt`: rows `{"id"?, "conversations": [{"from", "value"}], "system"?, "tools"?}` in a JSON array or one
+  per line (JSONL); `from` is `human`, `gpt`, `system` or `tool` (`user`/`assistant` are taken too).
 - `parquet`: a Parquet file, or a folder of them, with a `messages` column (OpenAI-style messages, or their JSON)
-  or a `conversations` column (ShareGPT), and optional `id`, `tools` and `system` columns.
+  or a `conversations` column (ShareGPT, with an optional `system` column), and optional `id` and `tools` columns.
 - `arrow`: a `datasets` `save_to_disk` folder (`data-*.arrow` Arrow IPC streams, `state.json`, `dataset_info.json`),
   the same columns as Parquet; read with pyarrow, no `datasets` needed.
 
@@ -94,7 +94,9 @@ def _not_a_folder(p: Path, fmt: str) -> None:
 
 
 def _sharegpt_objects(p: Path) -> Iterator[Row]:
-    if p.suffix.lower() == ".jsonl":
+    with p.open(encoding="utf-8") as fh:
+        array = fh.read(4096).lstrip()[:1] == "["  # a JSON array, else one object per line, whatever the extension
+    if not array:
         for lineno, where, obj, problem in iter_jsonl_objects(p):
             yield where, f"{p.stem}:{lineno}", obj, problem
         return
@@ -102,8 +104,6 @@ def _sharegpt_objects(p: Path) -> Iterator[Row]:
         data = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(data, list):
-        raise ValueError(f"{p}: expected a JSON array of conversations, got {type(data).__name__}")
     for i, obj in enumerate(data):
         where = f"{p}, row {i}"
         if isinstance(obj, dict):
@@ -209,7 +209,7 @@ def _from_sharegpt(obj: dict[str, Any], *, table: bool = False) -> tuple[dict[st
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             return None, f"conversations[{i}] must be an object with 'from' and 'value'"
-        role = SHAREGPT_ROLES.get(turn.get("from"))  # type: ignore[arg-type]
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn.get("from"), str) else None
         if role is None:
             return None, f"conversations[{i}]: unknown role {turn.get('from')!r} (one of {', '.join(SHAREGPT_ROLES)})"
         if not isinstance(turn.get("value"), str):

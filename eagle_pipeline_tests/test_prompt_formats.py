@@ -116,6 +116,9 @@ def test_every_layout_gives_the_prompts_and_sample_ids_of_the_projects_jsonl(tmp
         assert _table(tmp_path / name).equals(expected), name
         assert _table(tmp_path / name, fmt).equals(expected), name
     assert detect_format(tmp_path / "p.jsonl") == "jsonl"
+    # an extension that says nothing: declared, and JSON array or JSONL told apart by the content
+    _jsonl(tmp_path / "sg_lines.txt", _sharegpt_rows())
+    assert _table(tmp_path / "sg_lines.txt", "sharegpt").equals(expected)
 
 
 def test_tool_calls_in_a_struct_column_keep_working(tmp_path):
@@ -171,6 +174,7 @@ def test_bad_sharegpt_rows_name_the_file_and_row(tmp_path):
     good = _sharegpt_rows()[0]
     cases = [
         ({"conversations": [{"from": "bing", "value": "hi"}]}, "conversations[0]: unknown role 'bing'"),
+        ({"conversations": [{"from": ["human"], "value": "hi"}]}, "conversations[0]: unknown role ['human']"),
         ({"conversations": [{"from": "human", "value": 3}]}, "conversations[0].value must be a string"),
         ({"conversations": []}, "'conversations' must be a non-empty list"),
         ({"conversations": ["hi"]}, "conversations[0] must be an object"),
@@ -187,8 +191,8 @@ def test_bad_sharegpt_rows_name_the_file_and_row(tmp_path):
     _raises(tmp_path / "s.jsonl", f"{tmp_path / 's.jsonl'}:2: invalid JSON")
     (tmp_path / "s.json").write_text('[{"conversations": [}')
     _raises(tmp_path / "s.json", f"{tmp_path / 's.json'}:1: invalid JSON")
-    (tmp_path / "s.json").write_text(json.dumps({"conversations": []}))
-    _raises(tmp_path / "s.json", "expected a JSON array of conversations, got dict")
+    (tmp_path / "s.json").write_text(json.dumps({"conversations": []}))  # not an array: one object per line
+    _raises(tmp_path / "s.json", f"{tmp_path / 's.json'}:1: 'conversations' must be a non-empty list")
     (tmp_path / "s.json").write_text(json.dumps([good, good]))
     _raises(tmp_path / "s.json", f"row 1: duplicate id 'a' (first at {tmp_path / 's.json'}, row 0)")
     # a project-format file declared as ShareGPT: told what is missing, not read as something else
