@@ -25,7 +25,7 @@ from eagle_pipeline.generation import (
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
 from eagle_pipeline.generation.store import part_files
-from eagle_pipeline.generation.stream import ChatStreamAssembler
+from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
@@ -365,6 +365,53 @@ def test_assembler_failures():
     with pytest.raises(RequestFailure) as e:
         a.feed(b": keep-alive\n\n")
     assert e.value.error_class == "timeout"
+
+
+def _compact(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+
+
+def test_assembler_envelope_cut_changes_nothing_apply_reads():
+    """The members every chunk repeats before `choices` are decoded once (stream._joined); whatever a chunk says
+    after them, or in place of them, still counts: first-seen top-level members, the last usage, a later error."""
+    env = {"id": "g1", "provider": "P", "model": "m", "object": "chat.completion.chunk", "created": 1}
+
+    def chunk(delta=None, finish=None, **top):
+        return _compact({**env, **top, "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]})
+
+    cuts = []
+
+    def body(*events):
+        lines = [e for ev in events for e in (ev, b"")] + [b"data: [DONE]", b""]
+        framed = _feed(lines)
+        framed._frame()
+        cuts.append(_envelope(framed._events) > 0)
+        return _feed(lines).body()
+
+    first, done = chunk({"role": "assistant", "content": ""}), chunk(finish="stop")
+    b = body(first, chunk({"content": "a"}), chunk({"content": "b"}, usage={"completion_tokens": 2}), done)
+    assert b["choices"][0]["message"]["content"] == "ab" and b["usage"] == {"completion_tokens": 2}
+    assert (b["id"], b["provider"], b["created"]) == ("g1", "P", 1)
+    # a chunk whose envelope differs (another model): not cut, and the first-seen members stay
+    other = _compact({**env, "model": "m2", "choices": [{"index": 0, "delta": {"content": "c"}}]})
+    b = body(first, chunk({"content": "a"}), other, done)
+    assert b["model"] == "m" and b["choices"][0]["message"]["content"] == "ac"
+    # a member after the envelope (an error) is kept: the stream fails as it would uncut
+    err = _compact({**env, "error": {"code": 502, "message": "upstream gone"}, "choices": []})
+    with pytest.raises(RequestFailure) as e:
+        body(first, chunk({"content": "a"}), err, done)
+    assert "upstream gone" in e.value.message and "after 3 chunks" in e.value.message
+    # usage before `choices` in every chunk: the envelope is not cut, the last usage wins
+    u = [
+        _compact({"id": "g1", "usage": {"n": i}, "choices": [{"index": 0, "delta": {"content": "x"}}]}) for i in (1, 2)
+    ]
+    b = body(first, *u, done)
+    assert b["usage"] == {"n": 2} and b["choices"][0]["message"]["content"] == "xx"
+    # a chunk that is invalid after the envelope stays invalid
+    with pytest.raises(RequestFailure) as e:
+        body(first, chunk({"content": "a"}), _compact(env)[:-1] + b',"choices":[}', done)
+    assert e.value.error_class == "malformed_body"
+    assert cuts == [True, False, True, False, True]  # the cases above did take the cut where they could
 
 
 def test_stream_setting_per_kind():
