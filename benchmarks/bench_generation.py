@@ -6,9 +6,10 @@
 
 Every scenario runs a fixed-latency loopback server in one process and the client in another, so the client's
 CPU time and peak RSS are its own. The server is a raw asyncio HTTP/1.1 server answering every request with one
-precomputed OpenRouter-format body (~2 KB of reasoning + content), cheap enough not to be the bottleneck. A request
-with `"stream":true` gets the same answer as server-sent events (~90 chunks of 24 characters, ~20 KB with the
-per-chunk envelope): the headers and a keep-alive comment at once, then the chunks in ten bursts over the second
+precomputed OpenRouter-format body (~2 KB of reasoning + content, ~4 KB of JSON), cheap enough not to be the
+bottleneck (its CPU time is printed). A request with `"stream":true` gets the same answer as server-sent events
+(93 chunks of 24 characters, ~31 KB with the per-chunk envelope; compact JSON, as OpenRouter and vLLM write it):
+the headers and a keep-alive comment at once, then the chunks in ten bursts over the second
 half of the latency, so the client reads and parses them as they arrive.
 
 Clients:

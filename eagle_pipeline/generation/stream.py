@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -89,7 +90,7 @@ class ChatStreamAssembler:
             raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events = raw.split(b"\n\n")
         tail = events.pop()  # after the last blank line: `[DONE]` without its blank line, or a chunk cut short
-        if raw.count(b"\n") == 2 * len(events):
+        if b"\n" not in b"".join(events) and b"\n" not in tail:  # memchr: ~5x faster than counting newlines
             # Every event is one line (what OpenRouter and vLLM send): framed without a Python step per event.
             self.keepalives = [ev[:1] for ev in events].count(b":") + (tail[:1] == b":")  # one line each
             payloads = [ev[5:] for ev in events if ev[:5] == b"data:"]
@@ -367,8 +368,7 @@ def _envelope(events: list[bytes]) -> int:
             return 0
     except orjson.JSONDecodeError:
         return 0
-    repeat = envelope + b'"'
-    return cut if all(e.startswith(repeat) for e in events[1:]) else 0
+    return cut if all(map(bytes.startswith, events[1:], repeat(envelope + b'"'))) else 0
 
 
 def _mid_stream(f: RequestFailure, chunks: int) -> RequestFailure:
