@@ -135,6 +135,8 @@ class DatasetConfig(SpecBase):
     max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS
     sampling_options: SamplingOptions = Field(default_factory=SamplingOptions, alias="sampling")
     budget_usd: Annotated[Float, Field(ge=0)] | None = None
+    # last_turn: one new answer after the prompt's history; all_turns: every assistant turn regenerated on-policy
+    regenerate: Literal["last_turn", "all_turns"] = "last_turn"
 
     @_field_validator("name")
     @classmethod
@@ -180,6 +182,7 @@ class MergeConfig(SpecBase):
     dedup: Bool = _MERGE_DEFAULTS.dedup
     eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = _MERGE_DEFAULTS.eval_fraction
     rows_per_shard: Annotated[Int, Field(ge=1)] = _MERGE_DEFAULTS.rows_per_shard
+    loss_on: Literal["last_turn", "all_turns"] = "last_turn"
     draft_vocab_size: Annotated[Int, Field(ge=1)] = 32_000
 
     def settings(self) -> MergeSettings:
@@ -191,6 +194,7 @@ class MergeConfig(SpecBase):
             dedup=self.dedup,
             eval_fraction=self.eval_fraction,
             rows_per_shard=self.rows_per_shard,
+            loss_on=self.loss_on,
         )
 
 
@@ -360,6 +364,11 @@ class PipelineConfig(SpecBase):
                 problems.append(
                     (("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}")
                 )
+            elif _get(d, "regenerate") == "all_turns" and isinstance(backends, Mapping):
+                kind = _get(backends.get(backend), "kind")
+                if kind in (BackendKind.IMPORT, BackendKind.SGLANG):
+                    msg = f"'all_turns' needs a chat backend (openrouter, vllm, simulated); {backend!r} is {kind}"
+                    problems.append((("datasets", i, "regenerate"), msg))
         merge = data.get("merge")
         for key in ("weights", "caps"):
             table = _get(merge, key)

@@ -111,8 +111,16 @@ def _is_tool(t: Any) -> bool:
     )
 
 
-def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str, Any]) -> pa.Table:
-    """The prompts asset's table: one row per prompt with its stable sample id."""
+def prompts_table(
+    dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str, Any], regenerate: str = "last_turn"
+) -> pa.Table:
+    """The prompts asset's table: one row per prompt with its stable sample id.
+
+    Under `regenerate='all_turns'` a prompt is a whole conversation to regenerate, another sample than its last
+    turn alone: the mode is hashed into its id (which the turns' ids derive from); `last_turn` ids are unchanged.
+    """
+    if regenerate != "last_turn":
+        sampling = {**sampling, "regenerate": regenerate}
     rows: dict[str, list[Any]] = {name: [] for name in PROMPTS_SCHEMA.names}
     for pr in prompts:
         rows["sample_id"].append(make_sample_id(dataset, pr.messages, pr.tools, sampling))
@@ -126,7 +134,7 @@ def prompts_table(dataset: str, prompts: Sequence[Prompt], sampling: Mapping[str
 def dataset_prompts_table(ds: Any) -> pa.Table:
     """The prompts table of a configured dataset (`config.DatasetConfig`) under its current limit and sampling."""
     prompts = load_prompt_file(ds.prompts, limit=ds.limit, format=ds.prompts_format)
-    return prompts_table(ds.name, prompts, ds.sampling.to_dict())
+    return prompts_table(ds.name, prompts, ds.sampling.to_dict(), ds.regenerate)
 
 
 def normalized_prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -135,6 +135,7 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             commit_every_s=cfg.generation.commit_every_s,
             progress=lambda event: _report(context, event),
             progress_every_s=cfg.generation.progress_every_s,
+            regenerate=ds.regenerate,
         )
     # Only the rows answering the current prompts describe this materialization; the others are counted.
     table, cov = current_responses(

@@ -22,11 +22,14 @@ RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"]
 
 
 class PromptItem(NamedTuple):
-    """One prompt to request: the prompts table's columns the backends need."""
+    """One request: the prompts table's columns the backends need; a turn of a regenerated conversation
+    (`regenerate: all_turns`, generation/turns.py) also names its conversation and its index there."""
 
     sample_id: str
     messages_json: str
     tools_json: str | None
+    conversation_id: str | None = None
+    turn_index: int | None = None
 
 
 @dataclass

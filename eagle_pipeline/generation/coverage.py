@@ -75,14 +75,20 @@ def dataset_coverage(dataset: str, prompt_ids: Iterable[str], responses_dir: str
     return coverage_of(dataset, prompt_ids, committed)
 
 
+def _prompt_of_row(table: pa.Table) -> pa.ChunkedArray:
+    """The prompt each row answers: its sample id, or the conversation's for a turn of a regenerated conversation."""
+    if "conversation_id" not in table.column_names:
+        return table.column("sample_id")
+    return pc.coalesce(table.column("conversation_id"), table.column("sample_id"))
+
+
 def current_responses(dataset: str, responses: pa.Table, prompt_ids: Iterable[str]) -> tuple[pa.Table, Coverage]:
-    """The rows of `responses` that answer one of `prompt_ids` (commit order kept), and the coverage."""
+    """The rows of `responses` that answer one of `prompt_ids` (every turn of a current conversation; commit order
+    kept), and the coverage."""
     current = pa.array(sorted(set(prompt_ids)), pa.string())
-    keep = pc.is_in(responses.column("sample_id"), value_set=current)
+    keep = pc.is_in(_prompt_of_row(responses), value_set=current)
     selected = responses.filter(keep)
-    cov = coverage_of(
-        dataset, current.to_pylist(), responses.column("sample_id").to_pylist() if responses.num_rows else []
-    )
+    cov = coverage_of(dataset, current.to_pylist(), store.answered_ids(responses) if responses.num_rows else [])
     return selected, cov
 
 
@@ -101,8 +107,9 @@ def resume_reason(
     tokens = Path(tokens_path)
     if not tokens.exists():
         return f"{cov.describe()}; never reconstructed and audited"
-    token_ids = set(pq.read_table(tokens, columns=["sample_id"]).column("sample_id").to_pylist())
-    if token_ids != ids:
+    names = set(pq.read_schema(tokens).names)
+    token_rows = pq.read_table(tokens, columns=[c for c in ("sample_id", "conversation_id") if c in names])
+    if set(_prompt_of_row(token_rows).to_pylist()) != ids:
         return f"{cov.describe()}; the token samples on disk are not those of the current prompts"
     return None
 
@@ -113,8 +120,11 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     provider split."""
     ids = prompt_sample_ids(root.prompts(dataset))
     parts = store.part_files(root.responses_dir(dataset))
+    cols = ["sample_id", "provider", "conversation_id", "conversation_end"]
     table = (
-        pa.concat_tables([pq.read_table(p, columns=["sample_id", "provider"]) for p in parts])
+        pa.concat_tables(
+            [store.read_shard_columns(p, cols) for p in parts], promote_options="default"
+        )
         if parts
         else pa.table({"sample_id": pa.array([], pa.string()), "provider": pa.array([], pa.string())})
     )

@@ -24,6 +24,7 @@ from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, res
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
+from eagle_pipeline.generation.turns import after_answer
 from eagle_pipeline.prompts import canonical_json
 
 log = logging.getLogger("eagle_pipeline.generation")
@@ -232,8 +233,7 @@ class LiveRun:
 
     async def _worker(self) -> None:
         while self.stop_reason is None:
-            if self.ledger.reached(self.inflight):
-                self.stop(F.STOP_BUDGET)
+            if self._budget_reached(self.inflight):
                 return
             if self.rpm is not None:
                 await self.rpm.acquire()
@@ -242,21 +242,44 @@ class LiveRun:
             item = next(self._pending_iter, None)
             if item is None:
                 return
-            self.c.requested += 1
             self.inflight += 1
             try:
                 await self._process(item)
             finally:
                 self.inflight -= 1
-                self.backend.forget(item)
 
-    async def _process(self, item: PromptItem) -> None:
+    async def _process(self, first: PromptItem) -> None:
+        """Request one prompt; a turn of a regenerated conversation is followed by the conversation's next turns,
+        in order, until it ends, a turn fails for good, or the run stops (a rerun resumes at the first missing turn)."""
+        item: PromptItem | None = first
+        while item is not None:
+            if item is not first:
+                if self.stop_reason is not None or self._budget_reached(self.inflight - 1):
+                    return
+                if self.rpm is not None:
+                    await self.rpm.acquire()
+            self.c.requested += 1
+            current = item
+            try:
+                item = await self._request(current)
+            finally:
+                self.backend.forget(current)
+
+    def _budget_reached(self, inflight: int) -> bool:
+        if self.ledger.reached(inflight):
+            self.stop(F.STOP_BUDGET)
+            return True
+        return False
+
+    async def _request(self, item: PromptItem) -> PromptItem | None:
+        """One request with its retries: a responses row or an errors row; returns the conversation's next turn."""
         started_us = now_us()
         attempt = 0
         last: RequestFailure | None = None
         while True:
             if not await self._wait_for_pause():
-                return await self._fail(item, attempt, last, cancelled=True)
+                await self._fail(item, attempt, last, cancelled=True)
+                return None
             attempt += 1
             t_attempt = time.perf_counter()
             try:
@@ -265,25 +288,33 @@ class LiveRun:
                 last = f
                 if f.stop_reason:
                     self.stop(f.stop_reason, self.redact(f.message) or "")
-                    return await self._fail(item, attempt, f)
+                    await self._fail(item, attempt, f)
+                    return None
                 if not f.retryable or attempt > self.spec.max_retries:
-                    return await self._fail(item, attempt, f)
+                    await self._fail(item, attempt, f)
+                    return None
                 if self.stop_reason is not None:
-                    return await self._fail(item, attempt, f, cancelled=True)
+                    await self._fail(item, attempt, f, cancelled=True)
+                    return None
                 if f.error_class == F.RATE_LIMIT and f.retry_after_s:
                     self._pause_all(f.retry_after_s)
                 if not await self._sleep_or_stop(self._backoff(attempt, f)):
-                    return await self._fail(item, attempt, f, cancelled=True)
+                    await self._fail(item, attempt, f, cancelled=True)
+                    return None
                 if self.rpm is not None:
                     await self.rpm.acquire()
                 continue
             latency = time.perf_counter() - t_attempt
-            await self._succeed(item, parsed, text, attempt, started_us, latency)
-            return
+            return await self._succeed(item, parsed, text, attempt, started_us, latency)
 
     async def _succeed(
         self, item: PromptItem, p: ParsedResponse, text: str, attempts: int, started_us: int, latency: float
-    ) -> None:
+    ) -> PromptItem | None:
+        end = nxt = None
+        if item.conversation_id is not None:
+            # Decided before the row is built: the conversation's last turn records why it ended.
+            src = self.plan.conversations[item.conversation_id]
+            end, nxt = after_answer(src, item, p.reasoning, p.content, p.tool_calls_json, p.finish_reason)
         self.consecutive_failures = 0
         self.c.completed += 1
         self.ledger.record(p.cost_usd)
@@ -299,10 +330,12 @@ class LiveRun:
             finished_us=now_us(),
             # A body that echoes the key (a misbehaving proxy) must not carry it into the dataset.
             raw_response_json=self.redact(text),
+            conversation_end=end,
         )
         self.sink.responses.append_values(values)
         if len(self.sink.responses) >= self.commit_every_rows:
             await self.sink.commit()
+        return nxt
 
     async def _fail(
         self, item: PromptItem, attempts: int, f: RequestFailure | None, *, cancelled: bool = False

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
 from eagle_pipeline.generation.backends import PromptItem
+from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, SourceConversation, resume_turn, split_conversation
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,8 @@ class RequestPlan:
     total: int  # distinct sample ids considered
     already_done: int  # committed by earlier runs
     duplicates: int  # prompt rows sharing a sample id with an earlier row (requested once)
+    # regenerate: all_turns: each item is a conversation's first turn still to request; its conversation by id
+    conversations: dict[str, SourceConversation] = field(default_factory=dict)
 
 
 def _column(prompts: pa.Table, name: str) -> Sequence[str | None]:
@@ -38,9 +42,21 @@ def prompt_items(prompts: pa.Table, limit: int | None = None) -> tuple[list[Prom
     return items, source_ids
 
 
-def plan_requests(prompts: pa.Table, done: set[str], limit: int | None = None) -> RequestPlan:
-    """The prompts still to request: each sample id once, none already committed (`done`)."""
+def plan_requests(
+    prompts: pa.Table,
+    done: set[str],
+    limit: int | None = None,
+    *,
+    regenerate: str = LAST_TURN,
+    open_conversations: dict[str, tuple[int, dict[str, Any]]] | None = None,
+) -> RequestPlan:
+    """The prompts still to request: each sample id once, none already committed (`done`).
+
+    With `regenerate='all_turns'` a prompt is a conversation: its item is the first turn not yet committed (turn 0,
+    or the one after the last committed turn in `open_conversations`, `store.open_conversations`).
+    """
     items: list[PromptItem] = []
+    conversations: dict[str, SourceConversation] = {}
     seen: set[str] = set()
     already = dups = 0
     for item in prompt_items(prompts, limit)[0]:
@@ -51,5 +67,13 @@ def plan_requests(prompts: pa.Table, done: set[str], limit: int | None = None) -
         if item.sample_id in done:
             already += 1
             continue
+        if regenerate == ALL_TURNS:
+            src = split_conversation(item.sample_id, item.messages_json, item.tools_json)
+            first = resume_turn(src, (open_conversations or {}).get(item.sample_id))
+            if first is None:
+                already += 1
+                continue
+            conversations[src.conversation_id] = src
+            item = first
         items.append(item)
-    return RequestPlan(items=items, total=len(seen), already_done=already, duplicates=dups)
+    return RequestPlan(items=items, total=len(seen), already_done=already, duplicates=dups, conversations=conversations)

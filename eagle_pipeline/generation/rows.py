@@ -53,6 +53,10 @@ RESPONSES_SCHEMA = pa.schema(
         ("raw_response_json", pa.string()),
         ("stream_chunks", pa.int32()),
         ("stream_keepalives", pa.int32()),
+        # Regenerated conversations (`regenerate: all_turns`); null for a `last_turn` row and in older shards.
+        ("conversation_id", pa.string()),
+        ("turn_index", pa.int32()),
+        ("conversation_end", pa.string()),
     ]
 )
 
@@ -107,8 +111,12 @@ def response_values(
     started_us: int,
     finished_us: int,
     raw_response_json: str | None,
+    conversation_end: str | None = None,
 ) -> tuple[Any, ...]:
     """The one `ParsedResponse -> responses row` builder: the row's values in RESPONSES_SCHEMA order.
+
+    A turn of a regenerated conversation carries its conversation and turn index (from `item`) and, on the
+    conversation's last generated turn, why it ended (`conversation_end`, generation/turns.py).
 
     A tuple rather than a dict: the live runner builds thousands per second (`ColumnBuffer.append_values`); callers
     that want a mapping use `dict(zip(RESPONSE_COLUMNS, values))`.
@@ -145,6 +153,9 @@ def response_values(
         raw_response_json,
         p.stream_chunks,
         p.stream_keepalives,
+        item.conversation_id,
+        item.turn_index,
+        conversation_end,
     )
 
 

@@ -36,6 +36,7 @@ from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
+from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, REGENERATE_MODES
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -172,8 +173,10 @@ async def agenerate_dataset(
     progress: Callable[[ProgressEvent], None] | None = None,
     progress_every_s: float = 5.0,
     limit: int | None = None,
+    regenerate: str = LAST_TURN,
 ) -> GenerationSummary:
     """The async form of `generate_dataset` (same arguments), for callers that already run an event loop."""
+    _check_regenerate(regenerate, backend)
     t_start = time.monotonic()
     out_dir, errors_dir = Path(out_dir), Path(errors_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +187,13 @@ async def agenerate_dataset(
         storage.clean_stale_tmp(errors_dir)
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
         done, committed_usd = store.committed_sample_ids(out_dir)
-        plan = plan_requests(prompts, done, limit)
+        plan = plan_requests(
+            prompts,
+            done,
+            limit,
+            regenerate=regenerate,
+            open_conversations=store.open_conversations(out_dir) if regenerate == ALL_TURNS else None,
+        )
         sink = ShardSink(out_dir, errors_dir)
         if not backend.kind.is_http:
             summary = await _import(
@@ -219,6 +228,14 @@ async def agenerate_dataset(
         return summary
 
 
+def _check_regenerate(regenerate: str, backend: BackendSpec) -> None:
+    if regenerate not in REGENERATE_MODES:
+        raise ValueError(f"regenerate must be one of {list(REGENERATE_MODES)}, got {regenerate!r}")
+    if regenerate == ALL_TURNS and backend.kind in ("import", "sglang"):
+        # import makes no requests; SGLang's /generate returns raw text, no parsed tool calls to continue from.
+        raise ValueError(f"backend {backend.name!r}: regenerate 'all_turns' is not available for kind {backend.kind!r}")
+
+
 def generate_dataset(
     *,
     dataset: str,
@@ -235,12 +252,16 @@ def generate_dataset(
     progress: Callable[[ProgressEvent], None] | None = None,
     progress_every_s: float = 5.0,
     limit: int | None = None,
+    regenerate: str = LAST_TURN,
 ) -> GenerationSummary:
     """Generate (or import) responses for every prompt of `prompts` not yet committed under `out_dir`.
 
     Exactly-once: rows are committed in atomically renamed shards and a rerun requests only the sample ids missing
     from them (a rerun after success makes no request). Failed requests go to `errors_dir`; a stop for auth, credits,
     budget or the circuit breaker commits everything done and is reported in `stopped_reason`.
+
+    `regenerate='all_turns'` regenerates every assistant turn of each prompt's conversation against the target's own
+    earlier turns, one row per turn, exactly once per turn (generation/turns.py, docs/generation.md).
     """
     return run_coroutine(
         lambda: agenerate_dataset(
@@ -258,5 +279,6 @@ def generate_dataset(
             progress=progress,
             progress_every_s=progress_every_s,
             limit=limit,
+            regenerate=regenerate,
         )
     )

@@ -44,24 +44,81 @@ def part_path(directory: str | os.PathLike, index: int) -> Path:
     return Path(directory) / f"part-{index:05d}.parquet"
 
 
+_CONVERSATION_COLUMNS = ("conversation_id", "conversation_end")
+
+
+def read_shard_columns(p: Path, columns: list[str]) -> pa.Table:
+    """Columns of a committed shard; optional columns an older shard lacks are left out."""
+    try:
+        names = set(pq.read_schema(p).names)
+        return pq.read_table(p, columns=[c for c in columns if c in names])
+    except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
+        raise RuntimeError(f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows") from exc
+
+
+def answered_ids(table: pa.Table) -> set[str]:
+    """The prompts a responses table answers: each row's sample id, except that the turns of a regenerated
+    conversation answer their conversation's id, once the conversation's last turn is there (`conversation_end`)."""
+    sids = table.column("sample_id").to_pylist()
+    if "conversation_id" not in table.column_names:
+        return set(sids)
+    conv = table.column("conversation_id").to_pylist()
+    ends = (
+        table.column("conversation_end").to_pylist()
+        if "conversation_end" in table.column_names
+        else [None] * table.num_rows
+    )
+    ended = {c for c, e in zip(conv, ends) if c is not None and e is not None}
+    return {s for s, c in zip(sids, conv) if c is None} | ended
+
+
 def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
-    """Sample ids already committed, and the dataset's committed spend (for its budgets across resumes).
+    """The prompts answered by committed rows (`answered_ids`), and the dataset's committed spend (for its budgets
+    across resumes).
 
     The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived.
     """
     done: set[str] = set()
     spend = 0.0
     for p in part_files(out_dir):
-        try:
-            t = pq.read_table(p, columns=["sample_id", "cost_usd"])
-        except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
-            raise RuntimeError(
-                f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows"
-            ) from exc
-        done.update(t.column("sample_id").to_pylist())
+        t = read_shard_columns(p, ["sample_id", "cost_usd", *_CONVERSATION_COLUMNS])
+        done |= answered_ids(t)
         s = pc.sum(t.column("cost_usd")).as_py()
         spend += float(s or 0.0)
     return done, spend + retired_spend(out_dir)
+
+
+def open_conversations(out_dir: str | os.PathLike) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Regenerated conversations with committed turns but no committed last turn: conversation id -> (index of its
+    last committed turn, that row's messages and answer), what a resumed run continues from."""
+    cols = ["conversation_id", "turn_index", "conversation_end"]
+    wide = ["messages_json", "reasoning", "content", "tool_calls_json", "finish_reason"]
+    turns: dict[str, dict[int, tuple[Path, int]]] = {}
+    ended: set[str] = set()
+    for p in part_files(out_dir):
+        t = read_shard_columns(p, cols)
+        if "conversation_id" not in t.column_names:
+            continue
+        for i, (c, k, e) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
+            if c is None:
+                continue
+            turns.setdefault(c, {})[int(k)] = (p, i)
+            if e is not None:
+                ended.add(c)
+    out: dict[str, tuple[int, dict[str, Any]]] = {}
+    for c, by_turn in turns.items():
+        if c in ended:
+            continue
+        last = max(by_turn)
+        if sorted(by_turn) != list(range(last + 1)):
+            missing = sorted(set(range(last + 1)) - set(by_turn))
+            raise RuntimeError(
+                f"{out_dir}: conversation {c} has committed turns {sorted(by_turn)} but not {missing} (retired?); "
+                "its later turns answer a history that no longer exists: retire the whole conversation"
+            )
+        path, row = by_turn[last]
+        out[c] = (last, pq.read_table(path, columns=wide).slice(row, 1).to_pylist()[0])
+    return out
 
 
 def retirement_archives(out_dir: str | os.PathLike) -> list[Path]:

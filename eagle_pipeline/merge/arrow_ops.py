@@ -41,6 +41,16 @@ def concat_prompt_output(
     return make_list(n_tokens, ids, pa.int32()), make_list(n_tokens, mask, pa.int8()), plen, n_tokens
 
 
+def supervised_per_row(loss_mask: pa.Array | pa.ChunkedArray, n_tokens: np.ndarray) -> np.ndarray:
+    """Supervised tokens of each row: the 1s of its loss mask (int64 per row, `n_tokens` its row lengths)."""
+    _, values = list_parts(loss_mask, pa.int8())
+    if not len(values):
+        return np.zeros(len(n_tokens), dtype=np.int64)
+    starts = np.minimum(np.concatenate([[0], np.cumsum(n_tokens)[:-1]]), len(values) - 1).astype(np.int64)
+    sums = np.add.reduceat(values.astype(np.int64), starts)
+    return np.where(n_tokens > 0, sums, 0).astype(np.int64)
+
+
 def row_of_position(lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Row index of each flat value position, given row lengths."""
     ends = np.cumsum(lengths)

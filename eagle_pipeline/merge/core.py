@@ -2,6 +2,10 @@
 
 Selection runs on per-row metadata only (sample ids, prompt keys); token lists are touched once, as Arrow
 buffers, when each output shard is assembled. Output: `part-NNNNN.parquet` shards + `manifest.json`.
+
+Why this module is long: selection (audit, duplicate ids, dedup, weights, caps, splits) and assembly share the row
+bookkeeping of one merge (indices, splits, spans of folded turns) that the manifest reports; splitting them would pass
+that state across modules.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.merge.arrow_ops import concat_prompt_output, hash_u64, unit_interval
+from eagle_pipeline.merge.arrow_ops import concat_prompt_output, hash_u64, supervised_per_row, unit_interval
+from eagle_pipeline.merge.turns import LOSS_ON_MODES, apply_spans, fold_turns
 from eagle_pipeline.storage import clean_stale_tmp, file_sha256, read_json, write_json_atomic, write_parquet_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -55,7 +60,10 @@ PASSTHROUGH_COLUMNS = {
     "literal_special": pa.bool_(),
     "prompt_key": pa.string(),
 }
-EXCLUSION_REASONS = ("audit", "duplicate_sample_id", "dedup", "weight", "cap")
+# "folded": a conversation's turn supervised inside its next turn's row (`loss_on: all_turns`, merge/turns.py).
+EXCLUSION_REASONS = ("audit", "duplicate_sample_id", "dedup", "weight", "cap", "folded")
+# The turns of a regenerated conversation: read to keep a conversation in one split and to fold its turns.
+CONVERSATION_COLUMNS = {"conversation_id": pa.string(), "turn_index": pa.int32()}
 
 
 def shard_name(index: int) -> str:
@@ -73,6 +81,7 @@ class MergeSettings:
     dedup: bool = True
     eval_fraction: float = 0.0
     rows_per_shard: int = 10_000
+    loss_on: str = "last_turn"  # or "all_turns": fold a conversation's verbatim turns into its later rows
 
     def validate(self, datasets: list[str]) -> None:
         problems = []
@@ -92,6 +101,8 @@ class MergeSettings:
             problems.append(f"eval_fraction = {self.eval_fraction}: must be in [0, 1)")
         if self.rows_per_shard < 1:
             problems.append(f"rows_per_shard = {self.rows_per_shard}: must be >= 1")
+        if self.loss_on not in LOSS_ON_MODES:
+            problems.append(f"loss_on = {self.loss_on!r}: must be one of {list(LOSS_ON_MODES)}")
         if problems:
             raise ValueError("invalid merge settings: " + "; ".join(problems))
 
@@ -162,6 +173,7 @@ class _Selected:
     rows: np.ndarray
     sample_ids: np.ndarray  # object array, aligned with rows
     split: np.ndarray  # bool: True = eval
+    groups: np.ndarray  # object array: the conversation of each row (its sample id when it is none)
 
 
 def _read_meta(inp: MergeInput, dedup: bool) -> tuple[pa.Table, int]:
@@ -172,7 +184,7 @@ def _read_meta(inp: MergeInput, dedup: bool) -> tuple[pa.Table, int]:
         missing.append("prompt_key (needed for dedup)")
     if missing:
         raise ValueError(f"{inp.tokens_path}: missing columns {missing}")
-    cols = ["sample_id"] + [c for c in ("dataset", "prompt_key") if c in names]
+    cols = ["sample_id"] + [c for c in ("dataset", "prompt_key", "conversation_id") if c in names]
     return pf.read(columns=cols), pf.metadata.num_rows
 
 
@@ -182,7 +194,7 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
     input_rows: dict[str, int] = {}
 
     # 1. Audit keep-mask, then the deterministic base order: dataset order given, then sample_id.
-    g_ds, g_row, g_sid, g_key = [], [], [], []
+    g_ds, g_row, g_sid, g_key, g_grp = [], [], [], [], []
     for d, inp in enumerate(inputs):
         meta, n = _read_meta(inp, settings.dedup)
         input_rows[inp.dataset] = n
@@ -207,6 +219,12 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         g_ds.append(np.full(len(rows), d, dtype=np.int32))
         g_row.append(rows)
         g_sid.append(np.asarray(sids.take(pa.array(order)).to_numpy(zero_copy_only=False), dtype=object))
+        group = pc.coalesce(meta["conversation_id"], meta["sample_id"]) if "conversation_id" in meta.column_names else None
+        g_grp.append(
+            g_sid[-1]
+            if group is None
+            else np.asarray(group.take(pa.array(rows)).to_numpy(zero_copy_only=False), dtype=object)
+        )
         if "prompt_key" in meta.column_names:
             g_key.append(
                 np.asarray(meta["prompt_key"].take(pa.array(rows)).to_numpy(zero_copy_only=False), dtype=object)
@@ -217,6 +235,7 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
     row_idx = np.concatenate(g_row) if g_row else np.zeros(0, np.int64)
     sid = np.concatenate(g_sid) if g_sid else np.zeros(0, object)
     pkey = np.concatenate(g_key) if g_key else np.zeros(0, object)
+    grp = np.concatenate(g_grp) if g_grp else np.zeros(0, object)
     alive = np.ones(len(sid), dtype=bool)
 
     # 2. A sample id may appear once: later copies are dropped whatever `dedup` says, so merged ids are unique.
@@ -261,8 +280,9 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
             h = hash_u64(list(sid[members]), f"select:{settings.seed}:{ds}")
             members = np.sort(members[np.lexsort((sid[members].astype(str), h))[:n_keep]])
         ids = sid[members]
-        is_eval = unit_interval(hash_u64(list(ids), f"eval:{settings.seed}")) < settings.eval_fraction
-        selected.append(_Selected(rows=row_idx[members], sample_ids=ids, split=is_eval))
+        # Keyed by conversation (a row's own sample id when it is none): a conversation's turns share one split.
+        is_eval = unit_interval(hash_u64(list(grp[members]), f"eval:{settings.seed}")) < settings.eval_fraction
+        selected.append(_Selected(rows=row_idx[members], sample_ids=ids, split=is_eval, groups=grp[members]))
     return selected, excluded, dedup_winners, input_rows
 
 
@@ -307,7 +327,8 @@ def _row_provenance(row: int, c: Mapping[str, Any]) -> str:
 def _read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
     pf = pq.ParquetFile(inp.tokens_path)
     names = set(pf.schema_arrow.names)
-    cols = ["sample_id", "prompt_ids", "output_ids"] + [c for c in PASSTHROUGH_COLUMNS if c in names]
+    extra = {**PASSTHROUGH_COLUMNS, **CONVERSATION_COLUMNS}
+    cols = ["sample_id", "prompt_ids", "output_ids"] + [c for c in extra if c in names]
     t = pf.read(columns=cols).take(pa.array(rows))
     n = t.num_rows
     out = {
@@ -316,7 +337,7 @@ def _read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
         "prompt_ids": t["prompt_ids"],
         "output_ids": t["output_ids"],
     }
-    for c, typ in PASSTHROUGH_COLUMNS.items():
+    for c, typ in extra.items():
         out[c] = pc.cast(t[c], typ) if c in names else pa.nulls(n, typ)
     # Cast list types once so every dataset's chunk has the same schema (upstream may use int64 ids).
     for c in ("prompt_ids", "output_ids"):
@@ -326,8 +347,10 @@ def _read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
     return tbl.combine_chunks()
 
 
-def _assemble_shard(rows: pa.Table, split: np.ndarray) -> pa.Table:
+def _assemble_shard(rows: pa.Table, split: np.ndarray, spans: list[list[tuple[int, int]]] | None = None) -> pa.Table:
     input_ids, loss_mask, n_prompt, n_tokens = concat_prompt_output(rows["prompt_ids"], rows["output_ids"])
+    if spans is not None and any(spans):
+        loss_mask = apply_spans(loss_mask, spans)
     split_arr = pa.array(np.where(split, "eval", "train").astype(object), pa.string())
     cols = {
         "sample_id": rows["sample_id"],
@@ -367,16 +390,28 @@ def merge_datasets(
     clean_stale_tmp(out_dir)
 
     selected, excluded, dedup_winners, input_rows = _select(inputs, settings)
-
-    # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
     all_ids = np.concatenate([s.sample_ids for s in selected]) if selected else np.zeros(0, object)
     all_eval = np.concatenate([s.split for s in selected]) if selected else np.zeros(0, bool)
-    perm = np.lexsort((all_ids.astype(str), hash_u64(list(all_ids), f"order:{settings.seed}")))
 
     # Only the selected rows of each dataset are kept in memory, as Arrow buffers.
     parts = [_read_selected(inp, s.rows) for inp, s in zip(inputs, selected)]
     combined = pa.concat_tables(parts)
     del parts
+
+    row_spans: dict[int, list[tuple[int, int]]] = {}
+    if settings.loss_on == "all_turns":
+        keep, spans_of = fold_turns(combined)
+        if not keep.all():
+            folded_ds = np.asarray(combined["dataset"].to_numpy(zero_copy_only=False), dtype=object)[~keep]
+            for ds, k in zip(*np.unique(folded_ds.astype(str), return_counts=True)):
+                excluded[str(ds)]["folded"] = int(k)
+            new_index = np.cumsum(keep) - 1
+            row_spans = {int(new_index[i]): sp for i, sp in spans_of.items()}
+            combined = combined.filter(pa.array(keep))
+            all_ids, all_eval = all_ids[keep], all_eval[keep]
+
+    # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
+    perm = np.lexsort((all_ids.astype(str), hash_u64(list(all_ids), f"order:{settings.seed}")))
 
     n_rows = len(perm)
     n_shards = max(1, math.ceil(n_rows / settings.rows_per_shard))
@@ -389,12 +424,13 @@ def merge_datasets(
     for s in range(n_shards):
         take = perm[s * settings.rows_per_shard : (s + 1) * settings.rows_per_shard]
         if n_rows:
-            table = _assemble_shard(combined.take(pa.array(take)), all_eval[take])
+            spans = [row_spans.get(int(i), []) for i in take] if row_spans else None
+            table = _assemble_shard(combined.take(pa.array(take)), all_eval[take], spans)
         else:
             table = MERGED_SCHEMA.empty_table()
         path = write_parquet_atomic(table, out_dir / shard_name(s), row_group_size=ROW_GROUP_ROWS)
         n_tok = np.asarray(table["n_tokens"], dtype=np.int64)
-        n_sup = n_tok - np.asarray(table["n_prompt_tokens"], dtype=np.int64)
+        n_sup = supervised_per_row(table["loss_mask"], n_tok)
         no_supervised += int(np.count_nonzero(n_sup == 0))
         ds_col = np.asarray(table["dataset"].to_numpy(zero_copy_only=False), dtype=object)
         is_eval = np.asarray(table["split"].to_numpy(zero_copy_only=False), dtype=object) == "eval"

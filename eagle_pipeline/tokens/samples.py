@@ -52,6 +52,10 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
         # not from the ids, as the int64 bit pattern; null where the pipeline does not know that text exactly
         # (returned ids).
         ("output_text_hash", pa.int64()),
+        # A turn of a regenerated conversation (`regenerate: all_turns`): the merge keeps a conversation in one split
+        # and, with `loss_on: all_turns`, folds its turns (docs/merge.md). Null otherwise.
+        ("conversation_id", pa.string()),
+        ("turn_index", pa.int32()),
     ]
 )
 
@@ -72,6 +76,8 @@ _OPTIONAL_COLUMNS = (
     "usage_completion_tokens",
     "usage_prompt_tokens",
     "thinking",
+    "conversation_id",
+    "turn_index",
 )
 # Every responses column reconstruction reads (callers building a responses table select these).
 RECONSTRUCTION_COLUMNS = _REQUIRED_COLUMNS + _OPTIONAL_COLUMNS
@@ -227,6 +233,8 @@ def reconstruct_table(
         "literal_special": literal,
         "prompt_key": prompt_keys,
         "output_text_hash": digests,
+        "conversation_id": col["conversation_id"],
+        "turn_index": col["turn_index"],
     }
     return pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
 

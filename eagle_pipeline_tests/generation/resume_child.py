@@ -2,7 +2,8 @@
 
 python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT [OPTIONS_JSON]
 
-OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N}.
+OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N, "dataset": NAME,
+"regenerate": MODE}.
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ def main() -> None:
             **options.get("backend", {}),
         }
     )
+    dataset = options.get("dataset", "B1")
     s = generate_dataset(
-        dataset="B1",
+        dataset=dataset,
         prompts=pq.read_table(prompts_path),
         backend=backend,
         sampling=SAMPLING,
-        out_dir=root / "responses" / "B1",
-        errors_dir=root / "responses" / "B1" / "errors",
+        out_dir=root / "responses" / dataset,
+        errors_dir=root / "responses" / dataset / "errors",
         commit_every_rows=options.get("commit_every_rows", 4),
         commit_every_s=0.05,
         progress_every_s=3600,
+        regenerate=options.get("regenerate", "last_turn"),
     )
     print(json.dumps(s.to_dict()))
 

@@ -151,9 +151,18 @@ class Answer:
 
 
 def synthesize(
-    messages: list, tools: list | None, key: str, *, thinking: bool = True, tool_call_rate: float = 0.6
+    messages: list,
+    tools: list | None,
+    key: str,
+    *,
+    thinking: bool = True,
+    tool_call_rate: float = 0.6,
+    tool_rounds: int = 0,
 ) -> Answer:
-    """The deterministic answer to one request."""
+    """The deterministic answer to one request.
+
+    After a tool result the answer calls no tool, unless the conversation has fewer than `tool_rounds` tool results
+    so far (an agent loop of that many rounds: what multi-turn regeneration tests need)."""
     rng = random.Random(int(key, 16))
     snippet, words = _topic(messages)
 
@@ -171,7 +180,8 @@ def synthesize(
         for t in (tools or [])
         if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
     ]
-    if usable and last_role != "tool" and rng.random() < tool_call_rate:
+    may_call = last_role != "tool" or sum(m.get("role") == "tool" for m in messages) < tool_rounds
+    if usable and may_call and rng.random() < tool_call_rate:
         prior = sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
         n = 2 if len(usable) > 1 and rng.random() < 0.2 else 1
         for i, tool in enumerate(rng.sample(usable, k=n)):
@@ -188,6 +198,22 @@ def synthesize(
         content = "" if rng.random() < 0.5 else f"I'll call {tool_calls[0]['function']['name']} to get that."
         return Answer(reasoning, content, tool_calls, "tool_calls")
     return Answer(reasoning, content, [], "stop")
+
+
+def tool_history_problem(messages: list) -> str | None:
+    """Why a chat API would reject this history's tool results (None: it would not): each tool message must answer a
+    call of the latest assistant message with tool calls, each call at most once."""
+    open_ids: set[Any] = set()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            open_ids = {c.get("id") for c in m["tool_calls"] if isinstance(c, dict)}
+        elif m.get("role") == "tool":
+            if m.get("tool_call_id") not in open_ids:
+                return f"messages[{i}]: tool_call_id {m.get('tool_call_id')!r} answers no open tool call"
+            open_ids.discard(m.get("tool_call_id"))
+    return None
 
 
 def _longest_prefix(text: str, fits: Callable[[str], bool]) -> str:

@@ -18,6 +18,7 @@ from eagle_pipeline.generation.simulated.answers import (
     crude_prompt_tokens,
     request_key,
     synthesize,
+    tool_history_problem,
     truncate_answer,
 )
 from eagle_pipeline.generation.simulated.faults import PROMPT_INJECTED_TOKENS, error_response, fault_response
@@ -52,6 +53,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         provider_name: str = "Simulated",
         api_key: str | None = None,
         tool_call_rate: float = 0.6,
+        tool_rounds: int = 0,
         model: str | None = None,
         stream: StreamStyle | dict[str, Any] | None = None,
         port: int = 0,
@@ -65,12 +67,16 @@ class SimulatedOpenRouterServer(LoopbackServer):
         self.provider_name = provider_name
         self.api_key = api_key
         self.tool_call_rate = tool_call_rate
+        self.tool_rounds = tool_rounds
         self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
 
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not body.get("model"):
             return error_response(400, "messages and model are required", {"error_type": "invalid_request"})
+        problem = tool_history_problem(messages)
+        if problem:
+            return error_response(400, problem, {"error_type": "invalid_request"})
         seed = body.get("seed")
         key = request_key(messages, seed)
         headers = {k: v for k, v in request.headers.items()}
@@ -141,9 +147,10 @@ class SimulatedOpenRouterServer(LoopbackServer):
     def _final_answer(self, body: dict[str, Any], key: str, thinking: bool, q: set[str]) -> Answer:
         """The deterministic answer with this request's quality faults applied and cut to its `max_tokens`."""
         messages, tools = body["messages"], body.get("tools")
-        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate)
+        rounds = self.tool_rounds
+        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=rounds)
         if "bad_tool_args" in q and tools and not ans.tool_calls:
-            ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0)
+            ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0, tool_rounds=rounds)
         if "empty_reasoning" in q:
             ans.reasoning = ""
         if "empty_content" in q and not ans.tool_calls:

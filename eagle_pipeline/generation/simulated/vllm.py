@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.answers import request_key, synthesize
+from eagle_pipeline.generation.simulated.answers import request_key, synthesize, tool_history_problem
 from eagle_pipeline.generation.simulated.faults import fault_response
 from eagle_pipeline.generation.simulated.id_server import IdServer
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
@@ -33,9 +33,12 @@ class SimulatedVLLMServer(IdServer):
         supports_token_ids: bool = True,
         reasoning_field: str = "reasoning",
         stream: StreamStyle | dict[str, Any] | None = None,
+        tool_call_rate: float = 0.6,
+        tool_rounds: int = 0,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        self.tool_call_rate, self.tool_rounds = tool_call_rate, tool_rounds
         self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
         self.supports_token_ids = supports_token_ids
         self.reasoning_field = reasoning_field
@@ -52,6 +55,11 @@ class SimulatedVLLMServer(IdServer):
             return web.json_response(
                 {"error": {"message": "messages required", "type": "BadRequestError", "param": None, "code": 400}},
                 status=400,
+            )
+        problem = tool_history_problem(messages)
+        if problem:
+            return web.json_response(
+                {"error": {"message": problem, "type": "BadRequestError", "param": None, "code": 400}}, status=400
             )
         seed = body.get("seed")
         key = request_key(messages, seed)
@@ -83,7 +91,9 @@ class SimulatedVLLMServer(IdServer):
         messages, tools, seed = body["messages"], body.get("tools"), body.get("seed")
         key = request_key(messages, seed)
         thinking = (body.get("chat_template_kwargs") or {}).get("thinking", True) is not False
-        ans = synthesize(messages, tools, key, thinking=thinking)
+        ans = synthesize(
+            messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=self.tool_rounds
+        )
         q = self.plan.quality_faults(key, 0)
         count = self._count(thinking)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")

@@ -1,0 +1,62 @@
+"""`loss_on: all_turns`: the turns of a regenerated conversation folded into its later turns' rows.
+
+With `regenerate: all_turns` every generated turn is its own token sample (prompt, then that turn's output), so the
+default `loss_on: last_turn` supervises each turn exactly once, in the row that generated it. `all_turns` instead
+folds turn k into turn k+1 when turn k+1's prompt ids start with turn k's prompt and output ids verbatim (the chat
+template kept that turn as generated: Kimi keeps the reasoning of the tool-call turns of an agent loop): the row of
+turn k is dropped and its output span is supervised inside turn k+1's prompt. A turn the template rewrote in later
+prompts (reasoning dropped from history, SpecForge #419) is never folded: its row stays, supervised on its own
+output only, so no token is ever trained on text the target did not produce at that position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from eagle_pipeline.arrow_lists import list_parts, list_rows, make_list
+
+LOSS_ON_MODES = ("last_turn", "all_turns")
+
+
+def fold_turns(table: pa.Table) -> tuple[np.ndarray, dict[int, list[tuple[int, int]]]]:
+    """Which rows of a table (columns dataset, conversation_id, turn_index, prompt_ids, output_ids) stay, and for each
+    staying row that absorbed earlier turns the [start, end) spans of their outputs in its prompt ids."""
+    n = table.num_rows
+    keep = np.ones(n, dtype=bool)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    if n == 0 or "conversation_id" not in table.column_names:
+        return keep, spans
+    conv = table.column("conversation_id").to_pylist()
+    turn = table.column("turn_index").to_pylist()
+    ds = table.column("dataset").to_pylist()
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(conv):
+        if c is not None and turn[i] is not None:
+            groups.setdefault((ds[i], c), []).append(i)
+    if not groups:
+        return keep, spans
+    prompts = list_rows(table.column("prompt_ids"), np.int32, name="prompt_ids")
+    outputs = list_rows(table.column("output_ids"), np.int32, name="output_ids")
+    for rows in groups.values():
+        rows.sort(key=lambda i: turn[i])
+        for a, b in zip(rows, rows[1:]):
+            if turn[b] != turn[a] + 1:
+                continue  # a missing turn (not admitted): nothing to fold across
+            p, o, nxt = prompts[a], outputs[a], prompts[b]
+            end = len(p) + len(o)
+            if len(nxt) >= end and np.array_equal(nxt[: len(p)], p) and np.array_equal(nxt[len(p) : end], o):
+                keep[a] = False
+                spans[b] = spans.pop(a, []) + [(len(p), end)]
+    return keep, spans
+
+
+def apply_spans(loss_mask: pa.Array, row_spans: list[list[tuple[int, int]]]) -> pa.ListArray:
+    """The loss mask with 1 set on each row's extra spans (`row_spans[i]` for row i)."""
+    lengths, values = list_parts(loss_mask, pa.int8())
+    values = values.copy()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    for i, row in enumerate(row_spans):
+        for a, b in row:
+            values[starts[i] + a : starts[i] + b] = 1
+    return make_list(lengths, values, pa.int8())

@@ -1,0 +1,268 @@
+"""On-policy multi-turn regeneration (`regenerate: all_turns`) over real HTTP on loopback: histories from the server's
+request log, stop reasons, exactly-once resume per turn (kill -9 between turns), exact prompt ids (real Kimi
+tokenizer, against an independent render of its chat template)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import pyarrow.parquet as pq
+import pytest
+
+from eagle_pipeline.generation import SimulatedOpenRouterServer, read_responses, request_key
+from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.generation.turns import (
+    END_COMPLETE,
+    END_FEWER_TOOL_CALLS,
+    END_LENGTH,
+    END_MORE_TOOL_CALLS,
+    END_NO_TOOL_CALL,
+    END_TOOL_MISMATCH,
+    next_turn,
+    split_conversation,
+    turn_sample_id,
+)
+from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
+
+from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, out_dirs, run, sim_backend
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _source(result_name: str | None = None, rounds: int = 2) -> list[dict]:
+    """A tool conversation with `rounds` source tool calls and results: `rounds + 1` turns to generate."""
+    msgs: list[dict] = [
+        {"role": "system", "content": "You are a weather agent."},
+        {"role": "user", "content": "Plan my week in Paris: what is the weather going to be?"},
+    ]
+    for r in range(rounds):
+        call = {
+            "id": f"call_src_{r}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})},
+        }
+        msgs.append({"role": "assistant", "content": f"source turn {r}", "tool_calls": [call]})
+        result = {"role": "tool", "tool_call_id": f"call_src_{r}", "content": f"day {r}: 18C, sunny spells"}
+        if result_name:
+            result["name"] = result_name
+        msgs.append(result)
+    return msgs
+
+
+def _prompts(messages: list[dict], tools: list[dict] | None = None, regenerate: str = "all_turns"):
+    return prompts_table(
+        "B5", [Prompt("conv-1", messages, tools or [WEATHER_TOOL])], SAMPLING.to_dict(), regenerate
+    )
+
+
+def _rows(root: Path) -> list[dict]:
+    return sorted(read_responses(out_dirs(root, "B5")[0]).to_pylist(), key=lambda r: r["turn_index"])
+
+
+def _sent(srv: SimulatedOpenRouterServer, row: dict) -> dict:
+    body = srv.body_for(request_key(row["messages_json"], SAMPLING.seed))
+    assert body is not None, f"the server never received turn {row['turn_index']}"
+    return body
+
+
+def test_three_turn_tool_conversation_histories_are_the_targets_own(tmp_path):
+    source = _source()
+    prompts = _prompts(source)
+    conv = prompts.column("sample_id")[0].as_py()
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, dataset="B5", regenerate="all_turns")
+        rows = _rows(tmp_path)
+        assert (s.requested, s.completed, s.failed) == (3, 3, 0)
+        assert [r["turn_index"] for r in rows] == [0, 1, 2]
+        assert [r["sample_id"] for r in rows] == [turn_sample_id(conv, k) for k in range(3)]
+        assert len({r["sample_id"] for r in rows}) == 3 and conv not in {r["sample_id"] for r in rows}
+        assert {r["conversation_id"] for r in rows} == {conv}
+        assert [r["conversation_end"] for r in rows] == [None, None, END_COMPLETE]
+        assert [r["finish_reason"] for r in rows] == ["tool_calls", "tool_calls", "stop"]
+        assert len(srv.request_log()) == 3 and all(rec.status == 200 for rec in srv.request_log())
+
+        bodies = [_sent(srv, r) for r in rows]
+        for row, body in zip(rows, bodies):
+            assert body["messages"] == json.loads(row["messages_json"])  # stored = sent
+        assert bodies[0]["messages"] == source[:2]  # turn 0: the source's messages before its first assistant turn
+        for k in (1, 2):
+            sent = bodies[k]["messages"]
+            # The history is the target's own turns, as the server answered them, never the source's.
+            assert [m for m in sent if m["role"] == "assistant"] == [
+                {
+                    "role": "assistant",
+                    "content": srv.answer(b)["choices"][0]["message"]["content"],
+                    "reasoning": srv.answer(b)["choices"][0]["message"]["reasoning"],
+                    "tool_calls": srv.answer(b)["choices"][0]["message"]["tool_calls"],
+                }
+                for b in bodies[:k]
+            ]
+            assert not any("source turn" in (m.get("content") or "") for m in sent)
+            # Tool results are the source's, in order, addressed to the target's calls.
+            tools_sent = [m for m in sent if m["role"] == "tool"]
+            assert [m["content"] for m in tools_sent] == [f"day {r}: 18C, sunny spells" for r in range(k)]
+            assert [m["tool_call_id"] for m in tools_sent] == [
+                json.loads(rows[j]["tool_calls_json"])[0]["id"] for j in range(k)
+            ]
+            assert sent[: len(bodies[k - 1]["messages"])] == bodies[k - 1]["messages"]
+
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        assert (again.requested, again.already_done) == (0, 1) and len(srv.request_log()) == 3
+
+
+@pytest.mark.parametrize(
+    ("tool_rounds", "result_name", "n_rows", "end"),
+    [
+        (1, None, 2, END_NO_TOOL_CALL),  # turn 1 answers without a tool where the source has a result
+        (2, "lookup_calendar", 1, END_TOOL_MISMATCH),  # the source's result answers another tool
+    ],
+)
+def test_conversation_stops_with_its_reason_rows_kept(tmp_path, tool_rounds, result_name, n_rows, end):
+    prompts = _prompts(_source(result_name))
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=tool_rounds) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        rows = _rows(tmp_path)
+        assert [r["turn_index"] for r in rows] == list(range(n_rows))
+        assert [r["conversation_end"] for r in rows] == [None] * (n_rows - 1) + [end]
+        assert len(srv.request_log()) == n_rows
+        # A stopped conversation is answered: a rerun requests nothing.
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        assert again.requested == 0 and len(srv.request_log()) == n_rows
+
+
+def test_next_turn_pairs_results_in_order_and_names_every_stop():
+    msgs = _source(rounds=1)
+    src = split_conversation("c", canonical_json(msgs), None)
+    assert src.n_turns == 2 and list(src.prefix) == msgs[:2]
+
+    def call(name: str, i: int) -> dict:
+        return {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+    def answer(*calls: dict) -> dict:
+        return {"role": "assistant", "content": "", "reasoning": "think", "tool_calls": list(calls)}
+
+    ok = next_turn(src, 0, msgs[:2], answer(call("get_weather", 0)), "tool_calls")
+    assert ok.end is None and ok.next_messages is not None
+    assert ok.next_messages[-1] == {**msgs[3], "tool_call_id": "functions.get_weather:0"}
+    assert ok.next_messages[2]["reasoning"] == "think"
+    assert next_turn(src, 0, msgs[:2], {"role": "assistant", "content": "x"}, "stop").end == END_NO_TOOL_CALL
+    two = answer(call("get_weather", 0), call("get_weather", 1))
+    assert next_turn(src, 0, msgs[:2], two, "tool_calls").end == END_MORE_TOOL_CALLS
+    assert next_turn(src, 0, msgs[:2], answer(call("search_docs", 0)), "tool_calls").end == END_TOOL_MISMATCH
+    assert next_turn(src, 0, msgs[:2], answer(call("get_weather", 0)), "length").end == END_LENGTH
+    assert next_turn(src, 1, msgs, {"role": "assistant", "content": "done"}, "stop").end == END_COMPLETE
+    two_results = _source(rounds=1)
+    two_results.append({"role": "tool", "tool_call_id": "call_src_0", "content": "more"})
+    src2 = split_conversation("c", canonical_json(two_results), None)
+    assert next_turn(src2, 0, msgs[:2], answer(call("get_weather", 0)), "tool_calls").end == END_FEWER_TOOL_CALLS
+
+
+def test_simulated_server_rejects_a_tool_result_for_no_open_call(tmp_path):
+    """The double refuses what a chat API refuses, so a history that kept the source's call ids cannot pass."""
+    msgs = _source(rounds=1)
+    msgs[3] = {**msgs[3], "tool_call_id": "functions.get_weather:9"}
+    prompts = prompts_table("B5", [Prompt("p", msgs, [WEATHER_TOOL, SEARCH_TOOL])], SAMPLING.to_dict())
+    with SimulatedOpenRouterServer() as srv:
+        s = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5")
+        assert (s.completed, s.errors_by_class) == (0, {"bad_request": 1})
+
+
+def _child(prompts_path: Path, url: str, root: Path) -> subprocess.Popen:
+    options = {"regenerate": "all_turns", "dataset": "B5", "commit_every_rows": 1, "backend": {"concurrency": 1}}
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), url, str(root)]
+        + [json.dumps(options)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _committed_turns(out: Path) -> list[int]:
+    return sorted(k for p in part_files(out) for k in pq.read_table(p).column("turn_index").to_pylist())
+
+
+def test_kill_9_between_turns_resumes_at_the_next_turn(tmp_path):
+    prompts = _prompts(_source())
+    prompts_path = tmp_path / "prompts.parquet"
+    pq.write_table(prompts, prompts_path)
+    out, _ = out_dirs(tmp_path, "B5")
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2, latency_s=0.5) as srv:
+        child = _child(prompts_path, srv.url, tmp_path)
+        deadline = time.monotonic() + 60
+        while _committed_turns(out) != [0, 1]:
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "turns 0 and 1 never committed"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)  # turn 2 is in flight (or about to be)
+        child.wait()
+        assert _committed_turns(out) == [0, 1]
+        before = len(srv.request_log())
+
+        done = _child(prompts_path, srv.url, tmp_path)
+        stdout, stderr = done.communicate(timeout=60)
+        assert done.returncode == 0, stderr
+        assert json.loads(stdout.strip().splitlines()[-1])["requested"] == 1
+        rows = _rows(tmp_path)
+        assert [r["turn_index"] for r in rows] == [0, 1, 2] and rows[2]["conversation_end"] == END_COMPLETE
+        keys = [request_key(r["messages_json"], SAMPLING.seed) for r in rows]
+        log = srv.request_log()
+        assert {rec.key for rec in log[before:]} == {keys[2]}  # the rerun asked for turn 2 only
+        counts = srv.request_counts()
+        assert counts[keys[0]] == counts[keys[1]] == 1  # committed turns were never re-requested
+        assert 1 <= counts[keys[2]] <= 2  # at most once more than the attempt the kill interrupted
+
+
+def _independent_render(template_path: Path, messages: list[dict], tools: list[dict]) -> str:
+    """The Kimi chat template rendered with plain jinja2 (transformers' settings), not the project's renderer."""
+    from eagle_pipeline.tokens.tool_declarations import sort_keys_deep, typescript_tool_declarations
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
+    history = [
+        {**{k: v for k, v in m.items() if k != "reasoning"}, "reasoning_content": m["reasoning"]}
+        if "reasoning" in m
+        else m
+        for m in messages
+    ]
+    tools = sort_keys_deep(tools)
+    return env.from_string(template_path.read_text()).render(
+        messages=history,
+        tools=tools,
+        tools_ts_str=typescript_tool_declarations(tools),
+        add_generation_prompt=True,
+        thinking=True,
+    )
+
+
+def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_them(tmp_path, kimi_dir):
+    from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
+
+    tok = load_tokenizer(kimi_dir)
+    prompts = _prompts(_source())
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+    responses = read_responses(out_dirs(tmp_path, "B5")[0])
+    samples = reconstruct_table(responses, tok, "kimi-k2.5", dataset_has_tools=True).to_pylist()
+    samples.sort(key=lambda r: r["turn_index"])
+    assert [r["turn_index"] for r in samples] == [0, 1, 2]
+    assert {r["conversation_id"] for r in samples} == {responses.column("conversation_id")[0].as_py()}
+    p = [r["prompt_ids"] for r in samples]
+    o = [r["output_ids"] for r in samples]
+    last_messages = json.loads(_rows(tmp_path)[2]["messages_json"])
+    independent = tok.encode_with_specials(_independent_render(kimi_dir / "chat_template.jinja", last_messages,
+                                                                [WEATHER_TOOL]))
+    assert independent == p[2]
+    for k in (0, 1):
+        # Turn k's output (reasoning, </think>, content, tool section, <|im_end|>) follows turn k's prompt verbatim.
+        assert p[k + 1][: len(p[k]) + len(o[k])] == p[k] + o[k]
+        assert independent[len(p[k]) : len(p[k]) + len(o[k])] == o[k]
