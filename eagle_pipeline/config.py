@@ -36,6 +36,7 @@ from eagle_pipeline.generation.spec import (
     SamplingOptions,
     SamplingSpec,
 )
+from eagle_pipeline.generation.turns import NO_TURN_KINDS
 from eagle_pipeline.merge.core import MergeSettings
 from eagle_pipeline.prompt_formats import PromptFormat
 from eagle_pipeline.spec_model import (
@@ -364,11 +365,9 @@ class PipelineConfig(SpecBase):
                 problems.append(
                     (("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}")
                 )
-            elif _get(d, "regenerate") == "all_turns" and isinstance(backends, Mapping):
-                kind = _get(backends.get(backend), "kind")
-                if kind in (BackendKind.IMPORT, BackendKind.SGLANG):
-                    msg = f"'all_turns' needs a chat backend (openrouter, vllm, simulated); {backend!r} is {kind}"
-                    problems.append((("datasets", i, "regenerate"), msg))
+            elif _get(d, "regenerate") == "all_turns" and _get(_get(backends, str(backend)), "kind") in NO_TURN_KINDS:
+                msg = f"'all_turns' needs a chat backend (openrouter, vllm, simulated); {backend!r} is not one"
+                problems.append((("datasets", i, "regenerate"), msg))
         merge = data.get("merge")
         for key in ("weights", "caps"):
             table = _get(merge, key)

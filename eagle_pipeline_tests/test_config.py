@@ -55,10 +55,13 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
         "backends": {
             "or": {"kind": "openrouter", "model": "m"},
             "weird": {"kind": "carrier-pigeon", "model": "m", "provider": {"favourite": 1}},
+            "files": {"kind": "import", "import_paths": []},
         },
         "datasets": [
             {"name": "B1", "prompts": "missing.jsonl", "domain": "coding", "backend": "nope", "limit": 0},
             {"name": "B1", "prompts": "missing.jsonl", "domain": "coding", "backend": "or", "max_tokens": "many"},
+            {"name": "B2", "prompts": "missing.jsonl", "domain": "x", "backend": "files", "regenerate": "all_turns"},
+            {"name": "B3", "prompts": "missing.jsonl", "domain": "x", "backend": "or", "regenerate": "sometimes"},
         ],
         "audit": {"actions": {"ends_with_eot": "ignore", "no_such_gate": "block"}},
         "merge": {"eval_fraction": 1.5, "caps": {"B9": 3}},
@@ -79,6 +82,8 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
         "datasets[0].limit: must be >= 1",
         "datasets[1].name: duplicate dataset name 'B1'",
         "datasets[1].max_tokens: expected int",
+        "datasets[2].regenerate: 'all_turns' needs a chat backend",
+        "datasets[3].regenerate",
         "audit.actions.ends_with_eot: action 'ignore' for 'ends_with_eot' is not one of",
         "no_such_gate",
         "merge.eval_fraction",

@@ -122,9 +122,7 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     parts = store.part_files(root.responses_dir(dataset))
     cols = ["sample_id", "provider", "conversation_id", "conversation_end"]
     table = (
-        pa.concat_tables(
-            [store.read_shard_columns(p, cols) for p in parts], promote_options="default"
-        )
+        pa.concat_tables([store.read_shard_columns(p, cols) for p in parts], promote_options="default")
         if parts
         else pa.table({"sample_id": pa.array([], pa.string()), "provider": pa.array([], pa.string())})
     )

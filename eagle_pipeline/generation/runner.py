@@ -36,7 +36,7 @@ from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
-from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, REGENERATE_MODES
+from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -231,8 +231,7 @@ async def agenerate_dataset(
 def _check_regenerate(regenerate: str, backend: BackendSpec) -> None:
     if regenerate not in REGENERATE_MODES:
         raise ValueError(f"regenerate must be one of {list(REGENERATE_MODES)}, got {regenerate!r}")
-    if regenerate == ALL_TURNS and backend.kind in ("import", "sglang"):
-        # import makes no requests; SGLang's /generate returns raw text, no parsed tool calls to continue from.
+    if regenerate == ALL_TURNS and backend.kind in NO_TURN_KINDS:
         raise ValueError(f"backend {backend.name!r}: regenerate 'all_turns' is not available for kind {backend.kind!r}")
 
 

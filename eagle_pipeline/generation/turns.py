@@ -25,6 +25,8 @@ from eagle_pipeline.prompts import canonical_json
 LAST_TURN = "last_turn"
 ALL_TURNS = "all_turns"
 REGENERATE_MODES = (LAST_TURN, ALL_TURNS)
+# Backend kinds all_turns cannot use: import makes no requests; SGLang's /generate returns raw text, no tool calls.
+NO_TURN_KINDS = ("import", "sglang")
 
 END_COMPLETE = "complete"  # the source's last turn was generated
 END_LENGTH = "length"  # the target's turn was cut by max_tokens: a cut answer is no history to continue from
@@ -139,12 +141,15 @@ def next_turn(
             end = END_NO_TOOL_CALL
         else:
             end = END_FEWER_TOOL_CALLS if len(calls) < len(results) else END_MORE_TOOL_CALLS
-        return TurnOutcome(None, end, f"turn {turn_index}: the target made {len(calls)} tool call(s), the source has "
-                           f"{len(results)} result(s)")
+        return TurnOutcome(
+            None,
+            end,
+            f"turn {turn_index}: the target made {len(calls)} tool call(s), the source has {len(results)} result(s)",
+        )
     source_turn = src.source_turns[turn_index]
     paired: dict[int, dict[str, Any]] = {}
     for i, (call, result) in enumerate(zip(calls, results)):
-        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+        fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
         want = _source_call_name(source_turn, result, i)
         if fn.get("name") != want:
             detail = f"turn {turn_index}: call {i} is {fn.get('name')!r}, the source's result {i} answers {want!r}"

@@ -219,7 +219,9 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
         g_ds.append(np.full(len(rows), d, dtype=np.int32))
         g_row.append(rows)
         g_sid.append(np.asarray(sids.take(pa.array(order)).to_numpy(zero_copy_only=False), dtype=object))
-        group = pc.coalesce(meta["conversation_id"], meta["sample_id"]) if "conversation_id" in meta.column_names else None
+        group = (
+            pc.coalesce(meta["conversation_id"], meta["sample_id"]) if "conversation_id" in meta.column_names else None
+        )
         g_grp.append(
             g_sid[-1]
             if group is None
@@ -400,15 +402,15 @@ def merge_datasets(
 
     row_spans: dict[int, list[tuple[int, int]]] = {}
     if settings.loss_on == "all_turns":
-        keep, spans_of = fold_turns(combined)
-        if not keep.all():
-            folded_ds = np.asarray(combined["dataset"].to_numpy(zero_copy_only=False), dtype=object)[~keep]
+        kept, spans_of = fold_turns(combined)
+        if not kept.all():
+            folded_ds = np.asarray(combined["dataset"].to_numpy(zero_copy_only=False), dtype=object)[~kept]
             for ds, k in zip(*np.unique(folded_ds.astype(str), return_counts=True)):
                 excluded[str(ds)]["folded"] = int(k)
-            new_index = np.cumsum(keep) - 1
+            new_index = np.cumsum(kept) - 1
             row_spans = {int(new_index[i]): sp for i, sp in spans_of.items()}
-            combined = combined.filter(pa.array(keep))
-            all_ids, all_eval = all_ids[keep], all_eval[keep]
+            combined = combined.filter(pa.array(kept))
+            all_ids, all_eval = all_ids[kept], all_eval[kept]
 
     # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
     perm = np.lexsort((all_ids.astype(str), hash_u64(list(all_ids), f"order:{settings.seed}")))

@@ -58,9 +58,7 @@ def _source(result_name: str | None = None, rounds: int = 2) -> list[dict]:
 
 
 def _prompts(messages: list[dict], tools: list[dict] | None = None, regenerate: str = "all_turns"):
-    return prompts_table(
-        "B5", [Prompt("conv-1", messages, tools or [WEATHER_TOOL])], SAMPLING.to_dict(), regenerate
-    )
+    return prompts_table("B5", [Prompt("conv-1", messages, tools or [WEATHER_TOOL])], SAMPLING.to_dict(), regenerate)
 
 
 def _rows(root: Path) -> list[dict]:
@@ -259,8 +257,9 @@ def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_t
     p = [r["prompt_ids"] for r in samples]
     o = [r["output_ids"] for r in samples]
     last_messages = json.loads(_rows(tmp_path)[2]["messages_json"])
-    independent = tok.encode_with_specials(_independent_render(kimi_dir / "chat_template.jinja", last_messages,
-                                                                [WEATHER_TOOL]))
+    independent = tok.encode_with_specials(
+        _independent_render(kimi_dir / "chat_template.jinja", last_messages, [WEATHER_TOOL])
+    )
     assert independent == p[2]
     for k in (0, 1):
         # Turn k's output (reasoning, </think>, content, tool section, <|im_end|>) follows turn k's prompt verbatim.

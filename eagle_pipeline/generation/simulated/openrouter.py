@@ -148,7 +148,9 @@ class SimulatedOpenRouterServer(LoopbackServer):
         """The deterministic answer with this request's quality faults applied and cut to its `max_tokens`."""
         messages, tools = body["messages"], body.get("tools")
         rounds = self.tool_rounds
-        ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=rounds)
+        ans = synthesize(
+            messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=rounds
+        )
         if "bad_tool_args" in q and tools and not ans.tool_calls:
             ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0, tool_rounds=rounds)
         if "empty_reasoning" in q:
