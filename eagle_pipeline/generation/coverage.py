@@ -120,7 +120,7 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     provider split."""
     ids = prompt_sample_ids(root.prompts(dataset))
     parts = store.part_files(root.responses_dir(dataset))
-    cols = ["sample_id", "provider", "conversation_id", "conversation_end"]
+    cols = ["sample_id", "provider", "conversation_id", "turn_index", "conversation_end"]
     table = (
         pa.concat_tables([store.read_shard_columns(p, cols) for p in parts], promote_options="default")
         if parts

@@ -59,7 +59,8 @@ class _RpmBucket:
 @dataclass
 class _Counters:
     requested: int = 0
-    completed: int = 0
+    completed: int = 0  # rows (one per turn of a regenerated conversation)
+    answered: int = 0  # prompts answered: a conversation once its last turn is in
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -204,14 +205,14 @@ class LiveRun:
     def progress_event(self) -> ProgressEvent:
         """Where the run stands now: this run's figures and the dataset's totals, each labelled."""
         elapsed = time.monotonic() - self.t0
-        rate = self.c.completed / elapsed if elapsed > 0 else 0.0
-        done = self.plan.already_done + self.c.completed
+        rate = self.c.answered / elapsed if elapsed > 0 else 0.0
+        done = self.plan.already_done + self.c.answered
         remaining = max(0, self.plan.total - done)
         return ProgressEvent(
             dataset=self.dataset,
             done=done,
             total=self.plan.total,
-            done_this_run=self.c.completed,
+            done_this_run=self.c.answered,
             rate_per_s=rate,
             eta_s=remaining / rate if rate > 0 else None,
             spend_usd=self.ledger.this_run_usd,
@@ -317,6 +318,7 @@ class LiveRun:
             end, nxt = after_answer(src, item, p.reasoning, p.content, p.tool_calls_json, p.finish_reason)
         self.consecutive_failures = 0
         self.c.completed += 1
+        self.c.answered += item.conversation_id is None or end is not None
         self.ledger.record(p.cost_usd)
         self.c.prompt_tokens += p.usage_prompt_tokens or 0
         self.c.completion_tokens += p.usage_completion_tokens or 0

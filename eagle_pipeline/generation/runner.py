@@ -192,7 +192,11 @@ async def agenerate_dataset(
             done,
             limit,
             regenerate=regenerate,
-            open_conversations=store.open_conversations(out_dir) if regenerate == ALL_TURNS else None,
+            open_conversations=(
+                store.open_conversations(out_dir, set(prompts.column("sample_id").to_pylist()) - done)
+                if regenerate == ALL_TURNS
+                else None
+            ),
         )
         sink = ShardSink(out_dir, errors_dir)
         if not backend.kind.is_http:

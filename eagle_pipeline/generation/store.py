@@ -44,7 +44,7 @@ def part_path(directory: str | os.PathLike, index: int) -> Path:
     return Path(directory) / f"part-{index:05d}.parquet"
 
 
-_CONVERSATION_COLUMNS = ("conversation_id", "conversation_end")
+_CONVERSATION_COLUMNS = ("conversation_id", "turn_index", "conversation_end")
 
 
 def read_shard_columns(p: Path, columns: list[str]) -> pa.Table:
@@ -58,18 +58,20 @@ def read_shard_columns(p: Path, columns: list[str]) -> pa.Table:
 
 def answered_ids(table: pa.Table) -> set[str]:
     """The prompts a responses table answers: each row's sample id, except that the turns of a regenerated
-    conversation answer their conversation's id, once the conversation's last turn is there (`conversation_end`)."""
+    conversation answer their conversation's id once every turn up to its last (`conversation_end`) is there."""
     sids = table.column("sample_id").to_pylist()
     if "conversation_id" not in table.column_names:
         return set(sids)
-    conv = table.column("conversation_id").to_pylist()
-    ends = (
-        table.column("conversation_end").to_pylist()
-        if "conversation_end" in table.column_names
-        else [None] * table.num_rows
-    )
-    ended = {c for c, e in zip(conv, ends) if c is not None and e is not None}
-    return {s for s, c in zip(sids, conv) if c is None} | ended
+    conv, turn, end = (table.column(c).to_pylist() for c in _CONVERSATION_COLUMNS)
+    turns: dict[str, set[int]] = {}
+    last: dict[str, int] = {}
+    for c, k, e in zip(conv, turn, end):
+        if c is not None:
+            turns.setdefault(c, set()).add(k)
+            if e is not None:
+                last[c] = k
+    whole = {c for c, k in last.items() if turns[c] == set(range(k + 1))}  # a retired turn reopens it
+    return {s for s, c in zip(sids, conv) if c is None} | whole
 
 
 def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
@@ -78,37 +80,33 @@ def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
 
     The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived.
     """
-    done: set[str] = set()
-    spend = 0.0
-    for p in part_files(out_dir):
-        t = read_shard_columns(p, ["sample_id", "cost_usd", *_CONVERSATION_COLUMNS])
-        done |= answered_ids(t)
-        s = pc.sum(t.column("cost_usd")).as_py()
-        spend += float(s or 0.0)
-    return done, spend + retired_spend(out_dir)
+    parts = [read_shard_columns(p, ["sample_id", "cost_usd", *_CONVERSATION_COLUMNS]) for p in part_files(out_dir)]
+    if not parts:
+        return set(), retired_spend(out_dir)
+    t = pa.concat_tables(parts, promote_options="default")
+    spend = float(pc.sum(t.column("cost_usd")).as_py() or 0.0)
+    return answered_ids(t), spend + retired_spend(out_dir)
 
 
-def open_conversations(out_dir: str | os.PathLike) -> dict[str, tuple[int, dict[str, Any]]]:
-    """Regenerated conversations with committed turns but no committed last turn: conversation id -> (index of its
-    last committed turn, that row's messages and answer), what a resumed run continues from."""
-    cols = ["conversation_id", "turn_index", "conversation_end"]
+def open_conversations(out_dir: str | os.PathLike, wanted: set[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """The regenerated conversations of `wanted` (not answered: `answered_ids`) with committed turns: conversation id
+    -> (index of its last committed turn, that row's messages and answer), what a resumed run continues from.
+
+    Raises when one has committed turns after a missing one (a retired turn): those turns answer a history that no
+    longer exists, and regenerating the missing turn would give a second row for them.
+    """
+    cols = ["conversation_id", "turn_index"]
     wide = ["messages_json", "reasoning", "content", "tool_calls_json", "finish_reason"]
     turns: dict[str, dict[int, tuple[Path, int]]] = {}
-    ended: set[str] = set()
     for p in part_files(out_dir):
         t = read_shard_columns(p, cols)
         if "conversation_id" not in t.column_names:
             continue
-        for i, (c, k, e) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
-            if c is None:
-                continue
-            turns.setdefault(c, {})[int(k)] = (p, i)
-            if e is not None:
-                ended.add(c)
+        for i, (c, k) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
+            if c in wanted:
+                turns.setdefault(c, {})[int(k)] = (p, i)
     out: dict[str, tuple[int, dict[str, Any]]] = {}
     for c, by_turn in turns.items():
-        if c in ended:
-            continue
         last = max(by_turn)
         if sorted(by_turn) != list(range(last + 1)):
             missing = sorted(set(range(last + 1)) - set(by_turn))

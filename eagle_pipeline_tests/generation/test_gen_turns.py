@@ -75,10 +75,19 @@ def test_three_turn_tool_conversation_histories_are_the_targets_own(tmp_path):
     source = _source()
     prompts = _prompts(source)
     conv = prompts.column("sample_id")[0].as_py()
+    events = []
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, dataset="B5", regenerate="all_turns")
+        s = run(
+            prompts,
+            sim_backend(srv.url, concurrency=2),
+            tmp_path,
+            dataset="B5",
+            regenerate="all_turns",
+            progress=events.append,
+        )
         rows = _rows(tmp_path)
         assert (s.requested, s.completed, s.failed) == (3, 3, 0)
+        assert (events[-1].done, events[-1].total) == (1, 1)  # progress counts the conversation, not its turns
         assert [r["turn_index"] for r in rows] == [0, 1, 2]
         assert [r["sample_id"] for r in rows] == [turn_sample_id(conv, k) for k in range(3)]
         assert len({r["sample_id"] for r in rows}) == 3 and conv not in {r["sample_id"] for r in rows}
@@ -265,3 +274,53 @@ def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_t
         # Turn k's output (reasoning, </think>, content, tool section, <|im_end|>) follows turn k's prompt verbatim.
         assert p[k + 1][: len(p[k]) + len(o[k])] == p[k] + o[k]
         assert independent[len(p[k]) : len(p[k]) + len(o[k])] == o[k]
+
+
+def test_a_conversation_missing_a_turn_is_reopened(tmp_path):
+    """Rows moved out of the shards (as retire-responses does) reopen their conversation: a missing last turn is
+    requested again; a missing middle turn fails the run naming the conversation (its later turns answer a history
+    that no longer exists)."""
+    prompts = _prompts(_source())
+    conv = prompts.column("sample_id")[0].as_py()
+    out, _ = out_dirs(tmp_path, "B5")
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        shard_of = {pq.read_table(p).column("turn_index")[0].as_py(): p for p in part_files(out)}
+        assert sorted(shard_of) == [0, 1, 2]
+        shard_of[2].rename(tmp_path / "turn2.parquet")
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        assert (again.requested, again.completed) == (1, 1)
+        assert [r["turn_index"] for r in _rows(tmp_path)] == [0, 1, 2]
+        shard_of[1].rename(tmp_path / "turn1.parquet")
+        with pytest.raises(RuntimeError, match=f"conversation {conv} has committed turns \\[0, 2\\] but not \\[1\\]"):
+            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+
+
+def test_all_turns_over_the_vllm_wire_format(tmp_path):
+    """vLLM returns reasoning in `reasoning_content` (older releases) and ids with every turn; the history sent back
+    carries the target's reasoning and calls, and each turn keeps the ids the server returned."""
+    from eagle_pipeline.generation import SimulatedVLLMServer
+
+    from .test_gen_selfhosted import END_THINK, EOS, THINK, encode, vllm_backend
+
+    prompts = _prompts(_source())
+    with SimulatedVLLMServer(
+        encode=encode,
+        think_start_id=THINK,
+        think_end_id=END_THINK,
+        eos_id=EOS,
+        reasoning_field="reasoning_content",
+        tool_call_rate=1.0,
+        tool_rounds=2,
+    ) as srv:
+        s = run(prompts, vllm_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        rows = _rows(tmp_path)
+        assert (s.completed, [r["conversation_end"] for r in rows]) == (3, [None, None, END_COMPLETE])
+        bodies = [_sent(srv, r) for r in rows]
+    for k in (1, 2):
+        answer = srv.answer(bodies[k - 1])
+        sent = [m for m in bodies[k]["messages"] if m["role"] == "assistant"][-1]
+        message = answer["choices"][0]["message"]
+        assert sent["reasoning"] == message["reasoning_content"] and sent["tool_calls"] == message["tool_calls"]
+        assert rows[k - 1]["output_token_ids"] == answer["choices"][0]["token_ids"]
+    assert all(r["prompt_token_ids"] and r["output_token_ids"] for r in rows)
