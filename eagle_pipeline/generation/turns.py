@@ -9,7 +9,7 @@ paired with (in order, checked by tool name). The conversation ends after the so
 earlier, rows so far kept, when the target's answer cannot be continued faithfully (`END_REASONS`).
 
 Pure functions only: the request loop (`live`) asks `next_turn` what to send after each answer, and a resumed run
-rebuilds the same history from the last committed row of each conversation (`ConversationState`).
+rebuilds the same history from the last committed row of each conversation (`resume_turn`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,6 @@ class TurnOutcome:
 
     next_messages: list[dict[str, Any]] | None
     end: str | None  # None: the conversation continues
-    detail: str = ""
 
 
 def next_turn(
@@ -132,28 +131,21 @@ def next_turn(
     if turn_index >= src.n_turns - 1:
         return TurnOutcome(None, END_COMPLETE)
     if finish_reason == "length":
-        return TurnOutcome(None, END_LENGTH, f"turn {turn_index} was cut by max_tokens")
+        return TurnOutcome(None, END_LENGTH)
     calls = [c for c in answer.get("tool_calls") or [] if isinstance(c, dict)]
     env = src.after[turn_index]
     results = [m for m in env if m.get("role") == "tool"]
     if len(calls) != len(results):
         if not calls:
-            end = END_NO_TOOL_CALL
-        else:
-            end = END_FEWER_TOOL_CALLS if len(calls) < len(results) else END_MORE_TOOL_CALLS
-        return TurnOutcome(
-            None,
-            end,
-            f"turn {turn_index}: the target made {len(calls)} tool call(s), the source has {len(results)} result(s)",
-        )
+            return TurnOutcome(None, END_NO_TOOL_CALL)
+        return TurnOutcome(None, END_FEWER_TOOL_CALLS if len(calls) < len(results) else END_MORE_TOOL_CALLS)
     source_turn = src.source_turns[turn_index]
     paired: dict[int, dict[str, Any]] = {}
     for i, (call, result) in enumerate(zip(calls, results)):
         fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
         want = _source_call_name(source_turn, result, i)
         if fn.get("name") != want:
-            detail = f"turn {turn_index}: call {i} is {fn.get('name')!r}, the source's result {i} answers {want!r}"
-            return TurnOutcome(None, END_TOOL_MISMATCH, detail)
+            return TurnOutcome(None, END_TOOL_MISMATCH)
         paired[id(result)] = {**result, "tool_call_id": call.get("id")}
     nxt = [dict(m) for m in messages] + [answer] + [paired.get(id(m), m) for m in env]
     return TurnOutcome(nxt, None)

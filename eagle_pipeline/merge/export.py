@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle_pipeline.arrow_lists import list_parts, make_list
+from eagle_pipeline.merge.arrow_ops import supervised_per_row
 from eagle_pipeline.merge.core import MERGED_SCHEMA, ROW_GROUP_ROWS, SHARD_GLOB, shard_name
 from eagle_pipeline.merge.reader import iter_merged_shards
 from eagle_pipeline.storage import atomic_path, clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
@@ -150,7 +151,7 @@ class _ShardSink:
         n_tok = np.asarray(head["n_tokens"], dtype=np.int64)
         self.rows += head.num_rows
         self.tokens += int(n_tok.sum())
-        self.supervised += int((n_tok - np.asarray(head["n_prompt_tokens"], dtype=np.int64)).sum())
+        self.supervised += int(supervised_per_row(head["loss_mask"], n_tok).sum())  # folded turns included
 
     def close(self) -> None:
         if self.buffered or not self.paths:

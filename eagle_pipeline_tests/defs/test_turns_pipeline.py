@@ -10,6 +10,7 @@ import yaml
 
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.generation import read_responses
+from eagle_pipeline.generation.turns import END_REASONS
 from eagle_pipeline.merge import MergeManifest
 from eagle_pipeline.merge.reader import read_merged
 from eagle_pipeline.storage import DataRoot
@@ -43,7 +44,7 @@ def test_all_turns_end_to_end(pipeline_config, instance, tmp_path):
         turns = sorted(r["turn_index"] for r in responses if r["conversation_id"] == conv)
         assert turns == list(range(len(turns)))
         ends = [r["conversation_end"] for r in responses if r["conversation_id"] == conv]
-        assert sum(e is not None for e in ends) == 1
+        assert sum(e is not None for e in ends) == 1 and {e for e in ends if e} <= set(END_REASONS)
     tokens = pq.read_table(root.tokens("B5"))
     assert sorted(tokens.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in responses)
     assert "every dataset is complete" in _schedule(instance)

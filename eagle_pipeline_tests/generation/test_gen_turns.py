@@ -26,6 +26,7 @@ from eagle_pipeline.generation.turns import (
     END_MORE_TOOL_CALLS,
     END_NO_TOOL_CALL,
     END_TOOL_MISMATCH,
+    ConversationError,
     next_turn,
     split_conversation,
     turn_sample_id,
@@ -170,6 +171,8 @@ def test_next_turn_pairs_results_in_order_and_names_every_stop():
     two_results.append({"role": "tool", "tool_call_id": "call_src_0", "content": "more"})
     src2 = split_conversation("c", canonical_json(two_results), None)
     assert next_turn(src2, 0, msgs[:2], answer(call("get_weather", 0)), "tool_calls").end == END_FEWER_TOOL_CALLS
+    with pytest.raises(ConversationError, match="conversation c: starts with an assistant turn"):
+        split_conversation("c", canonical_json(msgs[2:]), None)
 
 
 def test_simulated_server_rejects_a_tool_result_for_no_open_call(tmp_path):
