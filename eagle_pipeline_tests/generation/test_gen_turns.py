@@ -327,3 +327,12 @@ def test_all_turns_over_the_vllm_wire_format(tmp_path):
         assert sent["reasoning"] == message["reasoning_content"] and sent["tool_calls"] == message["tool_calls"]
         assert rows[k - 1]["output_token_ids"] == answer["choices"][0]["token_ids"]
     assert all(r["prompt_token_ids"] and r["output_token_ids"] for r in rows)
+
+
+def test_a_turn_that_fails_once_is_retried_and_the_conversation_goes_on(tmp_path):
+    prompts = _prompts(_source())
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2, faults={"http_500": 1.0}) as srv:
+        s = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        rows = _rows(tmp_path)
+        assert (s.completed, s.failed) == (3, 0) and [r["attempts"] for r in rows] == [2, 2, 2]
+        assert [rec.status for rec in srv.request_log()] == [500, 200] * 3  # each turn after the one before

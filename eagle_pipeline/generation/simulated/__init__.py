@@ -8,7 +8,9 @@ All listen on 127.0.0.1 only, on an aiohttp app in a background thread, and are 
         ... BackendSpec(kind="simulated", endpoint=srv.url, ...)
 
 Answers are a pure function of the request (hash of messages + seed): reasoning that quotes the prompt, an
-answer, and, for ~60% of prompts that offer tools, tool calls whose arguments follow the tool's JSON schema.
+answer, and, for ~60% of prompts that offer tools, tool calls whose arguments follow the tool's JSON schema (after a
+tool result only while the conversation holds fewer than `tool_rounds` results: an agent loop). A tool result that
+answers no open call of the latest assistant message is refused with a 400, as chat APIs do.
 
 Faults (the `faults` dict): a fault name maps to a rate in [0, 1] (chosen per request key by hash, so the same
 prompts are affected on every run), and `select` maps a fault name to explicit request keys (`request_key()`).
