@@ -1,7 +1,8 @@
 """Retire a dataset's committed responses (all, or one backend's or provider's): archived, never deleted.
 
 Retired rows move to `responses/<dataset>/retired/<stamp>/`, out of the shards a run reads, so their prompts count as
-unanswered and the next run requests them again. A shard whose rows are all retired moves whole; a shard that mixes
+unanswered and the next run requests them again. A selected turn of a regenerated conversation takes the
+conversation's later turns with it (they answer a history that contained it), so the rerun continues from it. A shard whose rows are all retired moves whole; a shard that mixes
 kept and retired rows is split: its retired rows are written to the archive under the shard's name and the shard is
 rewritten, atomically, with the rows it keeps.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,13 +63,35 @@ class RetirementSummary:
         )
 
 
-def _match(table: pa.Table, backend: str | None, provider: str | None) -> pa.Array:
+def _match(
+    table: pa.Table, backend: str | None, provider: str | None, from_turn: Mapping[str, int] | None = None
+) -> pa.Array:
+    """The rows selected by backend and provider, and every turn of a regenerated conversation from the first of its
+    turns selected anywhere on (`from_turn`): later turns answer the history the retired turn was part of."""
     mask = pa.array([True] * table.num_rows, pa.bool_())
     if backend is not None:
         mask = pc.and_(mask, pc.fill_null(pc.equal(table.column("backend"), backend), False))
     if provider is not None:
         mask = pc.and_(mask, pc.fill_null(pc.equal(table.column("provider"), provider), False))
+    if from_turn and "conversation_id" in table.column_names:
+        conv, turn = table.column("conversation_id").to_pylist(), table.column("turn_index").to_pylist()
+        later = pa.array([c in from_turn and k >= from_turn[c] for c, k in zip(conv, turn)], pa.bool_())
+        mask = pc.or_(mask, later)
     return mask
+
+
+def _first_turns_selected(responses_dir: Path, backend: str | None, provider: str | None) -> dict[str, int]:
+    """Conversation id -> the first of its turns the selection matches, over every committed shard."""
+    first: dict[str, int] = {}
+    for part in store.part_files(responses_dir):
+        t = store.read_shard_columns(part, ["backend", "provider", "conversation_id", "turn_index"])
+        if "conversation_id" not in t.column_names:
+            continue
+        hit = _match(t, backend, provider).to_pylist()
+        for c, k, h in zip(t.column("conversation_id").to_pylist(), t.column("turn_index").to_pylist(), hit):
+            if h and c is not None:
+                first[c] = min(k, first.get(c, k))
+    return first
 
 
 def _spend(table: pa.Table) -> float:
@@ -95,7 +119,8 @@ def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None
             os.replace(live, archive / entry["shard"])
         else:
             table = pq.read_table(live)
-            keep = pc.invert(_match(table, manifest["selection"]["backend"], manifest["selection"]["provider"]))
+            sel = manifest["selection"]
+            keep = pc.invert(_match(table, sel["backend"], sel["provider"], manifest.get("conversations_from")))
             storage.write_parquet_atomic(table.filter(keep), live)
     storage.fsync_dir(archive)
     storage.fsync_dir(responses_dir)
@@ -132,9 +157,10 @@ def retire_responses(
         entries: list[dict[str, Any]] = []
         kept = retired = 0
         by_source: dict[str, int] = {}
+        from_turn = _first_turns_selected(d, backend, provider)
         for part in store.part_files(d):
             table = pq.read_table(part)
-            mask = _match(table, backend, provider)
+            mask = _match(table, backend, provider, from_turn)
             n_match = int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
             kept += table.num_rows - n_match
             if n_match == 0:
@@ -162,6 +188,7 @@ def retire_responses(
             "dataset": dataset,
             "retired_at": stamp,
             "selection": selection,
+            "conversations_from": from_turn,  # regenerated conversations retired from this turn on
             "applied": False,
             "rows": retired,
             "spend_usd": sum(e["spend_usd"] for e in entries),

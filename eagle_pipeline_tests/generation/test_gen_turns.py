@@ -336,3 +336,27 @@ def test_a_turn_that_fails_once_is_retried_and_the_conversation_goes_on(tmp_path
         rows = _rows(tmp_path)
         assert (s.completed, s.failed) == (3, 0) and [r["attempts"] for r in rows] == [2, 2, 2]
         assert [rec.status for rec in srv.request_log()] == [500, 200] * 3  # each turn after the one before
+
+
+def test_retiring_a_turn_retires_the_conversation_from_that_turn_on(tmp_path):
+    import pyarrow as pa
+
+    from eagle_pipeline.generation.retire import retire_responses
+    from eagle_pipeline.generation.store import write_shard
+
+    prompts = _prompts(_source())
+    out, _ = out_dirs(tmp_path, "B5")
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        for i, p in enumerate(part_files(out)):  # turn 1 was answered by a provider found bad afterwards
+            t = pq.read_table(p)
+            bad = t.column("turn_index")[0].as_py() == 1
+            t = t.set_column(t.schema.get_field_index("provider"), "provider", pa.array(["Bad" if bad else "Good"]))
+            write_shard(t, out, i)
+        summary = retire_responses(out, dataset="B5", provider="Bad")
+        assert summary.rows_retired == 2 and summary.by_backend_provider == {"sim/Bad": 1, "sim/Good": 1}
+        assert [r["turn_index"] for r in _rows(tmp_path)] == [0]
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        assert again.requested == 2
+        rows = _rows(tmp_path)
+        assert [r["turn_index"] for r in rows] == [0, 1, 2] and rows[2]["conversation_end"] == END_COMPLETE
