@@ -193,6 +193,7 @@ def generation_metadata(
         "provider_split": dg.MetadataValue.json(totals["provider_split"]),
         "source_split": dg.MetadataValue.json(totals["source_split"]),
         "finish_reasons": dg.MetadataValue.json(totals["finish_reasons"]),
+        "conversation_ends": dg.MetadataValue.json(totals["conversation_ends"]),
         "elapsed_s": round(float(summary.elapsed_s), 2),
         "reasoning_content_lengths": dg.MetadataValue.md(
             histogram_markdown(

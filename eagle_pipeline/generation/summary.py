@@ -105,8 +105,10 @@ class GenerationSummary:
 
 def committed_totals(responses: pa.Table, errors: pa.Table) -> dict[str, Any]:
     """Totals of a dataset's committed responses and errors tables: rows, spend, completion tokens, failures by
-    class, and the provider / source / finish-reason splits (plain values, JSON-friendly)."""
+    class, the provider / source / finish-reason splits, and how regenerated conversations ended (plain values,
+    JSON-friendly)."""
     has_rows = responses.num_rows > 0
+    ends = responses.column("conversation_end").drop_null() if "conversation_end" in responses.column_names else []
     return {
         "rows": responses.num_rows,
         "spend_usd_total": round(float(pc.sum(responses.column("cost_usd")).as_py() or 0.0), 6) if has_rows else 0.0,
@@ -118,4 +120,5 @@ def committed_totals(responses: pa.Table, errors: pa.Table) -> dict[str, Any]:
         "provider_split": value_counts(responses.column("provider"), "unknown") if has_rows else {},
         "source_split": value_counts(responses.column("source")) if has_rows else {},
         "finish_reasons": value_counts(responses.column("finish_reason")) if has_rows else {},
+        "conversation_ends": value_counts(ends) if len(ends) else {},  # regenerate: all_turns (turns.END_REASONS)
     }

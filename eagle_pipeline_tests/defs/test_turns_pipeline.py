@@ -4,6 +4,7 @@ complete -> the merge keeps each conversation in one split and `loss_on: all_tur
 
 from __future__ import annotations
 
+import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -45,6 +46,9 @@ def test_all_turns_end_to_end(pipeline_config, instance, tmp_path):
         assert turns == list(range(len(turns)))
         ends = [r["conversation_end"] for r in responses if r["conversation_id"] == conv]
         assert sum(e is not None for e in ends) == 1 and {e for e in ends if e} <= set(END_REASONS)
+    meta = instance.fetch_materializations(dg.AssetKey("responses"), limit=1).records[0].asset_materialization.metadata
+    ends = [r["conversation_end"] for r in responses if r["conversation_end"]]
+    assert meta["conversation_ends"].value == {e: ends.count(e) for e in set(ends)} and len(ends) == len(prompts)
     tokens = pq.read_table(root.tokens("B5"))
     assert sorted(tokens.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in responses)
     assert "every dataset is complete" in _schedule(instance)
