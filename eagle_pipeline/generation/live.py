@@ -1,8 +1,8 @@
 """The request loop of a live run: a fixed pool of worker coroutines, retries with backoff, account-wide pauses on
 Retry-After, rpm pacing, stops (auth, credits, budget, circuit breaker), periodic commits and progress.
 
-`LiveRun` turns each prompt into one responses row or one errors row in the sink; `runner` sets it up and tears it
-down. The wire format (request bodies, response parsing) is the backend's (`backends`), the transport the client's.
+`LiveRun` turns each prompt (each turn of a regenerated conversation, `turns`) into one responses row or one
+errors row in the sink; `runner` sets it up and tears it down. The wire format (request bodies, response parsing) is the backend's (`backends`), the transport the client's.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ class LiveRun:
             end, nxt = after_answer(src, item, p.reasoning, p.content, p.tool_calls_json, p.finish_reason)
         self.consecutive_failures = 0
         self.c.completed += 1
-        self.c.answered += item.conversation_id is None or end is not None
+        self.c.answered += int(item.conversation_id is None or end is not None)
         self.ledger.record(p.cost_usd)
         self.c.prompt_tokens += p.usage_prompt_tokens or 0
         self.c.completion_tokens += p.usage_completion_tokens or 0
