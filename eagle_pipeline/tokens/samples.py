@@ -52,12 +52,12 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
         # not from the ids, as the int64 bit pattern; null where the pipeline does not know that text exactly
         # (returned ids).
         ("output_text_hash", pa.int64()),
-        # A turn of a regenerated conversation (`regenerate: all_turns`): the merge keeps a conversation in one split
-        # and, with `loss_on: all_turns`, folds its turns (docs/merge.md). Null otherwise.
-        ("conversation_id", pa.string()),
-        ("turn_index", pa.int32()),
     ]
 )
+# Appended to the table only when it holds turns of regenerated conversations (`regenerate: all_turns`), so every
+# other token-samples table keeps TOKEN_SAMPLES_SCHEMA exactly: the merge keeps a conversation in one split and,
+# with `loss_on: all_turns`, folds its turns (docs/merge.md).
+TURN_FIELDS = (pa.field("conversation_id", pa.string()), pa.field("turn_index", pa.int32()))
 
 IDS_RECONSTRUCTED = "reconstructed"
 IDS_RETURNED = "returned"
@@ -99,7 +99,8 @@ def reconstruct_table(
     *,
     dataset_has_tools: bool,
 ) -> pa.Table:
-    """The token-samples table (TOKEN_SAMPLES_SCHEMA) for a responses table.
+    """The token-samples table (TOKEN_SAMPLES_SCHEMA, plus TURN_FIELDS when it holds turns of regenerated
+    conversations) for a responses table.
 
     Rows with `output_token_ids` keep the server's ids (ids_origin='returned'); the others are reconstructed from
     their text ('reconstructed') and get `output_text_hash`, the hash of the bytes their ids must decode to,
@@ -233,10 +234,12 @@ def reconstruct_table(
         "literal_special": literal,
         "prompt_key": prompt_keys,
         "output_text_hash": digests,
-        "conversation_id": col["conversation_id"],
-        "turn_index": col["turn_index"],
     }
-    return pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
+    table = pa.table(data, schema=TOKEN_SAMPLES_SCHEMA)
+    if any(c is not None for c in col["conversation_id"]):
+        for f in TURN_FIELDS:
+            table = table.append_column(f, pa.array(col[f.name], f.type))
+    return table
 
 
 def _list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
