@@ -105,7 +105,7 @@ def open_conversations(out_dir: str | os.PathLike, wanted: set[str]) -> dict[str
         for i, (c, k) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
             if c in wanted:
                 turns.setdefault(c, {})[int(k)] = (p, i)
-    out: dict[str, tuple[int, dict[str, Any]]] = {}
+    wanted_rows: dict[Path, list[tuple[str, int, int]]] = {}  # shard -> (conversation, last turn, row), read once
     for c, by_turn in turns.items():
         last = max(by_turn)
         if sorted(by_turn) != list(range(last + 1)):
@@ -115,7 +115,12 @@ def open_conversations(out_dir: str | os.PathLike, wanted: set[str]) -> dict[str
                 "its later turns answer a history that no longer exists: retire the whole conversation"
             )
         path, row = by_turn[last]
-        out[c] = (last, pq.read_table(path, columns=wide).slice(row, 1).to_pylist()[0])
+        wanted_rows.setdefault(path, []).append((c, last, row))
+    out: dict[str, tuple[int, dict[str, Any]]] = {}
+    for path, picks in wanted_rows.items():
+        rows = pq.read_table(path, columns=wide).take(pa.array([r for _, _, r in picks], pa.int64())).to_pylist()
+        for (c, last, _), values in zip(picks, rows):
+            out[c] = (last, values)
     return out
 
 
