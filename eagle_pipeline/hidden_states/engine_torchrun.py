@@ -155,21 +155,6 @@ def extract_shard_torchrun(
     return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
 
 
-def materialized_model_dir(model: str, *, family: str, seed: int, vocab_size: int, cache_dir: Path) -> Path:
-    """A directory `from_pretrained` can load on every rank: `model` itself, or the seeded tiny model saved once."""
-    from .runtime import TINY_RANDOM, load_extraction_model
-
-    if model != TINY_RANDOM:
-        return Path(model)
-    d = cache_dir / f"tiny-random-{family}-seed{seed}-vocab{vocab_size}"
-    if not (d / "config.json").exists():
-        tiny: Any = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache_dir))
-        tiny.save_pretrained(tmp)
-        os.replace(tmp, d)
-    return d
-
-
 def extract_shard_from_config(
     h: Any,
     *,
@@ -181,6 +166,8 @@ def extract_shard_from_config(
     log: Callable[[str], None] | None = None,
 ) -> tuple[ShardSummary, str]:
     """One shard with `hidden_states.engine: torchrun` (`h` is the `hidden_states` config section)."""
+    from .runtime import materialized_model_dir
+
     t = h.torchrun
     model_dir = materialized_model_dir(
         h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent

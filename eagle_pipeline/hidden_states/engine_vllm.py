@@ -6,7 +6,9 @@ For every merged row of a shard: `POST {endpoint}/v1/completions` with the row's
 project's shard (hidden_states/format.py: same file, index and checks as the in-process extractor). A per-request
 file is deleted as soon as it is copied into the shard's temporary file, the rest when the shard ends; at most
 2 x concurrency x endpoints rows are fetched ahead of the copy. Layer ids: project aux layer k is vLLM id k + 1; the final state is
-vLLM id L (`num_hidden_layers`), the last layer's output **before** the final norm.
+vLLM id L (`num_hidden_layers`), the last layer's output **before** the final norm. The target's final norm and lm_head
+are read from the checkpoint's safetensors files (only those two tensors) and recorded beside the shards, as the
+in-process engine records them, so the audit's norm and teacher checks judge engine shards too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .format import (
     shard_paths,
     tensor_key,
 )
+from .head import PRE_NORM, checkpoint_head, save_target_head_from_checkpoint
 from .layers import (
     aux_layer_to_hf_index,
     default_aux_layers,
@@ -68,6 +71,7 @@ def extract_shard_vllm(
     aux_layers: Sequence[int] | None = None,
     hidden_size: int | None = None,
     model_description: dict[str, Any] | None = None,
+    head_checkpoint: str | Path | None = None,
     concurrency: int = 8,
     timeout_s: float = 600.0,
     max_retries: int = 4,
@@ -87,10 +91,16 @@ def extract_shard_vllm(
     `on_mismatch='redo'`, moved aside (`shards.prepare_shard`); anything else is redone from the start. A transient
     failure (5xx, timeout, connection, a lock not freed in `timeout_s`, a file not there) is retried up to
     `max_retries` times, on whichever endpoint is free; an invalid file or answer stops the shard with an
-    `EngineShardError` naming the shard, row, sample and endpoint, and writes nothing.
+    `EngineShardError` naming the shard, row, sample and endpoint, and writes nothing. `head_checkpoint`: the
+    target's checkpoint directory, whose final norm and lm_head (`head.checkpoint_head`) are recorded beside the
+    shards once the shard is written; it is checked before the first request (a missing tensor stops the run
+    then, naming the file). Without it no head is recorded and the audit's norm and teacher checks cannot judge.
     """
     if not endpoints:
         raise ValueError("hidden_states.vllm.endpoints is empty")
+    found_head = checkpoint_head(head_checkpoint) if head_checkpoint is not None else None
+    if found_head is not None and hidden_size is not None and found_head.hidden_size != hidden_size:
+        raise ValueError(f"{head_checkpoint}: hidden_size {found_head.hidden_size}, the servers' model {hidden_size}")
     out_dir, storage = Path(out_dir), Path(storage_path)
     st_path, idx_path = shard_paths(out_dir, shard_index)
     n_rows = count_rows(merged_dir)
@@ -127,6 +137,8 @@ def extract_shard_vllm(
         "hf_hidden_states_indices": json.dumps([aux_layer_to_hf_index(x, num_layers) for x in aux]),
         "hf_hidden_states_final_index": json.dumps(final_state_hf_index(num_layers, post_norm=False)),
         "final_state_is_post_norm": json.dumps(False),
+        "final_state": PRE_NORM,
+        **({"final_norm_eps": repr(found_head.eps)} if found_head is not None else {}),
         "engine": "vllm",
         "vllm_layer_ids": json.dumps(list(layer_ids)),
         "vllm_layer_ids_convention": "id k = residual entering decoder layer k (= output of layer k-1); "
@@ -231,12 +243,16 @@ def extract_shard_vllm(
                 write_wait_seconds=run.write_seconds,
                 fingerprint=wanted.to_dict(),
             )
-            extra = {
+            extra: dict[str, Any] = {
                 "engine": "vllm",
                 "vllm_layer_ids": list(layer_ids),
                 "vllm_endpoints": list(endpoints),
                 "retries": run.retries,
+                "final_state": PRE_NORM,
             }
+            if found_head is not None:  # recorded once the shard is complete: an aborted shard leaves nothing
+                _, head_sha = save_target_head_from_checkpoint(found_head, out_dir)
+                extra.update(final_norm_eps=found_head.eps, target_head_sha256=head_sha)
             nonfinite = np.zeros(len(rows), dtype=np.int64)  # refused above: a shard never holds NaN/Inf here
             model = model_description or {}
             write_shard_index(idx_path, rows, summary, nonfinite, hidden=facts.hidden_size, model=model, extra=extra)

@@ -4,7 +4,8 @@ The project stores the final hidden state **pre-norm** (the last decoder layer's
 `extract_hidden_states` gives). The post-norm state a SpecForge trainer wants is `final_norm(pre)`, and the audit's
 teacher check needs `lm_head(final_norm(pre))`; both need only these two weights and the norm's epsilon, never the
 model. Any engine records them with `save_target_head` (the transformers engine takes them from the loaded model;
-an engine without the model in process reads `model.norm.weight` and `lm_head.weight` from the checkpoint).
+the vLLM engine, without the model in process, reads only those two tensors from the checkpoint's safetensors files:
+`checkpoint_head`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,124 @@ def save_target_head_from_model(
 def _full(weight: Any) -> torch.Tensor:
     """The whole tensor of a tensor-parallel (DTensor) weight; every rank must call this (it gathers)."""
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+# Where checkpoints keep the final norm, the lm_head and the (tied) input embedding: a plain *ForCausalLM, Kimi-K2.5's
+# remote-code VLM wrapper (`language_model.`), transformers 5's VLM layout (`model.language_model.`).
+NORM_KEYS = ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight")
+LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+EMBED_KEYS = (
+    "model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class CheckpointHead:
+    """Where a checkpoint directory holds its final norm and lm_head (found and shape-checked; nothing read yet)."""
+
+    model_dir: Path
+    norm_key: str
+    norm_file: Path
+    head_key: str  # the lm_head, or the input embedding when the config ties them
+    head_file: Path
+    eps: float
+    hidden_size: int
+    vocab_size: int
+
+    def source(self) -> dict[str, Any]:
+        return {
+            "checkpoint": str(self.model_dir),
+            "final_norm": f"{self.norm_file.name}:{self.norm_key}",
+            "lm_head": f"{self.head_file.name}:{self.head_key}",
+        }
+
+    def load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final norm weight [H], lm_head [V, H]) as stored: only these two tensors are read."""
+        from safetensors import safe_open
+
+        out = []
+        for key, file in ((self.norm_key, self.norm_file), (self.head_key, self.head_file)):
+            with safe_open(str(file), framework="pt") as f:
+                out.append(f.get_tensor(key))
+        return out[0], out[1]
+
+
+def _checkpoint_files(model_dir: Path) -> tuple[dict[str, Path], str]:
+    """Every tensor name of the checkpoint -> the file holding it, and what was read to know it (for errors)."""
+    from safetensors import safe_open
+
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return {k: model_dir / f for k, f in weight_map.items()}, str(index)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir}: no {SAFETENSORS_INDEX} and no *.safetensors file. The vllm engine records the target's "
+            f"final norm and lm_head for the shards' audit from its checkpoint: put the checkpoint there (or at "
+            f"least {SAFETENSORS_INDEX} and the files holding {NORM_KEYS[0]} and {LM_HEAD_KEYS[0]})"
+        )
+    keys: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(dict.fromkeys(f.keys(), file))
+    return keys, ", ".join(str(f) for f in files)
+
+
+def checkpoint_head(model_dir: str | Path) -> CheckpointHead:
+    """Find the final norm weight and lm_head (or the tied embedding) in a local checkpoint's safetensors files,
+    sharded (`model.safetensors.index.json`) or not, under the plain or a VLM wrapper's names, and the norm's
+    epsilon in its config. Raises FileNotFoundError naming the file when a tensor or a file is absent, and
+    ValueError when a shape disagrees with the config."""
+    from safetensors import safe_open
+
+    from .model import load_text_config
+
+    d = Path(model_dir)
+    config_path = d / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{d} is not a local transformers model directory (no config.json)")
+    top = json.loads(config_path.read_text())
+    text = load_text_config(d)
+    keys, where = _checkpoint_files(d)
+    tied = bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False)))
+    norm_key = next((k for k in NORM_KEYS if k in keys), None)
+    head_key = next((k for k in (*LM_HEAD_KEYS, *(EMBED_KEYS if tied else ())) if k in keys), None)
+    for what, key, wanted in (
+        ("final norm", norm_key, NORM_KEYS),
+        ("lm_head", head_key, LM_HEAD_KEYS + (EMBED_KEYS if tied else ())),
+    ):
+        if key is None:
+            raise FileNotFoundError(f"{where}: no {what} tensor (looked for {', '.join(wanted)})")
+    assert norm_key is not None and head_key is not None
+    eps = text.get("rms_norm_eps")
+    if eps is None:
+        raise FileNotFoundError(f"{config_path}: no rms_norm_eps (the final norm's epsilon)")
+    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    shapes = {}
+    for key in (norm_key, head_key):
+        file = keys[key]
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: named by {where} for {key}, but absent")
+        with safe_open(str(file), framework="pt") as f:
+            if key not in set(f.keys()):  # a safe_open handle has no __contains__
+                raise FileNotFoundError(f"{file}: has no tensor {key} ({where} says it does)")
+            shapes[key] = tuple(f.get_slice(key).get_shape())
+    if shapes[norm_key] != (hidden,) or shapes[head_key] != (vocab, hidden):
+        raise ValueError(
+            f"{d}: {norm_key} {shapes[norm_key]} and {head_key} {shapes[head_key]} do not match the config's "
+            f"hidden_size {hidden} / vocab_size {vocab}"
+        )
+    return CheckpointHead(d, norm_key, keys[norm_key], head_key, keys[head_key], float(eps), hidden, vocab)
+
+
+def save_target_head_from_checkpoint(found: CheckpointHead, out_dir: str | Path) -> tuple[Path, str]:
+    """Record the head `checkpoint_head` found, read straight from the checkpoint (never the whole model)."""
+    norm, head = found.load()
+    return save_target_head(out_dir, norm_weight=norm, eps=found.eps, lm_head=head, source=found.source())
 
 
 def final_norm_eps(model: torch.nn.Module) -> float:

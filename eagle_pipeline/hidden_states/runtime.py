@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -133,6 +134,26 @@ def load_extraction_model(model: str, *, family: str, seed: int, vocab_size: int
 
     loaded = cast(torch.nn.Module, AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype))
     return loaded.to(device).eval()
+
+
+def materialized_model_dir(model: str, *, family: str, seed: int, vocab_size: int, cache_dir: Path) -> Path:
+    """A checkpoint directory for `model`: itself, or the seeded tiny model saved once under `cache_dir` (what
+    torchrun's ranks load and where the vllm engine reads the head of the model the loopback double serves)."""
+    if model != TINY_RANDOM:
+        return Path(model)
+    d = cache_dir / f"tiny-random-{family}-seed{seed}-vocab{vocab_size}"
+    if not (d / "config.json").exists():
+        tiny: Any = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache_dir))
+        tiny.save_pretrained(tmp)
+        try:
+            os.replace(tmp, d)
+        except OSError:  # another shard run saved the same seeded model first
+            if not (d / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    return d
 
 
 def model_identity_for_spec(model: str, *, family: str, seed: int, vocab_size: int) -> dict[str, Any]:

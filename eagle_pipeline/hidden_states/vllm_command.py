@@ -161,8 +161,9 @@ def extract_shard_from_config(
     progress: ProgressCallback | None = None,
 ) -> tuple[ShardSummary, str]:
     """One shard through the engine `hidden_states.engine` names (`h` is the `hidden_states` config section), for
-    the Dagster asset. Returns the summary and where it ran."""
-    from .runtime import fingerprint_for_config
+    the Dagster asset. Returns the summary and where it ran. The target head is read from `hidden_states.model`'s
+    checkpoint (for `tiny-random`, the seeded model the double serves, saved once beside `out_dir`)."""
+    from .runtime import fingerprint_for_config, materialized_model_dir
 
     if h.engine != "vllm":
         raise ValueError(f"hidden_states.engine {h.engine!r} is not an HTTP engine")
@@ -172,6 +173,9 @@ def extract_shard_from_config(
     n_layers = int(desc["num_layers"])
     aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
     ids = vllm_layer_ids(aux, n_layers)
+    checkpoint = materialized_model_dir(
+        h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
+    )
     with resolved_endpoints(
         v.endpoints,
         storage_path=v.storage_path,
@@ -192,6 +196,7 @@ def extract_shard_from_config(
             aux_layers=aux,
             hidden_size=int(desc["hidden_size"]),
             model_description=desc,
+            head_checkpoint=checkpoint,
             fingerprint=wanted,
             on_mismatch=h.on_settings_change,
             concurrency=v.concurrency,
