@@ -151,6 +151,8 @@ def extract_shard_torchrun(
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"shard {shard_index:05d}: torchrun world of {tp_size} exited {proc.returncode}:\n{tail}")
+    if log is not None and proc.stdout.strip():
+        log(f"shard {shard_index:05d}: world done: {proc.stdout.strip().splitlines()[-1]}")
     stored = read_index_meta(idx_path)
     return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
 
@@ -187,6 +189,15 @@ def extract_shard_from_config(
         log=log,
     )
     return summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else "")
+
+
+def parallel_layout(model: torch.nn.Module) -> dict[str, Any]:
+    """How the world split the first routed-expert weight: its global and this rank's shape (expert parallel
+    splits the expert dimension, tensor parallel each expert); empty for a dense model."""
+    for name, p in model.named_parameters():
+        if ".experts." in name and hasattr(p, "to_local"):
+            return {"experts_param": name, "global_shape": list(p.shape), "local_shape": list(p.to_local().shape)}
+    return {}
 
 
 def _rank_main(argv: Sequence[str] | None = None) -> int:
@@ -237,7 +248,8 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
         if rank != 0:
             shutil.rmtree(out, ignore_errors=True)
     if rank == 0:
-        print(json.dumps({"shard": args.shard, "rows": summary.rows, "sha256": summary.sha256}))
+        report = {"shard": args.shard, "rows": summary.rows, "sha256": summary.sha256, **dist}
+        print(json.dumps({**report, "parallel": parallel_layout(model)}))
     return 0
 
 

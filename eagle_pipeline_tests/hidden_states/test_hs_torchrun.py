@@ -1,7 +1,10 @@
-"""engine: torchrun: a real 2-process torchrun world (gloo, CPU) with transformers' DistributedConfig(tp_size=2)
-writes the same shard as one process, within 1e-5 in fp32."""
+"""engine: torchrun: a real 2-process torchrun world (gloo, CPU) with transformers' DistributedConfig(tp_size=2),
+and with tp_size=2, ep_size=2 (the routed experts split between the ranks), writes the same shard as one process,
+within 1e-5 in fp32, on a tiny DeepSeek-V3 (MLA + MoE) and a tiny llama."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -16,28 +19,60 @@ pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it (
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
+def _world(model, merged, tmp_path, **dist):
     model_dir = tmp_path / "model"
-    tiny_ds.save_pretrained(model_dir)
-    rows = make_rows(6, seed=9, min_len=2, max_len=40)
-    merged = merged_factory(rows, [6])
+    model.save_pretrained(model_dir)
     logs: list[str] = []
     s = extract_shard_torchrun(
-        model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2, log=logs.append
+        model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", log=logs.append, **dist
     )
     assert "--nproc-per-node 2" in logs[0] and not s.skipped
-    assert shard_status(tmp_path / "tp", 0) == "done"
-    assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
-    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
-    tp, one = load_file(s.path), load_file(ref.path)
+    report = json.loads(logs[-1].split("world done: ", 1)[1])
+    assert report["sha256"] == s.sha256 and report["tp_size"] == 2
+    return s, model_dir, report["parallel"]
+
+
+def _assert_same_shard(path, ref_path):
+    tp, one = load_file(path), load_file(ref_path)
     assert tp.keys() == one.keys()
     for key, want in one.items():
         if want.is_floating_point():
             torch.testing.assert_close(tp[key], want, atol=1e-5, rtol=1e-5)
         else:
             assert torch.equal(tp[key], want)
+
+
+def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
+    rows = make_rows(6, seed=9, min_len=2, max_len=40)
+    merged = merged_factory(rows, [6])
+    s, model_dir, parallel = _world(tiny_ds, merged, tmp_path, tp_size=2)
+    n_experts = tiny_ds.config.n_routed_experts
+    assert parallel["global_shape"][0] == parallel["local_shape"][0] == n_experts  # TP splits inside each expert
+    assert shard_status(tmp_path / "tp", 0) == "done"
+    assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
+    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
+    _assert_same_shard(s.path, ref.path)
     again = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
     assert again.skipped and again.sha256 == s.sha256  # a done shard starts no world
+
+
+def test_tp2_ep2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(6, seed=4, min_len=2, max_len=40), [6])
+    s, _, parallel = _world(tiny_ds, merged, tmp_path, tp_size=2, ep_size=2)
+    n_experts = tiny_ds.config.n_routed_experts
+    assert parallel["global_shape"][0] == n_experts and parallel["local_shape"][0] == n_experts // 2  # EP: 4 + 4
+    ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
+    _assert_same_shard(s.path, ref.path)
+
+
+def test_tp2_world_equals_one_process_on_llama(tiny_llama, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(6, seed=2, min_len=2, max_len=40), [6])
+    s, _, parallel = _world(tiny_llama, merged, tmp_path, tp_size=2)
+    assert parallel == {}  # dense: no experts
+    ref = extract_shard(
+        tiny_llama, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm"
+    )
+    _assert_same_shard(s.path, ref.path)
 
 
 def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):

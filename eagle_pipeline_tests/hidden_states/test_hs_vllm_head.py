@@ -76,9 +76,7 @@ def test_engine_shards_are_judged_with_the_checkpoint_head(normed_model, texts, 
     assert results["norm_convention"].metrics["recorded_convention"] == "pre_norm"
 
 
-def test_a_head_from_another_checkpoint_fails_the_teacher_check(
-    normed_model, tiny_ds, texts, merged_factory, tmp_path
-):
+def test_a_head_from_another_checkpoint_fails_the_teacher_check(normed_model, tiny_ds, texts, merged_factory, tmp_path):
     wrong = tmp_path / "other"
     tiny_ds.save_pretrained(wrong)  # same shapes, other weights: the servers' model is not this checkpoint
     merged = merged_factory(texts)
@@ -153,6 +151,6 @@ def test_a_missing_head_stops_the_run_before_any_request(normed_model, texts, me
     (tmp_path / "cfg").mkdir()
     normed_model.config.save_pretrained(tmp_path / "cfg")  # a config.json without weights
     merged = merged_factory(texts)
-    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json"):
+    with pytest.raises(FileNotFoundError, match=r"cfg: no model\.safetensors\.index\.json"):
         _engine_shard(normed_model, tmp_path / "cfg", merged, tmp_path, len(texts))
     assert not (tmp_path / "storage").exists() or list((tmp_path / "storage").iterdir()) == []
