@@ -238,8 +238,9 @@ class TorchrunConfig(SpecBase):
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
         tp, ep = data.get("tp_size", 2), data.get("ep_size")
-        if isinstance(tp, int) and isinstance(ep, int) and ep >= 1 and tp % ep:
-            return [(("ep_size",), f"must divide tp_size ({tp}): transformers refuses expert parallelism alone")]
+        # A world of tp_size ranks without FSDP: transformers wants ep_size a multiple of tp_size dividing it.
+        if isinstance(tp, int) and isinstance(ep, int) and ep not in (1, tp):
+            return [(("ep_size",), f"must be 1 or tp_size ({tp}): transformers splits the experts over the world")]
         return []
 
 

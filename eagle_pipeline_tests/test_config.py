@@ -361,10 +361,13 @@ def test_vllm_engine_problems_name_their_paths(tmp_path):
         ConfigError, match=r"hidden_states.engine: must be one of 'in_process', 'vllm' or 'torchrun', got 'sglang'"
     ):
         load_config(_with_hidden_states(tmp_path, {"engine": "sglang"}))
-    t = load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 2}}))
-    assert (t.hidden_states.torchrun.tp_size, t.hidden_states.torchrun.ep_size) == (4, 2)
-    with pytest.raises(ConfigError, match=r"hidden_states.torchrun.ep_size: must divide tp_size \(4\)"):
-        load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 3}}))
+    t = load_config(_with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": 4}}))
+    assert (t.hidden_states.torchrun.tp_size, t.hidden_states.torchrun.ep_size) == (4, 4)
+    for ep in (2, 3):  # transformers 5.24 refuses DistributedConfig(tp_size=4, ep_size=2) at load, on every rank
+        with pytest.raises(ConfigError, match=r"hidden_states.torchrun.ep_size: must be 1 or tp_size \(4\)"):
+            load_config(
+                _with_hidden_states(tmp_path, {"engine": "torchrun", "torchrun": {"tp_size": 4, "ep_size": ep}})
+            )
 
 
 def test_hidden_states_layout_and_audit_keys(tmp_path):

@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """GPU check of the hidden-state extractor: a realistic architecture with random weights, a synthetic merged
-dataset, `extract_shard` over it, tokens/s and share of bf16 peak, then `verify_shard` on every shard.
+dataset, extraction over it through an engine, tokens/s and share of bf16 peak, then `verify_shard` on every shard.
 
     python scripts/gpu_check.py                      # Llama-3.1-8B shape, bf16, one CUDA GPU (< 5 min on H200)
     python scripts/gpu_check.py --arch kimi-shallow  # Kimi-K2 layer shapes (MLA + 384->32 experts), 8 layers
     python scripts/gpu_check.py --cpu --tiny         # smoke test anywhere
+    python scripts/gpu_check.py --cpu --tiny --engine torchrun  # a 2-process gloo world per shard (engine: torchrun)
+    python scripts/gpu_check.py --cpu --tiny --engine vllm      # the engine client against the loopback vLLM double
+
+By default (`--engine auto`) the in-process path runs, and where several GPUs are visible the torchrun path over all
+of them too (`make gpu-check`); each prints tokens/s and MFU.
 
 Nothing is downloaded: weights are seeded random numbers allocated directly on the device.
 Exit codes: 0 all checks passed; 1 a shard failed verification; 2 environment problem or out of memory;
@@ -14,12 +19,14 @@ Exit codes: 0 all checks passed; 1 a shard failed verification; 2 environment pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +47,7 @@ from eagle_pipeline.hidden_states import (
     shard_status,
     verify_shard,
 )
+from eagle_pipeline.hidden_states.shards import ShardSummary
 from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
 
 H200_BF16_PEAK_TFLOPS = 989.0
@@ -114,6 +122,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
     ap.add_argument("--keep", action="store_true", help="keep the shards (default: delete each after verifying)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine",
+        choices=("auto", "in_process", "torchrun", "vllm"),
+        default="auto",
+        help="auto: in_process, plus torchrun over every GPU where several are visible; torchrun: one world of "
+        "--tp-size processes per shard (gloo on --cpu); vllm: the engine client against the loopback vLLM double "
+        "serving the same model",
+    )
+    ap.add_argument("--tp-size", type=int, default=None, help="torchrun world size; default: visible GPUs (2 on CPU)")
     return ap.parse_args(argv)
 
 
@@ -191,95 +208,249 @@ def main(argv: list[str] | None = None) -> int:
         print("ERROR: --keep would need more disk than allowed; lower --samples")
         return 2
 
-    deadline = started + args.max_seconds
+    engines = resolve_engines(args.engine, device)
+    rc = 0
+    try:
+        for engine in engines:
+            rc = max(
+                rc,
+                run_engine(
+                    engine,
+                    args,
+                    model=model,
+                    desc=desc,
+                    aux=aux,
+                    merged=merged,
+                    device=device,
+                    dtype=dtype,
+                    workdir=workdir,
+                    shard_size=shard_size,
+                    shards=shards,
+                    max_tpb=max_tpb,
+                ),
+            )
+    finally:
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"total wall {time.perf_counter() - started:.0f}s")
+    return rc
+
+
+def resolve_engines(engine: str, device: str) -> list[str]:
+    """`auto`: the in-process path, and the torchrun path too where several GPUs are visible."""
+    if engine != "auto":
+        return [engine]
+    several = device == "cuda" and torch.cuda.device_count() >= 2
+    return ["in_process", "torchrun"] if several else ["in_process"]
+
+
+def run_engine(
+    engine: str,
+    args: argparse.Namespace,
+    *,
+    model,
+    desc,
+    aux,
+    merged,
+    device,
+    dtype,
+    workdir,
+    shard_size,
+    shards,
+    max_tpb,
+) -> int:
+    """Extract every shard through `engine`, verify each, print tokens/s and MFU; returns the exit code."""
+    tp_size = args.tp_size or (torch.cuda.device_count() if device == "cuda" else 2)
+    n_devices = tp_size if engine == "torchrun" else 1
+    out_dir = workdir / ("hidden_states" if engine == "in_process" else f"hidden_states_{engine}")
+    print(
+        f"\nENGINE {engine}"
+        + (
+            f": a torchrun world of {tp_size} ({'nccl' if device == 'cuda' else 'gloo'})"
+            if engine == "torchrun"
+            else ""
+        )
+    )
+    deadline = time.perf_counter() + args.max_seconds
 
     def guard(done: int, total: int, tokens_done: int, tokens_total: int) -> None:
         if time.perf_counter() > deadline:
             raise Deadline(f"--max-seconds {args.max_seconds} reached at {done}/{total} rows of the current shard")
 
-    out_dir = workdir / "hidden_states"
-    summaries, failures = [], 0
-    flops_params = desc["matmul_active_params"]
-    for shard in range(shards):
-        try:
-            s = extract_shard(
-                model,
-                merged,
-                shard_index=shard,
-                shard_size=shard_size,
-                out_dir=out_dir,
-                aux_layers=aux,
-                max_tokens_per_batch=max_tpb,
-                device=device,
-                dtype=dtype,
-                progress=guard,
-            )
-        except Deadline as exc:
-            print(f"stopped: {exc}")
-            break
-        except torch.cuda.OutOfMemoryError as exc:
-            print(
-                f"ERROR: out of GPU memory in shard {shard} with --max-tokens-per-batch {max_tpb}; "
-                f"retry with a smaller budget, e.g. {max_tpb // 2}. ({str(exc).splitlines()[0]})"
-            )
-            return 2
-        summaries.append(s)
-        tflops = 2 * flops_params * s.tokens / max(s.compute_seconds, 1e-9) / 1e12
-        print(
-            f"shard {shard}: {s.rows} rows, {s.tokens:,} tokens in {s.seconds:.1f}s = {s.tokens_per_s:,.0f} tok/s "
-            f"end to end; compute {s.compute_seconds:.1f}s ({s.tokens / max(s.compute_seconds, 1e-9):,.0f} tok/s, "
-            f"{tflops:.0f} TFLOP/s), waited on disk {s.write_wait_seconds:.1f}s; {s.batches} batches, "
-            f"padding {s.padding_fraction:.1%}, {s.size_bytes / 1e9:.2f} GB, nonfinite samples {s.n_nonfinite_samples}"
+    with contextlib.ExitStack() as stack:
+        extract_one = engine_extractor(
+            engine,
+            stack,
+            model=model,
+            desc=desc,
+            aux=aux,
+            merged=merged,
+            device=device,
+            dtype=dtype,
+            workdir=workdir,
+            out_dir=out_dir,
+            shard_size=shard_size,
+            max_tpb=max_tpb,
+            tp_size=tp_size,
+            guard=guard,
         )
-        tv = time.perf_counter()
-        checks = verify_shard(out_dir, shard, merged)
-        status = shard_status(out_dir, shard)
-        ok = all(c.passed for c in checks.values()) and status == "done"
-        failures += 0 if ok else 1
-        print(
-            f"  verify ({time.perf_counter() - tv:.1f}s): status={status} "
-            + ", ".join(
-                f"{k}={'ok' if c.passed else 'FAIL'} {c.failing}/{c.checked} {c.failing_sample_ids[:3]}"
-                for k, c in checks.items()
-            )
-        )
-        if not args.keep:
-            for p in shard_paths(out_dir, shard):
-                p.unlink(missing_ok=True)
-
+        summaries, failures = [], 0
+        for shard in range(shards):
+            tw = time.perf_counter()
+            try:
+                if tw > deadline:
+                    raise Deadline(f"--max-seconds {args.max_seconds} reached before shard {shard}")
+                s = extract_one(shard)
+            except Deadline as exc:
+                print(f"stopped: {exc}")
+                break
+            except torch.cuda.OutOfMemoryError as exc:
+                print(
+                    f"ERROR: out of GPU memory in shard {shard} with --max-tokens-per-batch {max_tpb}; "
+                    f"retry with a smaller budget, e.g. {max_tpb // 2}. ({str(exc).splitlines()[0]})"
+                )
+                return 2
+            summaries.append(s)
+            print_shard(shard, s, desc["matmul_active_params"], wall=time.perf_counter() - tw)
+            failures += 0 if verify_and_drop(out_dir, shard, merged, keep=args.keep) else 1
     if not summaries:
         print("no shard completed before the deadline")
         return 3
+    print_result(engine, summaries, shards, desc, device, n_devices, failures)
+    return 1 if failures else 0
+
+
+def engine_extractor(
+    engine: str,
+    stack: contextlib.ExitStack,
+    *,
+    model,
+    desc,
+    aux,
+    merged,
+    device,
+    dtype,
+    workdir,
+    out_dir,
+    shard_size,
+    max_tpb,
+    tp_size,
+    guard,
+) -> Callable[[int], ShardSummary]:
+    """One shard's extraction through `engine` (servers and saved models it needs live as long as `stack`)."""
+    if engine == "in_process":
+        return lambda shard: extract_shard(
+            model,
+            merged,
+            shard_index=shard,
+            shard_size=shard_size,
+            out_dir=out_dir,
+            aux_layers=aux,
+            max_tokens_per_batch=max_tpb,
+            device=device,
+            dtype=dtype,
+            progress=guard,
+        )
+    if engine == "torchrun":
+        from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+
+        model_dir = workdir / "model"  # what every rank loads: the same seeded weights, saved once
+        if not (model_dir / "config.json").exists():
+            t = time.perf_counter()
+            model.save_pretrained(model_dir)
+            print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
+        return lambda shard: extract_shard_torchrun(
+            model_dir,
+            merged,
+            shard_index=shard,
+            shard_size=shard_size,
+            out_dir=out_dir,
+            tp_size=tp_size,
+            aux_layers=aux,
+            max_tokens_per_batch=max_tpb,
+        )
+    if engine == "vllm":
+        from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+        from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+        from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+
+        n_layers = desc["num_layers"]
+        storage = workdir / "connector"
+        double = stack.enter_context(
+            VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(aux, n_layers), storage_path=storage)
+        )
+        print(f"the engine client against the loopback vLLM double at {double.url} (one forward per request)")
+        return lambda shard: extract_shard_vllm(
+            merged,
+            shard_index=shard,
+            shard_size=shard_size,
+            out_dir=out_dir,
+            endpoints=[double.url],
+            storage_path=storage,
+            num_layers=n_layers,
+            aux_layers=aux,
+            hidden_size=desc["hidden_size"],
+            model_description=desc,
+            progress=guard,
+        )
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def print_shard(shard: int, s: ShardSummary, flops_params: int, *, wall: float) -> None:
+    tflops = 2 * flops_params * s.tokens / max(s.compute_seconds, 1e-9) / 1e12
+    print(
+        f"shard {shard}: {s.rows} rows, {s.tokens:,} tokens in {s.seconds:.1f}s = {s.tokens_per_s:,.0f} tok/s "
+        f"end to end; compute {s.compute_seconds:.1f}s ({s.tokens / max(s.compute_seconds, 1e-9):,.0f} tok/s, "
+        f"{tflops:.0f} TFLOP/s), waited on disk {s.write_wait_seconds:.1f}s; {s.batches} batches, "
+        f"padding {s.padding_fraction:.1%}, {s.size_bytes / 1e9:.2f} GB, nonfinite samples {s.n_nonfinite_samples}; "
+        f"wall {wall:.1f}s"
+    )
+
+
+def verify_and_drop(out_dir: Path, shard: int, merged: Path, *, keep: bool) -> bool:
+    """`verify_shard` and `shard_status` of one shard, printed; the shard is deleted unless `keep`."""
+    tv = time.perf_counter()
+    checks = verify_shard(out_dir, shard, merged)
+    status = shard_status(out_dir, shard)
+    ok = all(c.passed for c in checks.values()) and status == "done"
+    print(
+        f"  verify ({time.perf_counter() - tv:.1f}s): status={status} "
+        + ", ".join(
+            f"{k}={'ok' if c.passed else 'FAIL'} {c.failing}/{c.checked} {c.failing_sample_ids[:3]}"
+            for k, c in checks.items()
+        )
+    )
+    if not keep:
+        for p in shard_paths(out_dir, shard):
+            p.unlink(missing_ok=True)
+    return ok
+
+
+def print_result(engine, summaries, shards, desc, device, n_devices, failures) -> None:
     tokens = sum(s.tokens for s in summaries)
     secs = sum(s.seconds for s in summaries)
     compute = sum(s.compute_seconds for s in summaries)
     # The first shard pays one-off costs (CUDA context, kernel selection); report steady state when there is one.
     steady = summaries[1:] or summaries
     st_tokens, st_compute = sum(s.tokens for s in steady), sum(s.compute_seconds for s in steady)
-    peak = H200_BF16_PEAK_TFLOPS * 1e12
-    print("\nRESULT")
+    peak = H200_BF16_PEAK_TFLOPS * 1e12 * n_devices
+    print(f"\nRESULT ({engine})")
     print(
         f"  shards {len(summaries)}/{shards}, tokens {tokens:,}, end-to-end {tokens / secs:,.0f} tok/s, "
-        f"compute-only {tokens / compute:,.0f} tok/s"
+        f"compute-only {tokens / compute:,.0f} tok/s ({tokens / compute / n_devices:,.0f} tok/s per device)"
     )
     for label, params in (
-        ("matmul params (no embedding lookup, no lm_head)", flops_params),
+        ("matmul params (no embedding lookup, no lm_head)", desc["matmul_active_params"]),
         ("all params", desc["params"]),
     ):
         mfu = 2 * params * st_tokens / st_compute / peak
         print(
             f"  FLOPs = 2 x {params / 1e9:.2f}B {label} x tokens: steady-state compute = {mfu:.1%} of "
-            f"{H200_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak (end to end {2 * params * tokens / secs / peak:.1%})"
+            f"{n_devices} x {H200_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak (end to end {2 * params * tokens / secs / peak:.1%})"
         )
     if device == "cuda":
-        print(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(
-        f"  verification: {'all shards passed' if not failures else f'{failures} shard(s) FAILED'}; "
-        f"total wall {time.perf_counter() - started:.0f}s"
-    )
-    if args.workdir is None and not args.keep:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 1 if failures else 0
+        print(f"  peak GPU memory (this process) {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(f"  verification: {'all shards passed' if not failures else f'{failures} shard(s) FAILED'}")
 
 
 if __name__ == "__main__":
