@@ -78,6 +78,13 @@ def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir)
         plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", **common)
     with pytest.raises(PlanRefused, match=r"at least 5 GPUs .*on 4 GPU\(s\).*gpus_per_server"):
         plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", engine="vllm", gpus_per_server=4, **common)
+    # transformers decompresses the INT4 experts to bf16: a TP = 8 world cannot hold Kimi-K2.5 either.
+    with pytest.raises(
+        PlanRefused, match=r"at least 17 GPUs .*engine 'torchrun' holds one model on 8 GPU\(s\).*tp_size"
+    ):
+        plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", engine="torchrun", tp_size=8, **common)
+    world = plan_for_run(extraction_model="tiny-random", extraction_family="deepseek_v3", engine="torchrun", **common)
+    assert world["this_run"].fits_engine and world["this_run"].gpus_per_model == world["this_run"].n_gpus == 2
     plans = plan_for_run(
         extraction_model=kimi, extraction_family="deepseek_v3", engine="vllm", n_servers=2, gpus_per_server=8, **common
     )
