@@ -10,9 +10,11 @@ write to a scratch directory that is deleted. For targets that fit one node in t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -147,7 +149,10 @@ def extract_shard_torchrun(
         log(f"shard {shard_index:05d}: {' '.join(argv)}")
     repo = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout, as this process does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+    parent = os.getpid()
+    proc = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=timeout_s, preexec_fn=die_with_parent(parent)
+    )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"shard {shard_index:05d}: torchrun world of {tp_size} exited {proc.returncode}:\n{tail}")
@@ -189,6 +194,26 @@ def extract_shard_from_config(
         log=log,
     )
     return summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else "")
+
+
+def die_with_parent(parent: int) -> Callable[[], None]:
+    """A function that has the kernel SIGKILL the calling process when its parent `parent` dies (Linux;
+    elsewhere it does nothing): a shard run killed with `kill -9` must not leave a torchrun world holding GPUs and
+    writing a shard nobody waits for. The shard run gives it to the torchrun agent (as `preexec_fn`: libc is loaded
+    here, before the fork, so the child only makes the call) and every rank calls it for itself."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return arm
 
 
 def parallel_layout(model: torch.nn.Module) -> dict[str, Any]:
@@ -253,5 +278,15 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _follow_the_agent() -> None:
+    """A rank dies with its torchrun agent; one whose agent died before it could ask (while it imported) exits."""
+    agent = os.getppid()
+    die_with_parent(agent)()
+    with contextlib.suppress(OSError):  # no /proc: nothing more to check
+        if b"torch.distributed.run" not in Path(f"/proc/{agent}/cmdline").read_bytes():
+            sys.exit(f"rank {os.environ.get('RANK')}: the torchrun agent is gone (parent is now pid {agent})")
+
+
 if __name__ == "__main__":
+    _follow_the_agent()
     sys.exit(_rank_main())

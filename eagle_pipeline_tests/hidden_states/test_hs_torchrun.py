@@ -5,6 +5,12 @@ within 1e-5 in fp32, on a tiny DeepSeek-V3 (MLA + MoE) and a tiny llama."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +89,47 @@ def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):
             tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2
         )
     assert shard_status(tmp_path / "o", 0) == "missing"
+
+
+_CHILD = """
+import sys
+from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+model, merged, out = sys.argv[1:4]
+extract_shard_torchrun(model, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
+"""
+
+
+def _world_pids(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (the killed run's output directory): the agent and its ranks."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the world follows its shard run via PR_SET_PDEATHSIG")
+def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_bytes(tiny_ds, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(6, seed=3, min_len=2, max_len=40), [6])
+    model_dir = tmp_path / "model"
+    tiny_ds.save_pretrained(model_dir)
+    clean = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "c", tp_size=2)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(model_dir), str(merged), str(out)], env=env)
+    deadline = time.monotonic() + 120
+    while len(_world_pids(str(out))) < 3 and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)  # the agent and both ranks are up (loading the model)
+    assert child.poll() is None, "the shard run finished before it could be killed"
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _world_pids(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _world_pids(str(out)) == []  # no orphaned world goes on holding devices and writing the shard
+    assert shard_status(out, 0) != "done"
+    again = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
+    assert not again.skipped and again.sha256 == clean.sha256 and shard_status(out, 0) == "done"
