@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,6 +63,8 @@ def kimi_shallow_config(num_layers: int = 8, n_routed_experts: int = 32):
     layers and experts so it fits one GPU."""
     from transformers import DeepseekV3Config
 
+    # Not a declared field of transformers 5's config (kept as a plain attribute): no multi-token-prediction layer.
+    no_mtp: dict[str, Any] = {"num_nextn_predict_layers": 0}
     return DeepseekV3Config(
         vocab_size=163840,
         hidden_size=7168,
@@ -84,7 +87,7 @@ def kimi_shallow_config(num_layers: int = 8, n_routed_experts: int = 32):
         v_head_dim=128,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-        num_nextn_predict_layers=0,
+        **no_mtp,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
@@ -368,6 +371,7 @@ def engine_extractor(
             tp_size=tp_size,
             aux_layers=aux,
             max_tokens_per_batch=max_tpb,
+            final_state="pre_norm",  # as the in-process path stores it: the kept shards compare directly
         )
     if engine == "vllm":
         from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm

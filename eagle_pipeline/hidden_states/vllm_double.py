@@ -339,7 +339,15 @@ class VLLMHiddenStatesDouble:
     def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         captured: dict[str, torch.Tensor] = {}
         last = self.backbone.layers[self.num_layers - 1]
-        handle = last.register_forward_hook(lambda _m, _a, o: captured.__setitem__("pre_norm", _layer_output(o)))
+        me = threading.get_ident()
+
+        def keep(_m: Any, _a: Any, o: Any) -> None:
+            # Only this thread's forward: doubles serving one model object (tests) run forwards concurrently, and a
+            # hook fires for every forward of the module, whoever registered it.
+            if threading.get_ident() == me:
+                captured["pre_norm"] = _layer_output(o)
+
+        handle = last.register_forward_hook(keep)
         try:
             x = torch.tensor([ids], device=next(self.model.parameters()).device)
             out = self.backbone(input_ids=x, output_hidden_states=True, use_cache=False)
