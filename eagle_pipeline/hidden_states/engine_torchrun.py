@@ -283,7 +283,8 @@ def _follow_the_agent() -> None:
     agent = os.getppid()
     die_with_parent(agent)()
     with contextlib.suppress(OSError):  # no /proc: nothing more to check
-        if b"torch.distributed.run" not in Path(f"/proc/{agent}/cmdline").read_bytes():
+        cmdline = Path(f"/proc/{agent}/cmdline").read_bytes()
+        if b"torch.distributed.run" not in cmdline and b"torchrun" not in cmdline:  # `python -m` or the script
             sys.exit(f"rank {os.environ.get('RANK')}: the torchrun agent is gone (parent is now pid {agent})")
 
 
