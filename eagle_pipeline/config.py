@@ -238,8 +238,7 @@ class TorchrunConfig(SpecBase):
     @classmethod
     def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
         tp, ep = data.get("tp_size", 2), data.get("ep_size")
-        # A world of tp_size ranks without FSDP: transformers wants ep_size a multiple of tp_size dividing it.
-        if isinstance(tp, int) and isinstance(ep, int) and ep not in (1, tp):
+        if isinstance(tp, int) and isinstance(ep, int) and ep not in (1, tp):  # transformers: tp | ep | tp (no FSDP)
             return [(("ep_size",), f"must be 1 or tp_size ({tp}): transformers splits the experts over the world")]
         return []
 
