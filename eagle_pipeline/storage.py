@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 TMP_SUFFIX = ".tmp"
+ERRORS_SUBDIR = "errors"  # a dataset's errors shards, under its responses directory
 
 
 @contextmanager
@@ -128,7 +129,7 @@ class DataRoot:
         return self.root / "responses" / dataset
 
     def errors_dir(self, dataset: str) -> Path:
-        return self.root / "responses" / dataset / "errors"
+        return self.root / "responses" / dataset / ERRORS_SUBDIR
 
     def tokens(self, dataset: str) -> Path:
         return self.root / "tokens" / f"{dataset}.parquet"

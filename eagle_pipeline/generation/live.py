@@ -334,7 +334,7 @@ class LiveRun:
             raw_response_json=self.redact(text),
             conversation_end=end,
         )
-        self.sink.responses.append_values(values)
+        self.sink.add_response(values)
         if len(self.sink.responses) >= self.commit_every_rows:
             await self.sink.commit()
         return nxt
@@ -353,7 +353,7 @@ class LiveRun:
             self.consecutive_failures += 1
         self.c.failed += 1
         self.c.errors_by_class[cls] = self.c.errors_by_class.get(cls, 0) + 1
-        self.sink.errors.append(
+        self.sink.add_error(
             error_row(
                 sample_id=item.sample_id,
                 dataset=self.dataset,

@@ -134,11 +134,13 @@ def retire_responses(
     backend: str | None = None,
     provider: str | None = None,
     now: dt.datetime | None = None,
+    errors_dir: str | os.PathLike | None = None,
 ) -> RetirementSummary:
     """Archive the committed rows of `dataset` that match `backend` and `provider` (all rows when both are None).
 
-    Takes the dataset's generation lock, so it never races a run. Raises FileNotFoundError when the dataset has no
-    responses directory.
+    Takes the dataset's generation lock, so it never races a run. An answer log a killed run left is folded into
+    shards first, its errors rows into `errors_dir` (default: `errors/` under the responses directory, the data-root
+    layout). Raises FileNotFoundError when the dataset has no responses directory.
     """
     d = Path(responses_dir)
     if not d.is_dir():
@@ -147,6 +149,9 @@ def retire_responses(
     with store.DirLock(d):
         storage.clean_stale_tmp(d)
         completed = complete_pending_retirements(d)
+        # Rows a killed run left in its answer log join the shards first: retiring a shard whose rows the log still
+        # held would otherwise bring them back at the next run's fold.
+        store.recover_answer_log(d, errors_dir if errors_dir is not None else d / storage.ERRORS_SUBDIR)
         retired_root = d / store.RETIRED_DIR
         if retired_root.is_dir():  # staging dirs of a retirement that never reached its commit point
             for p in retired_root.iterdir():

@@ -1,9 +1,10 @@
 """The generation runner: `generate_dataset`, exactly-once resume, and the set-up and tear-down of a run.
 
-A run reads the sample ids of the committed shards, requests only the missing prompts through a fixed pool of
-worker coroutines (bounded memory: one prompt per worker in flight), and commits rows in atomically written
-`part-NNNNN.parquet` shards every N rows or T seconds (`sink.ShardSink`). A kill -9 loses at most the rows not yet
-committed, and the next run requests exactly those again. The prompts to request are chosen by `pending`, the
+A run first folds the answer log a killed run left into shards (`store.recover_answer_log`), reads the sample ids of
+the committed shards, requests only the missing prompts through a fixed pool of worker coroutines (bounded memory:
+one prompt per worker in flight), and commits rows in atomically written `part-NNNNN.parquet` shards every N rows or
+T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the last
+~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen by `pending`, the
 request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an 'import' backend is
 handed to `importer`.
 """
@@ -24,6 +25,7 @@ import pyarrow as pa
 from eagle_pipeline import storage
 from eagle_pipeline.generation import store
 from eagle_pipeline.generation.aio import gc_tuned, run_coroutine
+from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
 from eagle_pipeline.generation.client import HttpClient
@@ -174,6 +176,7 @@ async def agenerate_dataset(
     progress_every_s: float = 5.0,
     limit: int | None = None,
     regenerate: str = LAST_TURN,
+    answer_log_s: float | None = DEFAULT_FLUSH_S,
 ) -> GenerationSummary:
     """The async form of `generate_dataset` (same arguments), for callers that already run an event loop."""
     _check_regenerate(regenerate, backend)
@@ -186,6 +189,7 @@ async def agenerate_dataset(
         storage.clean_stale_tmp(out_dir)
         storage.clean_stale_tmp(errors_dir)
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
+        recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
         done, committed_usd = store.committed_sample_ids(out_dir)
         plan = plan_requests(
             prompts,
@@ -198,7 +202,8 @@ async def agenerate_dataset(
                 else None
             ),
         )
-        sink = ShardSink(out_dir, errors_dir)
+        # Imports are not logged: a killed import reads its files again at no cost.
+        sink = ShardSink(out_dir, errors_dir, answer_log_s=answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
             summary = await _import(
                 dataset=dataset,
@@ -228,6 +233,7 @@ async def agenerate_dataset(
             label = "summary"
         summary.elapsed_s = time.monotonic() - t_start
         summary.shards_written = sink.shards_written
+        summary.recovered_from_log = recovered.responses
         log.info("[%s] %s: %s", dataset, label, json.dumps(summary.to_dict()))
         return summary
 
@@ -256,12 +262,16 @@ def generate_dataset(
     progress_every_s: float = 5.0,
     limit: int | None = None,
     regenerate: str = LAST_TURN,
+    answer_log_s: float | None = DEFAULT_FLUSH_S,
 ) -> GenerationSummary:
     """Generate (or import) responses for every prompt of `prompts` not yet committed under `out_dir`.
 
     Exactly-once: rows are committed in atomically renamed shards and a rerun requests only the sample ids missing
-    from them (a rerun after success makes no request). Failed requests go to `errors_dir`; a stop for auth, credits,
-    budget or the circuit breaker commits everything done and is reported in `stopped_reason`.
+    from them (a rerun after success makes no request). Every answer is also in an answer log beside the shards
+    within `answer_log_s` seconds (written and fsynced; None: no log, a kill then loses the rows of the commit
+    window), which the next run folds into shards, so a kill -9 loses no answered work. Failed requests go to
+    `errors_dir`; a stop for auth, credits, budget or the circuit breaker commits everything done and is reported in
+    `stopped_reason`.
 
     `regenerate='all_turns'` regenerates every assistant turn of each prompt's conversation against the target's own
     earlier turns, one row per turn, exactly once per turn (generation/turns.py, docs/generation.md).
@@ -283,5 +293,6 @@ def generate_dataset(
             progress_every_s=progress_every_s,
             limit=limit,
             regenerate=regenerate,
+            answer_log_s=answer_log_s,
         )
     )

@@ -1,4 +1,5 @@
-"""Committed shards of the responses and errors tables: atomic writes, resume scans, reads."""
+"""Committed shards of the responses and errors tables: atomic writes, resume scans (shards plus the answer log an
+interrupted run left), reads."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline import storage
-from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
+from eagle_pipeline.generation import answer_log
+from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA, ColumnBuffer
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -163,6 +166,88 @@ def retired_spend(out_dir: str | os.PathLike) -> float:
 
 def write_shard(table: pa.Table, directory: str | os.PathLike, index: int) -> Path:
     return storage.write_parquet_atomic(table, part_path(directory, index))
+
+
+@dataclass(frozen=True)
+class LogRecovery:
+    """What folding an interrupted run's answer log into shards did."""
+
+    responses: int = 0  # rows the log held that no shard did: committed now, never requested again
+    errors: int = 0
+    already_committed: int = (
+        0  # log rows a shard already held (the run was killed between a commit and the log's deletion)
+    )
+    torn_tail_bytes: int = 0  # a write cut by the kill: dropped
+    damaged: list[str] = field(
+        default_factory=list
+    )  # stretches of outside damage skipped; their rows are requested again
+
+    def describe(self) -> str:
+        text = (
+            f"folded the answer log of an interrupted run: {self.responses} responses and {self.errors} errors "
+            f"committed ({self.already_committed} rows were committed already"
+        )
+        if self.torn_tail_bytes:
+            text += f"; a torn tail of {self.torn_tail_bytes} bytes dropped"
+        return text + ")"
+
+
+def _committed_error_keys(errors_dir: str | os.PathLike) -> set[tuple[str | None, int]]:
+    """(sample_id, at in microseconds) of every committed errors row: what makes a logged error row already committed."""
+    keys: set[tuple[str | None, int]] = set()
+    for p in part_files(errors_dir):
+        t = pq.read_table(p, columns=["sample_id", "at"])
+        keys.update(zip(t.column("sample_id").to_pylist(), t.column("at").cast(pa.int64()).to_pylist()))
+    return keys
+
+
+def recover_answer_log(out_dir: str | os.PathLike, errors_dir: str | os.PathLike) -> LogRecovery:
+    """Fold the answer log a killed run left in `out_dir` into shards, then delete it. Hold the DirLock.
+
+    Idempotent: rows already in a committed shard (a sample id in `out_dir`, an errors row with the same sample id and
+    time in `errors_dir`) are not written again, so a kill during this fold, or between a commit and the deletion of
+    its log segment, duplicates nothing. The segments go only after the new shards are durable.
+    """
+    contents = answer_log.read_log(out_dir)
+    if not contents.files:
+        return LogRecovery()
+    for where in contents.damaged:
+        log.warning(
+            "answer log damaged (not by a kill: a kill only cuts the tail): %s skipped; the rows in them "
+            "are requested again",
+            where,
+        )
+    done, _ = committed_sample_ids(out_dir)
+    responses = ColumnBuffer(RESPONSES_SCHEMA)
+    for row in contents.responses:
+        sid = str(row.get("sample_id"))
+        if sid not in done:
+            done.add(sid)
+            responses.append(row)
+    err_keys = _committed_error_keys(errors_dir)
+    errors = ColumnBuffer(ERRORS_SCHEMA)
+    for row in contents.errors:
+        key = (row.get("sample_id"), int(row.get("at") or 0))
+        if key not in err_keys:
+            err_keys.add(key)
+            errors.append(row)
+    n_resp, n_err = len(responses), len(errors)
+    table = responses.take()
+    if table is not None:
+        write_shard(table, out_dir, next_part_index(out_dir))
+    table = errors.take()
+    if table is not None:
+        write_shard(table, errors_dir, next_part_index(errors_dir))
+    answer_log.remove_segments(contents.files)
+    recovery = LogRecovery(
+        responses=n_resp,
+        errors=n_err,
+        already_committed=len(contents.responses) + len(contents.errors) - n_resp - n_err,
+        torn_tail_bytes=contents.torn_tail_bytes,
+        damaged=contents.damaged,
+    )
+    log.info("%s: %s", out_dir, recovery.describe())
+    return recovery
 
 
 def _read_parts(directory: str | os.PathLike, schema: pa.Schema) -> pa.Table:

@@ -98,6 +98,7 @@ class GenerationSummary:
     simulated: bool
     skipped_duplicates: int = 0  # prompts sharing a sample_id (requested once), or duplicate import records
     shards_written: int = 0
+    recovered_from_log: int = 0  # answers of an interrupted run found in its answer log (counted in already_done)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

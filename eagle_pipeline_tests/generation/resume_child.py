@@ -2,8 +2,8 @@
 
 python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT [OPTIONS_JSON]
 
-OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N, "dataset": NAME,
-"regenerate": MODE}.
+OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N, "commit_every_s": T,
+"dataset": NAME, "regenerate": MODE}.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
         out_dir=root / "responses" / dataset,
         errors_dir=root / "responses" / dataset / "errors",
         commit_every_rows=options.get("commit_every_rows", 4),
-        commit_every_s=0.05,
+        commit_every_s=options.get("commit_every_s", 0.05),
         progress_every_s=3600,
         regenerate=options.get("regenerate", "last_turn"),
     )

@@ -101,7 +101,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         if streaming:
             completion = self.answer(body, attempt=attempt, n_seen=n_seen)
             chunks = completion_chunks(completion, chunk_chars=self.stream_style.chunk_chars)
-            return await write_stream(
+            sent = await write_stream(
                 request,
                 chunks,
                 self.stream_style,
@@ -109,13 +109,15 @@ class SimulatedOpenRouterServer(LoopbackServer):
                 idle_gap_s=self.plan.timeout_sleep_s,
                 headers={"X-Generation-Id": completion["id"]},
             )
+            return sent if fault is not None else await self._send_answer(request, sent, key, attempt)
         payload = ok()
-        return web.Response(
+        resp = web.Response(
             body=payload,
             status=200,
             content_type="application/json",
             headers={"X-Generation-Id": _gen_id(key, attempt)},
         )
+        return await self._send_answer(request, resp, key, attempt)
 
     def answer(self, body: dict[str, Any], *, attempt: int = 1, n_seen: int = 0) -> dict[str, Any]:
         """The success body for a request (also used by tests to know what to expect)."""

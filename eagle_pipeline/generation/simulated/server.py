@@ -41,10 +41,13 @@ class LoopbackServer:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._log: list[RequestRecord] = []
+        self._arrivals: list[tuple[str, float]] = []
+        self._answered: dict[tuple[str, int], float] = {}
         self._bodies: dict[str, dict[str, Any]] = {}
         self._headers: deque[dict[str, str]] = deque(maxlen=1000)  # the latest requests' headers, bounded
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.port: int | None = None
@@ -89,6 +92,7 @@ class LoopbackServer:
             # handler_cancellation: a client that timed out stops the server's sleeping handler too.
             runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
             loop.run_until_complete(runner.setup())
+            self._runner = runner
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", self._port))
@@ -111,6 +115,7 @@ class LoopbackServer:
     # request bookkeeping
     def _note(self, key: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, int]:
         with self._lock:
+            self._arrivals.append((key, time.time()))
             self._counts[key] += 1
             self._bodies[key] = body
             self._headers.append(headers)
@@ -119,6 +124,39 @@ class LoopbackServer:
     def _record(self, key: str, attempt: int, at: float, fault: str | None, status: int) -> None:
         with self._lock:
             self._log.append(RequestRecord(key, attempt, at, fault, status))
+
+    async def _send_answer(
+        self, request: web.Request, resp: web.StreamResponse, key: str, attempt: int
+    ) -> web.StreamResponse:
+        """Send an answer whole (a no-op for a stream already ended) and note when its last byte went out."""
+        await resp.prepare(request)
+        await resp.write_eof()
+        with self._lock:
+            self._answered[(key, attempt)] = time.time()
+        return resp
+
+    def arrivals(self) -> list[tuple[str, float]]:
+        """(request key, server wall clock) of every request as it arrived, in order, those a client abandoned
+        included (the request log records a request only once its latency has passed)."""
+        with self._lock:
+            return list(self._arrivals)
+
+    def answered_at(self) -> dict[tuple[str, int], float]:
+        """(request key, attempt) -> server wall clock (time.time()) when the whole answer had been written to the
+        socket: every successful answer, streamed or not; never a fault or a cut stream."""
+        with self._lock:
+            return dict(self._answered)
+
+    def open_connections(self) -> int:
+        """Client connections the server still holds. Zero after a client was killed means every request it had sent
+        is in the request log (or was dropped unread with its connection, never to be recorded)."""
+        assert self._loop is not None, "server not started"
+
+        async def count() -> int:
+            server = self._runner.server if self._runner is not None else None
+            return len(server.connections) if server is not None else 0
+
+        return asyncio.run_coroutine_threadsafe(count(), self._loop).result(30)
 
     def request_counts(self) -> dict[str, int]:
         """Requests seen per request key (all attempts)."""

@@ -63,7 +63,7 @@ class SimulatedSGLangServer(IdServer):
             out["meta_info"]["finish_reason"] = {"type": "abort", "message": "simulated abort"}
             return web.json_response(out)
         self._record(key, attempt, at, fault, 200)
-        return web.json_response(self.answer(body))
+        return await self._send_answer(request, web.json_response(self.answer(body)), key, attempt)
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         input_ids = body["input_ids"]

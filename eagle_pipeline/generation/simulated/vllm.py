@@ -82,10 +82,11 @@ class SimulatedVLLMServer(IdServer):
             chunks = completion_chunks(
                 self.answer(body), chunk_chars=self.stream_style.chunk_chars, include_usage=include_usage
             )
-            return await write_stream(
+            sent = await write_stream(
                 request, chunks, self.stream_style, fault=fault, idle_gap_s=self.plan.timeout_sleep_s
             )
-        return web.json_response(self.answer(body))
+            return sent if fault is not None else await self._send_answer(request, sent, key, attempt)
+        return await self._send_answer(request, web.json_response(self.answer(body)), key, attempt)
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         messages, tools, seed = body["messages"], body.get("tools"), body.get("seed")
