@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset
+from eagle_pipeline.generation.answer_log import read_log
+from eagle_pipeline.generation.simulated.server import LoopbackServer
+from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
 
 SAMPLING = SamplingSpec(temperature=1.0, top_p=0.95, seed=7, max_tokens=2048, thinking=True)
@@ -109,3 +114,36 @@ def run(
 
 def out_dirs(root: Path, dataset: str = "B1") -> tuple[Path, Path]:
     return root / "responses" / dataset, root / "responses" / dataset / "errors"
+
+
+def committed_ids(out: Path) -> tuple[list[str], int]:
+    """Sample ids of every committed shard (no dedupe), and the number of shards; every shard must be readable."""
+    ids: list[str] = []
+    files = part_files(out)
+    for f in files:
+        ids += pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()
+    return ids, len(files)
+
+
+def durable_ids(out: Path) -> set[str]:
+    """Sample ids a rerun will not request: those of the committed shards and of the answer log a kill left."""
+    return set(committed_ids(out)[0]) | {r["sample_id"] for r in read_log(out).responses}
+
+
+def processed_by(arrivals: list[tuple[str, float]], t: float, workers: int) -> int:
+    """How many answers the client had certainly read and logged by time `t`, from the server's arrivals alone.
+
+    A worker sends its next request only after the answer to its previous one is in the log buffer, so every request
+    beyond the first `workers` (no faults: each answer ends one request) proves one more answer logged. This counts
+    answers the client has *read*: an answer the server sent but the client had not yet read (on a CPU-starved
+    machine, up to hundreds of milliseconds) is in no log of any design.
+    """
+    return max(0, sum(1 for _, at in arrivals if at <= t) - workers)
+
+
+def drained(srv: LoopbackServer) -> None:
+    """Wait until the server has dealt with every request a killed client sent (a starved server reads them late)."""
+    deadline = time.monotonic() + 60
+    while srv.open_connections() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not srv.open_connections(), "the server still holds the killed client's connections"

@@ -17,25 +17,10 @@ import pytest
 
 from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServer, read_responses, request_key
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
-from eagle_pipeline.generation.store import part_files
 
-from .generation_helpers import SAMPLING, make_prompts, out_dirs
+from .generation_helpers import SAMPLING, committed_ids, drained, durable_ids, make_prompts, out_dirs, processed_by
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _committed(out: Path) -> tuple[list[str], int]:
-    """Sample ids of every committed shard (no dedupe), and the number of shards; every shard must be readable."""
-    ids: list[str] = []
-    files = part_files(out)
-    for f in files:
-        ids += pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()
-    return ids, len(files)
-
-
-def _durable(out: Path) -> set[str]:
-    """Sample ids a rerun will not request: those of the committed shards and of the answer log a kill left."""
-    return set(_committed(out)[0]) | {r["sample_id"] for r in read_log(out).responses}
 
 
 def _child(prompts_path: Path, url: str, root: Path, options: dict | None = None) -> subprocess.Popen:
@@ -65,7 +50,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
     committed_after_kill = []
     with SimulatedOpenRouterServer(latency_s=0.03, faults={"http_500": 0.1, "cut_body": 0.05}) as srv:
         for _attempt in range(4):
-            before_ids = _durable(out)
+            before_ids = durable_ids(out)
             before_keys = {key_of[s] for s in before_ids}
             log_start = len(srv.request_log())
             seen_start = srv.total_requests
@@ -79,16 +64,16 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
             os.kill(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
             assert proc.returncode == -signal.SIGKILL
-            ids, _ = _committed(out)  # every committed shard is complete and readable
+            ids, _ = committed_ids(out)  # every committed shard is complete and readable
             assert len(ids) == len(set(ids)), "a sample was committed twice"
-            assert before_ids <= _durable(out)
+            assert before_ids <= durable_ids(out)
             # The server never saw a request for a sample committed or logged before this attempt started.
             new_keys = {r.key for r in srv.request_log()[log_start:]}
             assert not (new_keys & before_keys)
-            committed_after_kill.append(len(_durable(out)))
+            committed_after_kill.append(len(durable_ids(out)))
         assert committed_after_kill[-1] < n and committed_after_kill[-1] > 0
         # The last run finishes the job.
-        before_ids = _durable(out)
+        before_ids = durable_ids(out)
         before_keys = {key_of[s] for s in before_ids}
         log_start = len(srv.request_log())
         proc = _child(prompts_path, srv.url, tmp_path)
@@ -98,7 +83,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
         assert not ({r.key for r in srv.request_log()[log_start:]} & before_keys)
         counts = srv.request_counts()
     assert summary["already_done"] == len(before_ids) and summary["completed"] == n - len(before_ids)
-    ids, n_shards = _committed(out)
+    ids, n_shards = committed_ids(out)
     assert sorted(ids) == sorted(prompts.column("sample_id").to_pylist())  # every prompt exactly once
     assert not list(out.glob(".*.tmp"))  # a killed writer's temporaries were cleaned
     assert segment_files(out) == []  # the answer log was folded, then deleted
@@ -127,25 +112,6 @@ def test_read_responses_dedupes_defensively(tmp_path):
     assert t.num_rows == 3 and t.column("content").to_pylist() == ["a", "b", "c"]  # the first copy is kept
     assert t.schema.metadata[b"duplicates_dropped"] == b"1"
     assert read_responses(tmp_path / "missing").num_rows == 0
-
-
-def processed_by(arrivals: list[tuple[str, float]], t: float, workers: int) -> int:
-    """How many answers the client had certainly read and logged by time `t`, from the server's arrivals alone.
-
-    A worker sends its next request only after the answer to its previous one is in the log buffer, so every request
-    beyond the first `workers` (no faults: each answer ends one request) proves one more answer logged. This counts
-    answers the client has *read*: an answer the server sent but the client had not yet read (on a CPU-starved
-    machine, up to hundreds of milliseconds) is in no log of any design.
-    """
-    return max(0, sum(1 for _, at in arrivals if at <= t) - workers)
-
-
-def _drained(srv: SimulatedOpenRouterServer) -> None:
-    """Wait until the server has dealt with every request a killed client sent (a starved server reads them late)."""
-    deadline = time.monotonic() + 60
-    while srv.open_connections() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not srv.open_connections(), "the server still holds the killed client's connections"
 
 
 def _torn_copy(out: Path, sample_id: str) -> int:
@@ -203,7 +169,7 @@ def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_secon
                 t_kill = time.time()
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.communicate(timeout=30)
-                _drained(srv)
+                drained(srv)
             arrivals = srv.arrivals()[log_start:]
             log_start += len(arrivals)
             # This run requested nothing that was durable when it started, and nothing twice.
@@ -212,9 +178,9 @@ def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_secon
             assert len(requested) == len(set(requested))
             if attempt == 3:
                 break
-            ids, _ = _committed(out)
+            ids, _ = committed_ids(out)
             assert len(ids) == len(set(ids)), "a sample was committed twice"
-            before, durable = durable, {key_of[s] for s in _durable(out)}
+            before, durable = durable, {key_of[s] for s in durable_ids(out)}
             assert before <= durable and len(durable) < n
             # Every answer read more than 0.1 s before the kill is durable (in a shard or the log).
             read_early = processed_by(arrivals, t_kill - grace_s, workers)
@@ -228,12 +194,12 @@ def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_secon
             if attempt == 1:  # as if the kill had cut the log in the middle of a frame, for a prompt not answered yet
                 torn_sid = next(s for s in sids if key_of[s] not in srv.request_counts())
                 _torn_copy(out, torn_sid)
-                assert {key_of[s] for s in _durable(out)} == durable  # the torn frame is no row
+                assert {key_of[s] for s in durable_ids(out)} == durable  # the torn frame is no row
     counts = srv.request_counts()
     assert in_log_only > 0  # the kills fell inside commit windows: without the log these answers were lost
     assert summary["failed"] == 0 and summary["already_done"] + summary["completed"] == n
     assert summary["recovered_from_log"] > 0
-    ids, _ = _committed(out)
+    ids, _ = committed_ids(out)
     assert sorted(ids) == sorted(sids)  # every prompt exactly once
     assert segment_files(out) == [] and not list(out.glob(".*.tmp"))
     rows = read_responses(out).to_pylist()

@@ -24,11 +24,20 @@ from eagle_pipeline.generation import (
 )
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
-from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 
-from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
+from .generation_helpers import (
+    SAMPLING,
+    committed_ids,
+    drained,
+    durable_ids,
+    make_prompts,
+    out_dirs,
+    processed_by,
+    run,
+    sim_backend,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,7 +192,7 @@ def test_keepalives_keep_a_long_generation_alive(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
-    n = 40
+    n, workers, grace_s = 40, 8, 0.1
     prompts = make_prompts(n)
     prompts_path = tmp_path / "prompts.parquet"
     pq.write_table(prompts, prompts_path)
@@ -192,7 +201,8 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
         for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
     }
     out, _ = out_dirs(tmp_path)
-    options = json.dumps({"backend": {"stream": True}, "commit_every_rows": 1})
+    # A commit window the kill always falls inside: the answers it keeps are in the answer log only.
+    options = json.dumps({"backend": {"stream": True}, "commit_every_rows": 1000, "commit_every_s": 60.0})
 
     def child() -> subprocess.Popen:
         return subprocess.Popen(
@@ -211,37 +221,39 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
             text=True,
         )
 
-    def committed() -> list[str]:
-        ids: list[str] = []
-        for f in part_files(out):
-            ids += pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()
-        return ids
-
     # ~0.5 s per streamed answer (about 25 chunks, 20 ms apart): a kill always finds 8 streams mid-way.
     with SimulatedOpenRouterServer(stream={"chunk_chars": 24, "chunk_delay_s": 0.02}) as srv:
         proc = child()
         deadline = time.monotonic() + 60
-        while len(committed()) < 10 and proc.poll() is None and time.monotonic() < deadline:
+        while len(durable_ids(out)) < 10 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert proc.poll() is None, proc.communicate()
+        t_kill = time.time()
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
-        at_kill = committed()
-        assert len(at_kill) == len(set(at_kill)) and 10 <= len(at_kill) < n
-        first_run = set(srv.request_counts())
+        drained(srv)
+        assert committed_ids(out)[0] == []  # nothing reached a shard: what survives is the log's
+        at_kill = durable_ids(out)
+        assert 10 <= len(at_kill) < n
+        arrivals = srv.arrivals()
+        first_run = {key for key, _ in arrivals}
         committed_keys = {key_of[s] for s in at_kill}
         in_flight = first_run - committed_keys
-        assert 0 < len(in_flight) <= 8 + 1  # the workers' streams (and at most one row being committed)
-        log_start = len(srv.request_log())
+        # Re-bought: the workers' streams, and answers read in the last 0.1 s (each later request proves one more
+        # answer read and logged before it was sent).
+        late = len(arrivals) - workers - processed_by(arrivals, t_kill - grace_s, workers)
+        assert 0 < len(in_flight) <= workers + late
+        log_start = len(arrivals)
         proc = child()
-        _, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-3000:]
-        second = [r.key for r in srv.request_log()[log_start:]]
-    # The rerun requested exactly the prompts not committed, each once: nothing committed was re-bought, and the
-    # only re-requests are the streams that were in flight at the kill.
+        second = [key for key, _ in srv.arrivals()[log_start:]]
+    # The rerun requested exactly the prompts not durable at the kill, each once: nothing answered and logged was
+    # re-bought, and the only re-requests are the streams that were in flight (or answered in the last 0.1 s).
     assert sorted(second) == sorted(set(key_of.values()) - committed_keys)
     assert set(second) & first_run == in_flight
-    assert sorted(committed()) == sorted(key_of)
+    assert json.loads(stdout.strip().splitlines()[-1])["recovered_from_log"] == len(at_kill)
+    assert sorted(committed_ids(out)[0]) == sorted(key_of)
     rows = read_responses(out).to_pylist()
     assert len(rows) == n and all(r["stream_chunks"] > 10 for r in rows)
 
