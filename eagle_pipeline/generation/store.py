@@ -81,14 +81,39 @@ def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
     """The prompts answered by committed rows (`answered_ids`), and the dataset's committed spend (for its budgets
     across resumes).
 
-    The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived.
+    The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived; and the
+    answers in an answer log a killed run left that no shard holds yet (the next run of the dataset commits them),
+    so a pipeline-wide budget read before that run counts them.
     """
     parts = [read_shard_columns(p, ["sample_id", "cost_usd", *_CONVERSATION_COLUMNS]) for p in part_files(out_dir)]
     if not parts:
-        return set(), retired_spend(out_dir)
+        return set(), _logged_spend(out_dir, set()) + retired_spend(out_dir)
     t = pa.concat_tables(parts, promote_options="default")
     spend = float(pc.sum(t.column("cost_usd")).as_py() or 0.0)
-    return answered_ids(t), spend + retired_spend(out_dir)
+    rows = set(t.column("sample_id").to_pylist())
+    return answered_ids(t), spend + _logged_spend(out_dir, rows) + retired_spend(out_dir)
+
+
+def _shard_row_ids(out_dir: str | os.PathLike) -> set[str]:
+    """The sample ids of every committed row (each turn of a regenerated conversation has its own)."""
+    ids: set[str] = set()
+    for p in part_files(out_dir):
+        ids.update(read_shard_columns(p, ["sample_id"]).column("sample_id").to_pylist())
+    return ids
+
+
+def _logged_spend(out_dir: str | os.PathLike, rows: set[str]) -> float:
+    """The spend of the answer log's rows whose sample ids no shard row has (`rows`), each counted once."""
+    if not answer_log.segment_files(out_dir):
+        return 0.0
+    seen = set(rows)
+    total = 0.0
+    for row in answer_log.read_log(out_dir).responses:
+        sid = str(row.get("sample_id"))
+        if sid not in seen:
+            seen.add(sid)
+            total += float(row.get("cost_usd") or 0.0)
+    return total
 
 
 def open_conversations(out_dir: str | os.PathLike, wanted: set[str]) -> dict[str, tuple[int, dict[str, Any]]]:
@@ -217,7 +242,7 @@ def recover_answer_log(out_dir: str | os.PathLike, errors_dir: str | os.PathLike
             "are requested again",
             where,
         )
-    done, _ = committed_sample_ids(out_dir)
+    done = _shard_row_ids(out_dir)  # by row: each turn of a regenerated conversation is its own row
     responses = ColumnBuffer(RESPONSES_SCHEMA)
     for row in contents.responses:
         sid = str(row.get("sample_id"))

@@ -12,6 +12,7 @@ import pytest
 
 from eagle_pipeline.generation import answer_log as L
 from eagle_pipeline.generation.backends import ParsedResponse, PromptItem
+from eagle_pipeline.generation.budget import pipeline_budget
 from eagle_pipeline.generation.rows import (
     ERRORS_SCHEMA,
     RESPONSE_COLUMNS,
@@ -23,6 +24,7 @@ from eagle_pipeline.generation.rows import (
 )
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.store import (
+    committed_sample_ids,
     part_files,
     read_errors,
     read_responses,
@@ -188,7 +190,13 @@ def test_fold_is_idempotent_and_keeps_rows_already_committed_once(tmp_path):
         fh.write(torn[: len(torn) // 2])
     with pytest.raises(RuntimeError, match="not folded"):
         L.AnswerLog(tmp_path)
+    # The ledger counts the logged answers no shard holds, each once, before the fold as after it.
+    spend = sum(_row(i)["cost_usd"] for i in range(7))
+    ids_before, spend_before = committed_sample_ids(tmp_path)
+    assert len(ids_before) == 3 and spend_before == pytest.approx(spend)
+    assert pipeline_budget(100.0, [tmp_path]).spent_usd == pytest.approx(spend)
     rec = recover_answer_log(tmp_path, errors_dir)
+    assert committed_sample_ids(tmp_path)[1] == pytest.approx(spend)
     assert (rec.responses, rec.errors, rec.already_committed) == (4, 1, 4)
     assert rec.torn_tail_bytes == len(torn) // 2 and rec.damaged == []
     ids = read_responses(tmp_path).column("sample_id").to_pylist()
