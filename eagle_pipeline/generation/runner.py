@@ -4,9 +4,9 @@ A run first folds the answer log a killed run left into shards (`store.recover_a
 the committed shards, requests only the missing prompts through a fixed pool of worker coroutines (bounded memory:
 one prompt per worker in flight), and commits rows in atomically written `part-NNNNN.parquet` shards every N rows or
 T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the last
-~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen by `pending`, the
-request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an 'import' backend is
-handed to `importer`.
+~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen
+by `pending`, the request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an
+'import' backend is handed to `importer`.
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ class LogRecovery:
 
 
 def _committed_error_keys(errors_dir: str | os.PathLike) -> set[tuple[str | None, int]]:
-    """(sample_id, at in microseconds) of every committed errors row: what makes a logged error row already committed."""
+    """(sample_id, at in microseconds) of every committed errors row: what makes a logged errors row committed."""
     keys: set[tuple[str | None, int]] = set()
     for p in part_files(errors_dir):
         t = pq.read_table(p, columns=["sample_id", "at"])
