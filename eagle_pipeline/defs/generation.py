@@ -182,6 +182,7 @@ def generation_metadata(
         "backend": summary.backend,
         "requested_this_run": summary.requested,
         "already_done": summary.already_done,
+        "recovered_from_log": summary.recovered_from_log,  # a killed run's answers, committed from its answer log
         "completed_this_run": summary.completed,
         "failed_this_run": summary.failed,
         "errors_by_class_this_run": dg.MetadataValue.json(dict(sorted(summary.errors_by_class.items()))),
