@@ -125,7 +125,7 @@ class ShardSink:
         self._pending.extend(self._submit())
         # Back-pressure: if the disk is slower than generation, wait instead of piling tables up in memory.
         while len(self._pending) > self._max_pending:
-            await asyncio.wait([asyncio.wrap_future(self._pending.pop(0))])
+            await _settled([self._pending.pop(0)])
         self._pending = [f for f in self._pending if not f.done()]
         self._check()
 
@@ -135,10 +135,18 @@ class ShardSink:
         try:
             futs = self._pending + self._submit()
             if futs:
-                await asyncio.wait([asyncio.wrap_future(f) for f in futs])
+                await _settled(futs)
         finally:
             self._pending = []
             self._pool.shutdown(wait=True)
             if self.log is not None:
                 self.log.close()
         self._check()
+
+
+async def _settled(futs: list[concurrent.futures.Future[None]]) -> None:
+    """Wait for writes to end, failed or not (a failure is reported by `_check`, from `write_error`). Unlike gather,
+    asyncio.wait never cancels a queued write when the waiter is cancelled."""
+    done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in futs])
+    for d in done:
+        d.exception()  # retrieved here so that asyncio does not log it as never retrieved
