@@ -267,3 +267,26 @@ def test_sink_commit_deletes_the_log_and_without_the_log_writes_none(tmp_path):
         assert sink.shards_written == 2
         assert [pq.read_table(p).num_rows for p in part_files(d)] == [3, 1]
         assert L.segment_files(d) == []
+
+
+def test_fold_dedupes_regenerated_turns_by_row_not_by_conversation(tmp_path):
+    """Turns of a conversation not yet whole answer no prompt, but each is a committed row: folded once."""
+
+    def turn(k: int) -> dict:
+        return dict(_row(k), sample_id=f"B1-conv-t{k}", conversation_id="B1-conv", turn_index=k)
+
+    committed = ColumnBuffer(RESPONSES_SCHEMA)
+    committed.append(turn(0))
+    write_shard(committed.take(), tmp_path, 0)
+    log = L.AnswerLog(tmp_path, flush_interval_s=0.01)
+    for k in (0, 1):  # turn 0 was committed, then the run was killed before its segment was deleted
+        log.append(L.RESPONSE_ROW, turn(k))
+    log.close()
+    spend = turn(0)["cost_usd"] + turn(1)["cost_usd"]
+    assert committed_sample_ids(tmp_path)[1] == pytest.approx(spend)
+    rec = recover_answer_log(tmp_path, tmp_path / "errors")
+    assert (rec.responses, rec.already_committed) == (1, 1)
+    t = read_responses(tmp_path)
+    assert t.column("sample_id").to_pylist() == ["B1-conv-t0", "B1-conv-t1"]
+    assert t.column("turn_index").to_pylist() == [0, 1]
+    assert committed_sample_ids(tmp_path)[1] == pytest.approx(spend)
