@@ -27,25 +27,39 @@ from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
 
 _DONE = "[DONE]"
+# Received bytes decoded per batch: ~1,000 OpenRouter chunks, so the per-batch cost (the first chunk decoded with its
+# envelope, one join and split) is negligible, while 2,000 long streams in flight hold at most ~0.5 GB undecoded.
+BATCH_BYTES = 256 * 1024
 
 
 class ChatStreamAssembler:
     """Reassembles one streamed chat completion from the body's bytes as they arrive (`feed`); `body()` at the end.
 
-    Liveness is judged as bytes arrive; events are framed and their JSON decoded once, at the end, in one call (the
-    envelope every chunk repeats decoded once, `_joined`): at thousands of streams in flight per-chunk work is the
-    client's main CPU cost, and a stream that fails is never kept, so nothing is gained by decoding it early (a
-    mid-stream error is followed by the end of the stream).
+    Liveness is judged as bytes arrive; events are framed and their JSON decoded in batches: once `batch_bytes`
+    have been received, the complete events so far (up to the last blank line) are decoded in one call (the
+    envelope every chunk repeats decoded once, `_joined`) and applied, and only the incomplete tail is kept; the
+    rest at the end, in `body()`. Per-chunk work is the client's main CPU cost at thousands of streams in flight,
+    which batching keeps low, while memory per stream stays at the decoded texts plus one batch instead of every
+    received byte (~300 bytes of JSON per token: ~20 MB for a 64K-token answer). An error chunk in an early batch
+    raises from `feed`; a chunk that is not JSON (or not an object) is reported by `body()`, as if the stream had
+    been decoded at once. `batch_bytes=math.inf` decodes the whole stream at the end.
     """
 
-    def __init__(self, *, keepalive_only_max_s: float | None = None, status: int = 200) -> None:
+    def __init__(
+        self, *, keepalive_only_max_s: float | None = None, status: int = 200, batch_bytes: float = BATCH_BYTES
+    ) -> None:
         self.keepalive_only_max_s = keepalive_only_max_s
         self.status = status
+        self.batch_bytes = batch_bytes
         self.chunks = 0
         self.keepalives = 0
         self.done = False
-        self._raw: list[bytes] = []  # the body's bytes as received
-        self._events: list[bytes] = []  # data payloads of the complete events before [DONE]
+        self._raw: list[bytes] = []  # the bytes received since the last batch (its incomplete tail first)
+        self._buffered = 0  # their length
+        self._next_batch = batch_bytes  # `_buffered` at which the next batch is decoded
+        self._applied = 0  # chunks decoded and applied so far (the number of the next batch's first chunk - 1)
+        self._malformed: RequestFailure | None = None  # a batch's chunk that is not JSON: reported by `body()`
+        self._events: list[bytes] = []  # data payloads of the complete events of this batch before [DONE]
         self._last_data = time.monotonic()
         self._top: dict[str, Any] = {}  # id, model, provider, created, ... (first seen)
         self._prompt_ids: list[int] | None = None
@@ -61,16 +75,21 @@ class ChatStreamAssembler:
         self._finish: Any = None
         self._choice_extra: dict[str, Any] = {}  # native_finish_reason, stop_reason of the finish chunk
         self._usage: Any = None
+        self._missing = ["id", "model", "provider", "object", "created", "system_fingerprint"]  # not yet in _top
         self._orjson = True  # the chunks were decoded by orjson, which can write the body back (`body_json`)
 
     # ---- input ---------------------------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         """The next bytes of the response body, cut anywhere.
 
-        Only liveness is judged here (two substring scans per network read); events are framed and decoded once,
-        in `body()`: per-event work as bytes arrive was the client's largest cost at thousands of streams.
+        Liveness is judged here (two substring scans per network read); events are framed and decoded a batch at
+        a time (`_batch`, every `batch_bytes`): per-event work as bytes arrive was the client's largest cost at
+        thousands of streams. Raises RequestFailure for keep-alives only for too long, or an error chunk.
         """
         self._raw.append(data)
+        self._buffered += len(data)
+        if self._buffered >= self._next_batch:
+            self._batch()
         if b"data:" in data:
             self._last_data = time.monotonic()
         elif self.keepalive_only_max_s is not None and (data.startswith(b":") or b"\n:" in data):
@@ -83,17 +102,45 @@ class ChatStreamAssembler:
                     self.status,
                 )
 
-    def _frame(self) -> None:
-        """Split the received bytes into events: data payloads up to `[DONE]`, keep-alive comments counted."""
+    @property
+    def buffered_bytes(self) -> int:
+        """Received bytes not yet decoded: at most about `batch_bytes` plus one event and one network read."""
+        return self._buffered
+
+    def _batch(self) -> None:
+        """Decode and apply the complete events received so far; keep the incomplete tail."""
+        self._frame(final=False)
+        self._apply_events()
+        # Not before `batch_bytes` more: an event longer than a batch (a vLLM first chunk with every prompt id) is
+        # framed again only that often, not per read.
+        self._next_batch = self._buffered + self.batch_bytes
+
+    def _frame(self, *, final: bool = True) -> None:
+        """Split the received bytes into events: data payloads up to `[DONE]`, keep-alive comments counted.
+
+        Not `final`: only the events before the last blank line; the rest is kept for the next batch (a cut
+        `\r\n` included). Splitting at a blank line the left-to-right split found gives the same events as
+        splitting the whole body at once.
+        """
         raw = b"".join(self._raw)
-        self._raw = []
+        self._raw, self._buffered = [], 0
+        hold = b""
+        if not final and raw[-1:] == b"\r":  # maybe the first half of `\r\n`: normalised with what follows
+            raw, hold = raw[:-1], b"\r"
         if b"\r" in raw:
             raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events = raw.split(b"\n\n")
         tail = events.pop()  # after the last blank line: `[DONE]` without its blank line, or a chunk cut short
+        if not final:
+            rest = tail + hold
+            self._raw, self._buffered = ([rest] if rest else []), len(rest)
+            raw = tail = b""
+        if self.done:  # nothing may follow [DONE]; ignore rather than fail a complete answer (keep-alives counted)
+            self.keepalives += sum(line[:1] == b":" for ev in events + [tail] for line in ev.split(b"\n"))
+            return
         if b"\n" not in b"".join(events) and b"\n" not in tail:  # memchr: ~5x faster than counting newlines
             # Every event is one line (what OpenRouter and vLLM send): framed without a Python step per event.
-            self.keepalives = [ev[:1] for ev in events].count(b":") + (tail[:1] == b":")  # one line each
+            self.keepalives += [ev[:1] for ev in events].count(b":") + (tail[:1] == b":")  # one line each
             payloads = [ev[5:] for ev in events if ev[:5] == b"data:"]
             if tail[:5] == b"data:":
                 payloads.append(tail[5:])
@@ -102,9 +149,10 @@ class ChatStreamAssembler:
             if done_at is not None:
                 self.done = True
                 del payloads[done_at:]
-            elif payloads and tail == b"" and raw[-1:] != b"\n":
+            elif payloads and tail == b"" and final and raw[-1:] != b"\n":
                 payloads.pop()  # the last event had no blank line and is not [DONE]: a chunk cut short
-            self._events, self.chunks = payloads, len(payloads)
+            self._events = payloads
+            self.chunks += len(payloads)
             return
         for ev in events:
             if ev.startswith(b"data:") and b"\n" not in ev:  # the common case: one data line
@@ -138,8 +186,21 @@ class ChatStreamAssembler:
         self.chunks += 1
         self._events.append(payload)
 
-    def _decode(self) -> list[Any]:
-        joined = _joined(self._events)
+    def _apply_events(self) -> None:
+        """Decode and apply this batch's events; a chunk that is not JSON (or not an object) is kept for `body()`."""
+        events, self._events = self._events, []
+        if not events or self._malformed is not None:
+            return  # after a malformed chunk nothing more is applied, as when the whole stream is decoded at once
+        try:
+            self._apply(self._decode(events))
+        except RequestFailure as f:
+            if f.error_class != F.MALFORMED_BODY:
+                raise
+            self._malformed = f
+        self._applied += len(events)
+
+    def _decode(self, events: list[bytes]) -> list[Any]:
+        joined = _joined(events)
         try:
             return orjson.loads(joined)  # about 4x the standard library on these many small objects
         except orjson.JSONDecodeError:
@@ -149,7 +210,7 @@ class ChatStreamAssembler:
             return json.loads(joined)
         except ValueError:
             pass
-        for i, payload in enumerate(self._events, 1):  # find the culprit for the message
+        for i, payload in enumerate(events, self._applied + 1):  # find the culprit for the message
             try:
                 json.loads(payload)
             except ValueError as exc:
@@ -159,8 +220,8 @@ class ChatStreamAssembler:
         raise RequestFailure(F.MALFORMED_BODY, "stream chunks are not JSON", True, self.status)
 
     def _apply(self, chunks: list[Any]) -> None:
-        missing = ["id", "model", "provider", "object", "created", "system_fingerprint"]
-        for n, chunk in enumerate(chunks, 1):
+        missing = self._missing
+        for n, chunk in enumerate(chunks, self._applied + 1):
             if not isinstance(chunk, dict):
                 raise RequestFailure(F.MALFORMED_BODY, f"stream chunk {n} is not an object", True, self.status)
             if chunk.get("error"):
@@ -286,20 +347,19 @@ class ChatStreamAssembler:
     # ---- output --------------------------------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
         """The equivalent non-streaming chat completion; raises RequestFailure for an incomplete stream."""
-        self._frame()
+        self._frame(final=True)
         if not self.done:
-            try:  # an error chunk before the cut says more than the cut
-                self._apply(self._decode())
-            except RequestFailure as f:
-                if f.error_class != F.MALFORMED_BODY:  # a half-received last chunk is part of the cut
-                    raise
+            # An error chunk before the cut says more than the cut; a chunk that is not JSON is part of the cut.
+            self._apply_events()
             raise RequestFailure(
                 F.CONNECTION,
                 f"stream ended without [DONE] after {self.chunks} chunks (connection cut)",
                 True,
                 self.status,
             )
-        self._apply(self._decode())
+        self._apply_events()
+        if self._malformed is not None:
+            raise self._malformed
         if self._finish is None:
             raise RequestFailure(
                 F.PROVIDER_ERROR, f"stream ended without a finish_reason after {self.chunks} chunks", True, self.status

@@ -434,3 +434,143 @@ def test_stream_setting_per_kind():
     assert BackendSpec(kind="sglang", **base).effective_stream is False
     with pytest.raises(ValueError, match="stream"):
         BackendSpec(kind="sglang", stream=True, **base)
+
+
+def _long_stream(n: int, *, nl: bytes = b"\n", error_at: int | None = None, bad_at: int | None = None) -> bytes:
+    """An OpenRouter-style stream of `n` content/reasoning chunks (multi-byte UTF-8 text, tool-call fragments,
+    keep-alives between events, vLLM-style ids in the first chunk, one event on two lines), usage, [DONE] and an
+    event after it."""
+    env = {"id": "g1", "provider": "P", "model": "m", "object": "chat.completion.chunk", "created": 1}
+    events = [
+        {**env, "prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+    ]
+    for i in range(n):
+        if i < n // 2:
+            text = f"ré{i}思🙂"
+            delta = {"reasoning": text, "reasoning_details": [{"type": "reasoning.text", "text": text, "index": 0}]}
+        elif i % 7 == 0:
+            delta = {"tool_calls": [{"index": i % 2, "id": f"c{i % 2}", "function": {"arguments": f'"é{i}'}}]}
+        else:
+            delta = {"content": f"ç{i}日本"}
+        events.append({**env, "choices": [{"index": 0, "delta": delta, "token_ids": [i]}]})
+    # members only the first chunk's count: later prompt ids and another model are ignored
+    events[n // 3]["prompt_token_ids"] = [9]
+    for ev in events[2 * n // 3 :]:
+        ev["model"] = "m2"
+    if error_at is not None:
+        events[error_at] = {**env, "error": {"code": 502, "message": "upstream gone"}, "choices": []}
+    events.append({**env, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events.append({**env, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+    out = [b": OPENROUTER PROCESSING" + nl + nl]
+    for i, ev in enumerate(events):
+        payload = json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode()
+        if i == bad_at:
+            payload = payload[:-2]
+        if i == 3:  # one event on two data lines, joined with a newline
+            cut = payload.index(b'"choices"')
+            payload = payload[:cut] + nl + b"data: " + payload[cut:]
+        out.append(b"data: " + payload + nl + nl)
+        if i % 11 == 5:
+            out.append(b": keep-alive" + nl + nl)
+    out.append(b"data: [DONE]" + nl + nl + b": after" + nl + nl + b'data: {"choices":[]}' + nl + nl)
+    return b"".join(out)
+
+
+def _outcome(raw: bytes, pieces, **kw):
+    """The body (or the failure's class and message) and the counts of an assembler fed `raw` cut into `pieces`."""
+    a = ChatStreamAssembler(**kw)
+    try:
+        for piece in pieces:
+            a.feed(piece)
+        result = a.body()
+    except RequestFailure as f:
+        result = (f.error_class, f.message)
+    return result, a.chunks, a.keepalives
+
+
+def _cuts(raw: bytes, rng, threshold: int) -> list[bytes]:
+    """`raw` cut at random points, inside a multi-byte UTF-8 character, after a CR and inside `data:`, and at
+    exactly `threshold` bytes after the start (where the first batch is decoded)."""
+    points = {rng.randrange(len(raw)) for _ in range(len(raw) // 200)}
+    points.add(raw.index("🙂".encode()) + 2)
+    points.add(raw.index(b"da") + 2)
+    if b"\r" in raw:
+        points.add(raw.index(b"\r") + 1)
+    points.update((threshold, threshold + 1))
+    edges = [0, *sorted(p for p in points if 0 < p < len(raw)), len(raw)]
+    return [raw[a:b] for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize("nl", [b"\n", b"\r\n", b"\r"])
+def test_assembler_batches_equal_one_batch(nl):
+    """Decoding in batches (a small `batch_bytes`) gives the body and counts of decoding the whole stream at once,
+    for each line ending and network reads cut anywhere: random points, mid-UTF-8 character, mid-CRLF or between
+    two CRs, mid-`data:`, and byte by byte
+    (so at every batch boundary)."""
+    import math
+    import random
+
+    raw = _long_stream(400, nl=nl)
+    whole = _outcome(raw, [raw], batch_bytes=math.inf)
+    body = whole[0]
+    assert isinstance(body, dict) and body["prompt_token_ids"] == [1, 2, 3] and body["model"] == "m"
+    assert body["choices"][0]["token_ids"] == list(range(400)) and "🙂" in body["choices"][0]["message"]["reasoning"]
+    assert len(body["choices"][0]["message"]["tool_calls"]) == 2 and body["usage"]["completion_tokens"] == 400
+    assert whole[1] == 403 and whole[2] == 1 + 403 // 11 + 1 + 1  # chunks before [DONE]; every keep-alive
+    rng = random.Random(15)
+    between_lines = raw.index(nl + b'data: "choices"') + 1  # inside the two-line event, after a CR if any
+    for threshold in (1, 97, 300, between_lines, 4096, len(raw) - 1):
+        got = _outcome(raw, _cuts(raw, rng, threshold), batch_bytes=threshold)
+        assert got == whole, threshold
+    assert _outcome(raw, [raw[i : i + 1] for i in range(len(raw))], batch_bytes=500) == whole
+
+
+def test_assembler_memory_bounded_by_one_batch():
+    """A 20 MB stream (~64K chunks) is decoded as it arrives: the undecoded bytes never exceed a batch plus one
+    event plus one network read, and the body is complete."""
+    env = b'data: {"id":"gen-1764000000-abcdefghijklmnopqrst","provider":"Moonshot AI","model":"moonshotai/kimi-k2.5",'
+    env += b'"object":"chat.completion.chunk","created":1764000000,"choices":[{"index":0,"delta":{"role":"assistant",'
+    event = (
+        env
+        + b'"content":"tok ","reasoning":null},"finish_reason":null,"native_finish_reason":null,"logprobs":null}]}\n\n'
+    )
+    n = 20_000_000 // len(event)
+    last = env + b'"content":""},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    raw = event * n + last
+    read = 16 * 1024
+    a = ChatStreamAssembler()
+    peak = 0
+    for i in range(0, len(raw), read):
+        a.feed(raw[i : i + read])
+        peak = max(peak, a.buffered_bytes)
+    assert peak <= a.batch_bytes + len(event) + read
+    assert peak >= a.batch_bytes - read  # it did hold a batch before decoding it
+    body = a.body()
+    assert body["choices"][0]["message"]["content"] == "tok " * n and a.chunks == n + 1
+    assert a.buffered_bytes == 0
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_assembler_early_batch_failures_same_as_one_batch(done):
+    """An error chunk in an early batch raises from `feed`, with the class and message of decoding at once; a chunk
+    that is not JSON in an early batch is reported by `body()` as before (malformed, or the cut when no [DONE])."""
+    import math
+
+    for kw in ({"error_at": 30}, {"bad_at": 30}):
+        raw = _long_stream(600, **kw)
+        if not done:
+            raw = raw[: raw.index(b"data: [DONE]")]
+        whole = _outcome(raw, [raw], batch_bytes=math.inf)
+        pieces = [raw[i : i + 512] for i in range(0, len(raw), 512)]
+        got = _outcome(raw, pieces, batch_bytes=2048)
+        assert got[0] == whole[0]
+        error_class, message = got[0]
+        if "error_at" in kw:
+            assert error_class == "provider_error" and "upstream gone" in message and "after 31 chunks" in message
+            a = ChatStreamAssembler(batch_bytes=2048)
+            with pytest.raises(RequestFailure):  # raised while the stream is still arriving
+                for piece in pieces[: len(pieces) // 2]:
+                    a.feed(piece)
+        else:
+            assert error_class == ("malformed_body" if done else "connection")
+            assert (not done) or "stream chunk 31 is not JSON" in message
