@@ -111,6 +111,16 @@ class ChatStreamAssembler:
         """Decode and apply the complete events received so far; keep the incomplete tail."""
         self._frame(final=False)
         self._apply_events()
+        # The texts so far as one string each (in place: the lists are appended to): a str per delta is ~3x the
+        # text's size.
+        for parts in (
+            self._reasoning,
+            self._content,
+            *(texts for _, texts in self._details.values()),
+            *(args for _, _, args in self._tools.values()),
+        ):
+            if parts is not None and len(parts) > 1:
+                parts[:] = ["".join(parts)]
         # Not before `batch_bytes` more: an event longer than a batch (a vLLM first chunk with every prompt id) is
         # framed again only that often, not per read.
         self._next_batch = self._buffered + self.batch_bytes
@@ -118,8 +128,8 @@ class ChatStreamAssembler:
     def _frame(self, *, final: bool = True) -> None:
         """Split the received bytes into events: data payloads up to `[DONE]`, keep-alive comments counted.
 
-        Not `final`: only the events before the last blank line; the rest is kept for the next batch (a cut
-        `\r\n` included). Splitting at a blank line the left-to-right split found gives the same events as
+        Not `final`: only the events before the last blank line; the rest is kept for the next batch (a CRLF
+        cut after its CR included). Splitting at a blank line the left-to-right split found gives the same events as
         splitting the whole body at once.
         """
         raw = b"".join(self._raw)
