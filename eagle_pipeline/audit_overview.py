@@ -57,11 +57,16 @@ def first_failure(gate: Mapping[str, Any]) -> str | None:
     return f"{e['sample_id']}: " + (f"{e['problem']}; " if e.get("problem") else "") + f"excerpt {excerpt!r}"
 
 
-def what_to_do(dataset: str, gate: str) -> str:
-    """The next step after a blocking failure, for run logs and failure summaries."""
+def audit_failure_summary(dataset: str, name: str, gate: Mapping[str, Any]) -> str:
+    """The paragraph a run that a blocking gate stopped starts with: what failed, the figures, the first failing row,
+    what to do."""
+    example = first_failure(gate)
     return (
-        f"See docs/audit.md#{gate} for the usual causes; fix the data or the configuration, then rerun dataset_job "
-        f"for {dataset} (the merge refuses until every blocking gate passes on {dataset}'s latest token samples)."
+        f"Audit failed: {name} blocks {dataset}: {gate_counts(gate)}."
+        + (f" First failing row: {example}." if example else "")
+        + f" What to do: see docs/audit.md#{name} for the usual causes; fix the data or the configuration, then "
+        f"rerun dataset_job for {dataset}. The merge refuses until every blocking gate passes on {dataset}'s latest "
+        "token samples; audit_overview shows every dataset's verdict."
     )
 
 
@@ -89,9 +94,26 @@ class DatasetAudit:
                 "" if not self.rows or self.rows_kept is None else f"; {self.rows - self.rows_kept} rows excluded"
             )
             return f"every gate ran on the latest token samples and none blocks{excluded}"
-        blocking = {g: f"{g}: {gate_counts(self.gates[g])}" for g in self.blocking_gates}
-        rest = [p for p in self.problems if not any(p.startswith(f"{self.dataset}/{g}:") for g in blocking)]
-        return "; ".join([*blocking.values(), *rest])
+        blocking = [f"{g}: {gate_counts(self.gates[g])}" for g in self.blocking_gates]
+        return "; ".join([*blocking, *self._other_problems()])
+
+    def _other_problems(self) -> list[str]:
+        """The merge's problems other than the blocking gates, one line per reason with the gates it concerns."""
+        by_reason: dict[str, list[str]] = {}
+        for problem in self.problems:
+            where, _, why = problem.partition(": ")
+            gate = where.partition("/")[2]
+            if gate not in self.blocking_gates:
+                by_reason.setdefault(why, []).append(gate)
+        lines = []
+        for why, gates in by_reason.items():
+            if gates == ["*"]:
+                lines.append(why)
+            elif set(gates) >= set(GATE_NAMES):
+                lines.append(f"{why} (every gate)")
+            else:
+                lines.append(f"{why} ({', '.join(gates)})")
+        return lines
 
     @property
     def first_failure(self) -> str | None:
@@ -130,7 +152,7 @@ def audit_overview(
 
 
 def fit_line(audits: Sequence[DatasetAudit]) -> str:
-    """`1 of 2 datasets fit to merge: B1 yes; B6 NO (billing_agreement)`."""
+    """`1 of 2 datasets fit to merge: B1 yes; B6 NO (billing_agreement)`: the blocking gates, else the reason."""
     parts = [
         f"{a.dataset} yes" if a.fit else f"{a.dataset} NO ({', '.join(a.blocking_gates) or a.reason})" for a in audits
     ]
@@ -139,13 +161,13 @@ def fit_line(audits: Sequence[DatasetAudit]) -> str:
 
 def dataset_rows(audits: Sequence[DatasetAudit]) -> list[dict[str, Any]]:
     """One row per dataset: fit to merge, rows audited and excluded (None: no audit of the current file), the
-    reason."""
+    reason. Short column names: the table must fit beside the UI's event list in a 1280 px window."""
     return [
         {
             "dataset": a.dataset,
-            "fit_to_merge": "yes" if a.fit else "NO",
-            "rows_audited": a.rows,
-            "rows_excluded": None if a.rows is None or a.rows_kept is None else a.rows - a.rows_kept,
+            "fit": "yes" if a.fit else "NO",
+            "rows": a.rows,
+            "excluded": None if a.rows is None or a.rows_kept is None else a.rows - a.rows_kept,
             "reason": a.reason,
         }
         for a in audits
@@ -160,9 +182,9 @@ def gate_rows(audits: Sequence[DatasetAudit]) -> list[dict[str, Any]]:
             "dataset": a.dataset,
             "gate": name,
             "action": g["action"],
-            "rows_failing": f"{g['failing']} of {g['checked']}",
+            "failing": f"{g['failing']} of {g['checked']}",
             "verdict": gate_verdict(g),
-            "rows_excluded": int(g["excluded"]),
+            "excluded": int(g["excluded"]),
         }
         for a in audits
         for name in _ordered(a.gates)

@@ -105,7 +105,6 @@ ROWS_COLUMNS = {
     "responses": "committed responses answering the current prompts",
     "token_samples": "rows of the dataset's token samples",
     "audit": "its stored audit: pass, or FAIL (a blocking gate)",
-    "gates_with_failures": "gates with at least one failing row (filtered, warned or blocking)",
     "merged_rows": "rows of this dataset in the merged dataset",
 }
 REQUESTS_COLUMNS = {

@@ -4,7 +4,7 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from eagle_pipeline.audit import GATES, GateSpec, report_markdown
-from eagle_pipeline.audit_overview import first_failure, gate_counts, gate_summary, what_to_do
+from eagle_pipeline.audit_overview import audit_failure_summary, first_failure, gate_counts, gate_summary
 from eagle_pipeline.audit_records import audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.dashboards import histogram_markdown, list_lengths, value_counts
 from eagle_pipeline.defs.automation import after_any_audit
@@ -161,23 +161,21 @@ def build_gate_check(gate: GateSpec) -> dg.AssetChecksDefinition:
         blocking=True,
         partitions_def=dataset_partitions,
     )
-    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
+    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource):
         # Reads the dataset's stored audit (recomputed only if it is not bound to the current file and settings).
         root = pipeline.data_root()
-        audit = current_audit(
-            root, context.partition_key, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
-        )
+        dataset = context.partition_key
+        audit = current_audit(root, dataset, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
         result = record_gate_verdict(root, audit, gate.name)
+        yield gate_check_result(dataset, result)
         if result["blocking"]:
-            # The run's event log shows this before the step's DagsterAssetCheckFailedError and its traceback.
-            example = first_failure(result)
-            context.log.error(
-                f"Audit failed, {gate.name} blocks {context.partition_key}: {gate_counts(result)}."
-                + (f" First failing row: {example}." if example else "")
-                + " "
-                + what_to_do(context.partition_key, gate.name)
+            # The evaluation above is recorded; failing the step with this summary (rather than Dagster's generic
+            # "1 blocking asset check failed") makes the run's error say what failed, the figures and what to do.
+            raise dg.Failure(
+                description=audit_failure_summary(dataset, gate.name, result),
+                metadata={"dataset": dataset, "gate": gate.name, "counts": gate_counts(result)},
+                allow_retries=False,
             )
-        return gate_check_result(context.partition_key, result)
 
     return _gate_check
 
@@ -214,9 +212,9 @@ def audit_overview(context: dg.AssetExecutionContext, pipeline: PipelineResource
                 view.dataset_rows(audits),
                 {
                     "dataset": "dataset (partition of token_samples)",
-                    "fit_to_merge": "the merge's verdict on the dataset's latest token samples",
-                    "rows_audited": "token-sample rows the stored audit judged (empty: no audit of the current file)",
-                    "rows_excluded": "rows a failing filter/block gate keeps out of the merge",
+                    "fit": "fit to merge: the merge's own verdict on the dataset's latest token samples",
+                    "rows": "token-sample rows the stored audit judged (empty: no audit of the current file)",
+                    "excluded": "rows a failing filter/block gate keeps out of the merge",
                     "reason": "why: each blocking gate's counts, or the problem the merge found",
                 },
             ),
@@ -226,9 +224,9 @@ def audit_overview(context: dg.AssetExecutionContext, pipeline: PipelineResource
                     "dataset": "dataset",
                     "gate": "audit gate (an asset check on token_samples)",
                     "action": "what a failing row does: block, filter or warn",
-                    "rows_failing": "failing rows of rows checked",
+                    "failing": "failing rows of rows checked",
                     "verdict": "the check's verdict",
-                    "rows_excluded": "rows this gate keeps out of the merge",
+                    "excluded": "rows this gate keeps out of the merge",
                 },
             ),
             **first_failures,

@@ -65,7 +65,7 @@ def test_the_view_marks_the_over_billed_dataset_unfit_with_its_gate_and_counts(r
     assert "% > 0.50%" in bad.reason
     assert bad.first_failure.startswith(f"billing_agreement: {billing['examples'][0]['sample_id']}: len(output_ids)=")
     # A dataset never materialized is unfit, and says so.
-    assert not view["B3"].fit and view["B3"].reason == "B3/*: token samples not materialized"
+    assert not view["B3"].fit and view["B3"].reason == "token samples not materialized"
 
     # The view's verdict is the merge's: the merge refuses for exactly the unfit datasets' problems.
     problems, _ = audits_for_merge(root, ["B1", "B6", "B3"], demo_tok, demo_ids, settings)
@@ -74,18 +74,18 @@ def test_the_view_marks_the_over_billed_dataset_unfit_with_its_gate_and_counts(r
     audits = [view["B1"], view["B6"]]
     assert fit_line(audits) == "1 of 2 datasets fit to merge: B1 yes; B6 NO (billing_agreement)"
     rows = {r["dataset"]: r for r in dataset_rows(audits)}
-    assert rows["B1"]["fit_to_merge"] == "yes" and rows["B1"]["rows_excluded"] == len(CUT)
-    assert rows["B6"]["fit_to_merge"] == "NO" and rows["B6"]["rows_audited"] == ROWS
+    assert rows["B1"]["fit"] == "yes" and rows["B1"]["excluded"] == len(CUT)
+    assert rows["B6"]["fit"] == "NO" and rows["B6"]["rows"] == ROWS
     found = {(r["dataset"], r["gate"]): r for r in gate_rows(audits)}
     assert found[("B6", "billing_agreement")]["verdict"] == "FAIL (blocks)"
-    assert found[("B6", "billing_agreement")]["rows_failing"] == f"{billing['failing']} of {len(with_usage)}"
+    assert found[("B6", "billing_agreement")]["failing"] == f"{billing['failing']} of {len(with_usage)}"
     assert found[("B1", "not_truncated")] == {
         "dataset": "B1",
         "gate": "not_truncated",
         "action": "filter",
-        "rows_failing": f"{len(CUT)} of {ROWS}",
+        "failing": f"{len(CUT)} of {ROWS}",
         "verdict": f"{len(CUT)} rows filtered",
-        "rows_excluded": len(CUT),
+        "excluded": len(CUT),
     }
     assert ("B1", "billing_agreement") not in found  # a gate that found nothing is not listed
     grid = grid_markdown(audits)
@@ -100,7 +100,14 @@ def test_a_stale_audit_makes_the_dataset_unfit_until_its_checks_ran_again(root, 
     write_parquet_atomic(table.slice(0, ROWS - 1), root.tokens("B1"))  # re-generated, checks not run yet
     (entry,) = audit_overview(root, ["B1"], demo_tok, demo_ids, settings)
     assert not entry.fit and entry.gates == {}  # no stored audit of the new file: no figures that are not its own
-    assert "audit check did not run on the latest token samples" in entry.reason
+    # One line per reason, not one per gate.
+    assert entry.reason == "audit check did not run on the latest token samples (every gate)"
+    assert fit_line([entry]) == f"0 of 1 datasets fit to merge: B1 NO ({entry.reason})"
+    current_audit(root, "B1", demo_tok, demo_ids, settings)
+    record_gate_verdict(root, current_audit(root, "B1", demo_tok, demo_ids, settings), "single_eot")
+    (entry,) = audit_overview(root, ["B1"], demo_tok, demo_ids, settings)
+    others = ", ".join(g for g in GATE_NAMES if g != "single_eot")
+    assert entry.reason == f"audit check did not run on the latest token samples ({others})"
     _check_all(root, "B1", demo_tok, demo_ids, settings)
     (entry,) = audit_overview(root, ["B1"], demo_tok, demo_ids, settings)
     assert entry.fit and entry.rows == ROWS - 1

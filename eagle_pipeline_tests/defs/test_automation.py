@@ -116,7 +116,7 @@ def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_con
     assert tick.get_num_requested(view) == 1
     assert refresh.execute_in_process(instance=instance, asset_selection=[view]).success
     assert _view_metadata(instance)["fit_to_merge"].value == (
-        "1 of 2 datasets fit to merge: B1 yes; B6 NO (B6/*: token samples not materialized)"
+        "1 of 2 datasets fit to merge: B1 yes; B6 NO (token samples not materialized)"
     )
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     assert tick.get_num_requested(view) == 0  # refreshed: nothing new

@@ -108,6 +108,12 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
     materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
     assert "token_samples" in materialized
     assert materialized.isdisjoint({"merged_dataset", "draft_vocab", "hidden_state_plan"})
+    # The failed step's error is a summary with the figures and what to do, not Dagster's generic check error.
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    assert failure.step_key == "token_samples_billing_agreement"
+    message = failure.event_specific_data.error.message
+    assert re.search(r"Audit failed: billing_agreement blocks B1: (\d+) of \1 rows over the per-row tolerance", message)
+    assert "First failing row: B1-" in message and "rerun dataset_job for B1" in message
 
 
 def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance):

@@ -324,19 +324,26 @@ query AuditView {
 """
 
 
+RUN_END_QUERY = "query End($runId: ID!) { runOrError(runId: $runId) { ... on Run { endTime } } }"
+
+
+def _entries(materialization: dict) -> dict:
+    return {e["label"]: e for e in materialization["metadataEntries"]}
+
+
 @pytest.fixture(scope="package")
 def audit_view(dagster_ui) -> dict:
     """The audit_overview materialization that judged both datasets' runs: launched by the audit_view sensor, with
-    no click. Returns {"runId", "metadata": label -> entry}."""
+    no click, after both dataset runs. Returns {"runId", "timestamp" (ms), "metadata": label -> entry}."""
+    ended = dagster_ui.gql(RUN_END_QUERY, {"runId": dagster_ui.runs[FAILING]["runId"]})["runOrError"]["endTime"]
     deadline = time.monotonic() + AUDIT_VIEW_TIMEOUT_S
     while True:
         data = dagster_ui.gql(AUDIT_VIEW_QUERY)["assetOrError"]
         mats = data.get("assetMaterializations", []) if data["__typename"] == "Asset" else []
         for m in mats:
-            meta = {e["label"]: e for e in m["metadataEntries"]}
-            # The first refresh may come between the two dataset runs; this one has judged B6's audit too.
-            if f"{FAILING} NO" in meta.get("fit_to_merge", {}).get("text", ""):
-                return {"runId": m["runId"], "metadata": meta}
+            # A refresh may come between the two dataset runs (or during B6's); wait for one made after B6's run.
+            if int(m["timestamp"]) > ended * 1000:
+                return {"runId": m["runId"], "timestamp": m["timestamp"], "metadata": _entries(m)}
         if time.monotonic() > deadline:
             pytest.fail(f"no audit_overview judged {FAILING} within {AUDIT_VIEW_TIMEOUT_S}s:\n{dagster_ui.log_tail()}")
         time.sleep(2)

@@ -250,8 +250,8 @@ def test_the_audit_view_marks_the_failing_dataset_unfit_and_the_clean_one_fit(da
         meta["fit_to_merge"]["text"] == f"1 of 2 datasets fit to merge: {PASSING} yes; {FAILING} NO (billing_agreement)"
     )
     rows = {r["dataset"]: r for r in _table(meta["datasets"])}
-    assert rows[PASSING]["fit_to_merge"] == "yes" and rows[PASSING]["rows_audited"] == ROWS
-    assert rows[FAILING]["fit_to_merge"] == "NO" and rows[FAILING]["rows_excluded"] == ROWS
+    assert rows[PASSING]["fit"] == "yes" and rows[PASSING]["rows"] == ROWS
+    assert rows[FAILING]["fit"] == "NO" and rows[FAILING]["excluded"] == ROWS
     assert re.match(rf"billing_agreement: {ROWS} of {ROWS} rows over the per-row tolerance", rows[FAILING]["reason"])
     findings = {(r["dataset"], r["gate"]): r for r in _table(meta["gates_with_findings"])}
     assert set(findings) == {(FAILING, "billing_agreement")}, findings
@@ -259,9 +259,9 @@ def test_the_audit_view_marks_the_failing_dataset_unfit_and_the_clean_one_fit(da
         "dataset": FAILING,
         "gate": "billing_agreement",
         "action": "block",
-        "rows_failing": f"{ROWS} of {ROWS}",
+        "failing": f"{ROWS} of {ROWS}",
         "verdict": "FAIL (blocks)",
-        "rows_excluded": ROWS,
+        "excluded": ROWS,
     }
     assert meta[f"first_failure {FAILING}"]["text"].startswith(f"billing_agreement: {FAILING}-")
     assert f"first_failure {PASSING}" not in meta
@@ -297,16 +297,20 @@ def _events(dagster_ui, run_id: str) -> list[dict]:
 
 
 def test_the_failed_audit_run_says_what_failed_with_the_figures_before_the_traceback(dagster_ui):
-    events = _events(dagster_ui, dagster_ui.runs[FAILING]["runId"])
-    summary = next(
-        i for i, e in enumerate(events) if e["__typename"] == "LogMessageEvent" and "Audit failed" in e["message"]
-    )
-    failure = next(i for i, e in enumerate(events) if e["__typename"] == "ExecutionStepFailureEvent")
-    assert summary < failure
-    text = events[summary]["message"]
-    assert events[summary]["level"] == "ERROR"
-    assert re.search(rf"billing_agreement blocks {FAILING}: {ROWS} of {ROWS} rows over the per-row tolerance", text)
-    assert f"First failing row: {FAILING}-" in text and f"rerun dataset_job for {FAILING}" in text
+    """The failed step's error (which the run page shows, and the run's failure repeats) is the audit's summary."""
+    failures = [
+        e
+        for e in _events(dagster_ui, dagster_ui.runs[FAILING]["runId"])
+        if e["__typename"] == "ExecutionStepFailureEvent"
+    ]
+    assert len(failures) == 1, failures
+    message = failures[0]["error"]["message"]
+    assert re.search(
+        rf"Audit failed: billing_agreement blocks {FAILING}: {ROWS} of {ROWS} rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%",
+        message,
+    ), message
+    assert f"First failing row: {FAILING}-" in message and f"rerun dataset_job for {FAILING}" in message
+    assert "Traceback" not in message and failures[0]["error"]["stack"]  # the stack comes separately, after it
 
 
 def test_a_refused_merge_starts_with_a_summary_of_what_to_fix(dagster_ui, refused_merge):
