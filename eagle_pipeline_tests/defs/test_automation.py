@@ -106,7 +106,7 @@ def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_con
     )
     defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=[checks_only]))
     view = dg.AssetKey("audit_overview")
-    refresh = defs.resolve_implicit_global_asset_job_def()
+    refresh = defs.resolve_job_def("audit_view_job")  # what `make demo` runs; the sensor's runs do the same
     job = defs.resolve_job_def("dataset_job")
 
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
@@ -114,7 +114,7 @@ def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_con
     assert job.execute_in_process(instance=instance, partition_key="B1").success
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     assert tick.get_num_requested(view) == 1
-    assert refresh.execute_in_process(instance=instance, asset_selection=[view]).success
+    assert refresh.execute_in_process(instance=instance).success
     assert _view_metadata(instance)["fit_to_merge"].value == (
         "1 of 2 datasets fit to merge: B1 yes; B6 NO (token samples not materialized)"
     )
@@ -124,7 +124,7 @@ def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_con
     assert not job.execute_in_process(instance=instance, partition_key="B6", raise_on_error=False).success
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     assert tick.get_num_requested(view) == 1  # the failed run's audit counts too
-    assert refresh.execute_in_process(instance=instance, asset_selection=[view]).success
+    assert refresh.execute_in_process(instance=instance).success
     meta = _view_metadata(instance)
     assert meta["fit_to_merge"].value == "1 of 2 datasets fit to merge: B1 yes; B6 NO (billing_agreement)"
     assert meta["datasets not fit to merge"].value == 1

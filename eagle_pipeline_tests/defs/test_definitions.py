@@ -95,7 +95,14 @@ def test_pools_jobs_and_schedules():
     graph = _graph()
     assert graph.get(dg.AssetKey("responses")).pools == {"llm_api"}
     assert graph.get(dg.AssetKey("hidden_states")).pools == {"gpu"}
-    for job in ("dataset_job", "merge_job", "hidden_states_job", "exports_job", "hidden_states_k8s_job"):
+    for job in (
+        "dataset_job",
+        "audit_view_job",
+        "merge_job",
+        "hidden_states_job",
+        "exports_job",
+        "hidden_states_k8s_job",
+    ):
         assert defs.resolve_job_def(job) is not None
     assert defs.resolve_schedule_def("resume_incomplete_datasets").cron_schedule == "0 */6 * * *"
 
