@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle_pipeline.audit import GATE_NAMES, AuditSettings, gate_verdict
-from eagle_pipeline.audit_records import merge_verdict
+from eagle_pipeline.audit_records import GateProblem, merge_verdict
 from eagle_pipeline.storage import DataRoot
 
 EXAMPLE_CHARS = 160
@@ -77,7 +77,7 @@ class DatasetAudit:
 
     dataset: str
     fit: bool
-    problems: list[str]
+    problems: list[GateProblem]
     rows: int | None
     rows_kept: int | None
     gates: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -101,10 +101,8 @@ class DatasetAudit:
         """The merge's problems other than the blocking gates, one line per reason with the gates it concerns."""
         by_reason: dict[str, list[str]] = {}
         for problem in self.problems:
-            where, _, why = problem.partition(": ")
-            gate = where.partition("/")[2]
-            if gate not in self.blocking_gates:
-                by_reason.setdefault(why, []).append(gate)
+            if problem.gate not in self.blocking_gates:
+                by_reason.setdefault(problem.reason, []).append(problem.gate)
         lines = []
         for why, gates in by_reason.items():
             if gates == ["*"]:
@@ -142,7 +140,7 @@ def audit_overview(
             DatasetAudit(
                 dataset=ds,
                 fit=verdict.fit,
-                problems=[str(p) for p in verdict.problems],
+                problems=verdict.problems,
                 rows=None if report is None else int(report["n_rows"]),
                 rows_kept=None if report is None else int(report["n_kept"]),
                 gates={} if report is None else dict(report["gates"]),
