@@ -31,7 +31,7 @@ audit_view_sensor = dg.AutomationConditionSensorDefinition(
     "audit_view_sensor",
     target=dg.AssetSelection.assets("audit_overview"),
     default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=10,
+    minimum_interval_seconds=30,  # Dagster's default; each tick costs the daemon a pass over the asset graph
     run_tags={"eagle/launched_by": "audit_view_sensor"},
     description="Refreshes audit_overview after any dataset's audit (token_samples and its checks) changed.",
 )

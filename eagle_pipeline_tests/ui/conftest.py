@@ -301,7 +301,7 @@ def screenshot_dir(tmp_path_factory) -> Path:
 
 # --- The audit view and a refused merge (issue 16, items 1 and 3) ---
 
-AUDIT_VIEW_TIMEOUT_S = 240  # the audit_view sensor ticks every 10 s; its run then starts and materialises the view
+AUDIT_VIEW_TIMEOUT_S = 240  # the audit_view sensor ticks every 30 s; its run then starts and materialises the view
 AUDIT_VIEW_QUERY = """
 query AuditView {
   assetOrError(assetKey: {path: ["audit_overview"]}) {
