@@ -270,34 +270,54 @@ def _verdict_problems(root: DataRoot, ds: str, gates: list[str], sha: str, key: 
     return problems
 
 
+@dataclass(frozen=True)
+class MergeVerdict:
+    """Whether one dataset's latest token samples are fit to merge (`problems` empty) and, when there is one, the
+    stored audit of that very file under the current settings (also for an unfit dataset: its gate results)."""
+
+    dataset: str
+    problems: list[GateProblem]
+    audit: StoredAudit | None
+
+    @property
+    def fit(self) -> bool:
+        return not self.problems
+
+
+def merge_verdict(
+    root: DataRoot, dataset: str, tokenizer: Any, profile_ids: Any, settings: AuditSettings
+) -> MergeVerdict:
+    """The merge's verdict on one dataset: every reason it must not be merged (a missing verdict, one reached on
+    other token samples or under other settings, tokenizer or profile, a failed blocking gate) and its stored audit.
+    The merge (`audits_for_merge`) and the audit view read this one function."""
+    key = audit_key(tokenizer, profile_ids, settings)
+    tokens = root.tokens(dataset)
+    if not tokens.exists():
+        return MergeVerdict(dataset, [GateProblem(dataset, "*", "token samples not materialized")], None)
+    sha = file_sha256(tokens)
+    problems = _verdict_problems(root, dataset, [g.name for g in GATES], sha, key)
+    audit = read_stored_audit(root, dataset, tokens_sha256=sha, key=key)
+    if problems:
+        return MergeVerdict(dataset, problems, audit)
+    if audit is None:
+        audit = audit_token_samples(root, dataset, tokenizer, profile_ids, settings)
+    if audit.tokens_sha256 != sha:
+        problems.append(GateProblem(dataset, "*", "token samples were replaced while the merge checked them"))
+    elif not audit.passed:  # cannot happen while every verdict passed; a guard, not a path
+        problems.append(GateProblem(dataset, "*", f"audit blocked by {audit.report['blocking_failed']}"))
+    return MergeVerdict(dataset, problems, audit)
+
+
 def audits_for_merge(
     root: DataRoot, datasets: Iterable[str], tokenizer: Any, profile_ids: Any, settings: AuditSettings
 ) -> tuple[list[GateProblem], dict[str, StoredAudit]]:
-    """What the merge needs from the audit: every reason it must not run (a missing verdict, one reached on other token
-    samples or under other settings, tokenizer or profile, a failed blocking gate, for any dataset) and, when there is
-    none, each dataset's stored audit (its rows to keep), bound to the very token-samples file whose verdicts were
-    checked."""
-    from_settings = audit_key(tokenizer, profile_ids, settings)
-    gates = [g.name for g in GATES]
+    """What the merge needs from the audit: every dataset's problems (`merge_verdict`) and, when there is none, each
+    dataset's stored audit (its rows to keep), bound to the very token-samples file whose verdicts were checked."""
     problems: list[GateProblem] = []
     audits: dict[str, StoredAudit] = {}
     for ds in datasets:
-        tokens = root.tokens(ds)
-        if not tokens.exists():
-            problems.append(GateProblem(ds, "*", "token samples not materialized"))
-            continue
-        sha = file_sha256(tokens)
-        found = _verdict_problems(root, ds, gates, sha, from_settings)
-        problems.extend(found)
-        if found:
-            continue
-        audit = read_stored_audit(root, ds, tokens_sha256=sha, key=from_settings)
-        if audit is None:
-            audit = audit_token_samples(root, ds, tokenizer, profile_ids, settings)
-        if audit.tokens_sha256 != sha:
-            problems.append(GateProblem(ds, "*", "token samples were replaced while the merge checked them"))
-        elif not audit.passed:  # cannot happen while every verdict passed; a guard, not a path
-            problems.append(GateProblem(ds, "*", f"audit blocked by {audit.report['blocking_failed']}"))
-        else:
-            audits[ds] = audit
+        verdict = merge_verdict(root, ds, tokenizer, profile_ids, settings)
+        problems.extend(verdict.problems)
+        if verdict.fit and verdict.audit is not None:
+            audits[ds] = verdict.audit
     return problems, (audits if not problems else {})

@@ -82,7 +82,8 @@ def dataset_overview(
     merged_rows: Mapping[str, int] | None = None,
     responses: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict]:
-    """One row per dataset: responses, spend, failed requests, provider split, token samples, audit verdict, merged.
+    """One row per dataset: responses, spend, failed requests, provider split, token samples, audit verdict, merged
+    (the gates behind a verdict are in the audit view, audit_overview).
 
     `root` is a storage.DataRoot. Reads only Parquet columns it needs and the audit reports. `responses` maps a
     dataset to its responses columns (generation.coverage.response_overview: rows answering the current prompts,
@@ -97,7 +98,6 @@ def dataset_overview(
         errs = sorted(root.errors_dir(ds).glob("part-*.parquet"))
         n_errors = sum(pq.read_metadata(p).num_rows for p in errs)
         audit = read_json(root.audit_report(ds)) if root.audit_report(ds).exists() else None
-        failing = [name for name, g in (audit or {}).get("gates", {}).items() if g.get("failing")]
         rows.append(
             {
                 "dataset": ds,
@@ -105,7 +105,6 @@ def dataset_overview(
                 "failed_requests": n_errors,
                 "token_samples": pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0,
                 "audit": "-" if audit is None else ("pass" if audit.get("passed") else "FAIL"),
-                "gates_with_failures": ", ".join(failing),
                 "merged_rows": int((merged_rows or {}).get(ds, 0)),
             }
         )

@@ -66,6 +66,7 @@ def run_demo() -> int:
 
     for ds in cfg.dataset_names:
         run("dataset_job", ds)
+    run("audit_view_job")  # the audit view, so the UI opens on every dataset's verdict
     if run("merge_job"):
         for key in sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)):
             run("hidden_states_job", key)

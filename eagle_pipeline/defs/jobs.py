@@ -6,7 +6,7 @@ from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import hidden_state_plan, hidden_states, trainer_exports
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.defs.tokens import token_samples
+from eagle_pipeline.defs.tokens import audit_overview, token_samples
 
 dataset_job = dg.define_asset_job(
     "dataset_job",
@@ -14,6 +14,14 @@ dataset_job = dg.define_asset_job(
     # Fourteen audit checks as fourteen processes cost more than the checks themselves; one process per run.
     executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
+)
+audit_view_job = dg.define_asset_job(
+    "audit_view_job",
+    selection=dg.AssetSelection.assets(audit_overview),
+    description=(
+        "Refresh the audit view (audit_overview): every dataset's fit-to-merge verdict. The audit_view sensor "
+        "refreshes it by itself after each audit; `make demo` runs this job."
+    ),
 )
 merge_job = dg.define_asset_job(
     "merge_job",

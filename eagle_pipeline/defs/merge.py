@@ -6,6 +6,7 @@ import pyarrow.compute as pc
 from eagle_pipeline.audit_records import audits_for_merge
 from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
 from eagle_pipeline.defs.automation import after_checks_pass
+from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
@@ -33,9 +34,13 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
     )
     if problems:
+        from eagle_pipeline.audit_overview import audit_overview, refusal_summary
+
+        view = audit_overview(
+            root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
+        )
         raise dg.Failure(
-            description="Merge refused: not every dataset passed its audit on its latest token samples:\n"
-            + "\n".join(f"- {p}" for p in problems),
+            description=refusal_summary(view) + "\n\nEvery problem found:\n" + "\n".join(f"- {p}" for p in problems),
             metadata={"problems": dg.MetadataValue.json([str(p) for p in problems])},
             allow_retries=False,
         )
@@ -74,7 +79,8 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
     return dg.MaterializeResult(
         metadata={
             "dagster/row_count": n_rows,
-            "per_dataset_overview": overview_table(overview),
+            "per_dataset_rows": records_table(overview, ROWS_COLUMNS),
+            "per_dataset_requests": records_table(overview, REQUESTS_COLUMNS),
             "tokens_per_sample": dg.MetadataValue.md(
                 histogram_markdown(by_dataset, title="Merged: tokens per sample by dataset", xlabel="tokens")
             ),
@@ -92,11 +98,22 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
     )
 
 
-def overview_table(rows: list[dict]) -> dg.MetadataValue:
-    """The per-dataset overview as a Dagster table (one row per dataset)."""
-    types = {int: "int", float: "float", str: "string"}
-    columns = [dg.TableColumn(k, types.get(type(v), "string")) for k, v in rows[0].items()] if rows else []
-    return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in rows], schema=dg.TableSchema(columns=columns))
+# The per-dataset overview (dashboards.dataset_overview) as two narrow tables rather than one of ten columns, so each
+# fits a 1280 px window: where the rows went, and what the requests cost.
+ROWS_COLUMNS = {
+    "dataset": "dataset",
+    "responses": "committed responses answering the current prompts",
+    "token_samples": "rows of the dataset's token samples",
+    "audit": "its stored audit: pass, or FAIL (a blocking gate)",
+    "merged_rows": "rows of this dataset in the merged dataset",
+}
+REQUESTS_COLUMNS = {
+    "dataset": "dataset",
+    "spend_usd": "the ledger's spend on this dataset, retired rows included (USD)",
+    "failed_requests": "requests that failed for good (errors/ parts)",
+    "other_prompt_rows": "committed rows answering prompts no longer configured (kept, not used)",
+    "providers": "provider split of the current responses",
+}
 
 
 @dg.asset_check(asset=merged_dataset, blocking=True, description="Merged rows equal the rows admitted by the audit.")

@@ -3,10 +3,13 @@
 import dagster as dg
 import pyarrow.compute as pc
 
-from eagle_pipeline.audit import GATES, GateSpec, gate_verdict, report_markdown
+from eagle_pipeline.audit import GATES, GateSpec, report_markdown
+from eagle_pipeline.audit_overview import audit_failure_summary, first_failure, gate_counts, gate_summary
 from eagle_pipeline.audit_records import audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.dashboards import histogram_markdown, list_lengths, value_counts
+from eagle_pipeline.defs.automation import after_any_audit
 from eagle_pipeline.defs.generation import responses
+from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.storage import file_sha256, write_parquet_atomic
@@ -98,23 +101,27 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     )
 
 
-def gate_check_result(result: dict) -> dg.AssetCheckResult:
-    """One gate's stored result (`GateResult.to_dict()`) as a check result: blocking failure -> ERROR (stops
-    downstream); rows only filtered -> pass, counted; rows only warned -> WARN."""
-    metadata = {**gate_check_metadata(result), "rows_excluded_downstream": result["excluded"]}
+def gate_check_result(dataset: str, result: dict) -> dg.AssetCheckResult:
+    """One gate's stored result (`GateResult.to_dict()`) on `dataset` as a check result: blocking failure -> ERROR
+    (stops downstream); rows only filtered -> pass, counted; rows only warned -> WARN. The description names the
+    dataset and the counts."""
+    metadata = gate_check_metadata(dataset, result)
+    description = gate_summary(dataset, result)
     if result["blocking"]:
         return dg.AssetCheckResult(
-            passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata, description=gate_verdict(result)
+            passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata, description=description
         )
     warned = result["failing"] - result["excluded"]
     if warned:
         return dg.AssetCheckResult(
-            passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata, description=gate_verdict(result)
+            passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata, description=description
         )
-    return dg.AssetCheckResult(passed=True, metadata=metadata, description=gate_verdict(result))
+    return dg.AssetCheckResult(passed=True, metadata=metadata, description=description)
 
 
-def gate_check_metadata(result: dict) -> dict:
+def gate_check_metadata(dataset: str, result: dict) -> dict:
+    # The numbers carry the dataset in their key: Dagster plots a check's numeric metadata over time across all
+    # partitions, so a key shared by every dataset would draw B1, B3 and B6 as one zig-zag line.
     examples = "\n".join(
         f"- `{e['sample_id']}`: "
         + (f"{e['problem']}; " if e.get("problem") else "")
@@ -122,15 +129,21 @@ def gate_check_metadata(result: dict) -> dict:
         for e in result["examples"]
     )
     meta = {
+        "dataset": dataset,
         "action": result["action"],
+        "counts": gate_counts(result),
+        f"{dataset}: rows checked": result["checked"],
+        f"{dataset}: rows failing": result["failing"],
+        f"{dataset}: failure rate": float(result["rate"]),
+        f"{dataset}: rows excluded downstream": result["excluded"],
         "actions_by_origin": dg.MetadataValue.json(result["origin_actions"]),
-        "rows_checked": result["checked"],
-        "rows_failing": result["failing"],
-        "failure_rate": float(result["rate"]),
         "failing_sample_ids": dg.MetadataValue.json(list(result["failing_sample_ids"])),
         "by_backend_provider": dg.MetadataValue.json(result["by_source"]),
         "by_ids_origin": dg.MetadataValue.json(result["by_origin"]),
     }
+    example = first_failure(result)
+    if example:
+        meta["first_failure_example"] = example  # plain text: shown in the metadata table without a click
     if examples:
         meta["failure_examples"] = dg.MetadataValue.md(examples)
     if result["details"]:
@@ -148,19 +161,80 @@ def build_gate_check(gate: GateSpec) -> dg.AssetChecksDefinition:
         blocking=True,
         partitions_def=dataset_partitions,
     )
-    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
+    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource):
         # Reads the dataset's stored audit (recomputed only if it is not bound to the current file and settings).
         root = pipeline.data_root()
-        audit = current_audit(
-            root, context.partition_key, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
-        )
-        return gate_check_result(record_gate_verdict(root, audit, gate.name))
+        dataset = context.partition_key
+        audit = current_audit(root, dataset, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
+        result = record_gate_verdict(root, audit, gate.name)
+        yield gate_check_result(dataset, result)
+        if result["blocking"]:
+            # The evaluation above is recorded; failing the step with this summary (rather than Dagster's generic
+            # "1 blocking asset check failed") makes the run's error say what failed, the figures and what to do.
+            raise dg.Failure(
+                description=audit_failure_summary(dataset, gate.name, result),
+                metadata={"dataset": dataset, "gate": gate.name, "counts": gate_counts(result)},
+                allow_retries=False,
+            )
 
     return _gate_check
 
 
 def build_gate_checks() -> list[dg.AssetChecksDefinition]:
     return [build_gate_check(g) for g in GATES]
+
+
+@dg.asset(
+    deps=[token_samples],
+    group_name="tokens",
+    owners=["team:data"],
+    automation_condition=after_any_audit,
+    description=(
+        "The audit view: for the latest token samples of every dataset, fit to merge yes/no and why (the merge's own "
+        "verdict), and each gate's failing rows, action, verdict and excluded rows. Refreshed by the audit_view "
+        "sensor after any dataset is audited."
+    ),
+)
+def audit_overview(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+    from eagle_pipeline import audit_overview as view
+
+    cfg = pipeline.config()
+    audits = view.audit_overview(
+        pipeline.data_root(), cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
+    )
+    line = view.fit_line(audits)
+    context.log.info(line)
+    first_failures = {f"first_failure {a.dataset}": a.first_failure for a in audits if a.first_failure}
+    return dg.MaterializeResult(
+        metadata={
+            "fit_to_merge": line,
+            "datasets": records_table(
+                view.dataset_rows(audits),
+                {
+                    "dataset": "dataset (partition of token_samples)",
+                    "fit": "fit to merge: the merge's own verdict on the dataset's latest token samples",
+                    "rows": "token-sample rows the stored audit judged (empty: no audit of the current file)",
+                    "excluded": "rows a failing filter/block gate keeps out of the merge",
+                    "reason": "why: each blocking gate's counts, or the problem the merge found",
+                },
+            ),
+            "gates_with_findings": records_table(
+                view.gate_rows(audits),
+                {
+                    "dataset": "dataset",
+                    "gate": "audit gate (an asset check on token_samples)",
+                    "action": "what a failing row does: block, filter or warn",
+                    "failing": "failing rows of rows checked",
+                    "verdict": "the check's verdict",
+                    "excluded": "rows this gate keeps out of the merge",
+                },
+            ),
+            **first_failures,
+            "datasets_x_gates": dg.MetadataValue.md(view.grid_markdown(audits)),
+            "datasets fit to merge": sum(a.fit for a in audits),
+            "datasets not fit to merge": sum(not a.fit for a in audits),
+        }
+    )
 
 
 # Module level, so that the defs folder's autoloading finds them (definitions.py).

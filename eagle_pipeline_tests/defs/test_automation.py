@@ -84,3 +84,55 @@ def test_merge_automation_waits_for_every_dataset_audit(pipeline_config, instanc
     assert len(shards) >= 2
     assert tick.get_num_requested(dg.AssetKey("hidden_states")) == len(shards)  # every shard follows
     assert tick.get_num_requested(dg.AssetKey("trainer_exports")) == 0  # waits for the shards
+
+
+def _view_metadata(instance) -> dict:
+    record = instance.fetch_materializations(dg.AssetKey("audit_overview"), limit=1).records[0]
+    return record.asset_materialization.metadata
+
+
+def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_config, instance):
+    """audit_overview's condition (run by the audit_view sensor, on from the start) asks for a refresh after a
+    dataset's run, once, and again after a later audit of another dataset or a rerun of the checks alone."""
+    from eagle_pipeline.defs.automation import audit_view_sensor
+    from eagle_pipeline.defs.generation import prompts
+    from eagle_pipeline.defs.tokens import token_samples
+
+    assert audit_view_sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    path = pipeline_config(datasets=("B1", "B6"), limit=2)
+    _config_with_faulty_backend(path, {"B6"})
+    checks_only = dg.define_asset_job(
+        "checks_only", selection=dg.AssetSelection.checks_for_assets(token_samples) | dg.AssetSelection.assets(prompts)
+    )
+    defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=[checks_only]))
+    view = dg.AssetKey("audit_overview")
+    refresh = defs.resolve_job_def("audit_view_job")  # what `make demo` runs; the sensor's runs do the same
+    job = defs.resolve_job_def("dataset_job")
+
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+    assert tick.get_num_requested(view) == 0  # nothing audited yet
+    assert job.execute_in_process(instance=instance, partition_key="B1").success
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    assert tick.get_num_requested(view) == 1
+    assert refresh.execute_in_process(instance=instance).success
+    assert _view_metadata(instance)["fit_to_merge"].value == (
+        "1 of 2 datasets fit to merge: B1 yes; B6 NO (token samples not materialized)"
+    )
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    assert tick.get_num_requested(view) == 0  # refreshed: nothing new
+
+    assert not job.execute_in_process(instance=instance, partition_key="B6", raise_on_error=False).success
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    assert tick.get_num_requested(view) == 1  # the failed run's audit counts too
+    assert refresh.execute_in_process(instance=instance).success
+    meta = _view_metadata(instance)
+    assert meta["fit_to_merge"].value == "1 of 2 datasets fit to merge: B1 yes; B6 NO (billing_agreement)"
+    assert meta["datasets not fit to merge"].value == 1
+    assert meta["first_failure B6"].value.startswith("billing_agreement: B6-")
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    assert tick.get_num_requested(view) == 0
+
+    # The checks alone, run again (say, after a settings change): the view follows them as well.
+    assert defs.resolve_job_def("checks_only").execute_in_process(instance=instance, partition_key="B1").success
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
+    assert tick.get_num_requested(view) == 1

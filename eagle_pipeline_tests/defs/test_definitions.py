@@ -15,6 +15,7 @@ EXPECTED_ASSETS = {
     "prompts",
     "responses",
     "token_samples",
+    "audit_overview",
     "merged_dataset",
     "draft_vocab",
     "hidden_state_plan",
@@ -37,6 +38,7 @@ def test_every_asset_is_present_with_its_upstreams():
     assert parents["responses"] == {"prompts"}
     assert parents["token_samples"] == {"responses"}
     assert parents["merged_dataset"] == {"token_samples"}
+    assert parents["audit_overview"] == {"token_samples"}
     assert parents["draft_vocab"] == {"merged_dataset"}
     assert parents["hidden_state_plan"] == {"merged_dataset"}
     assert parents["hidden_states"] == {"merged_dataset", "hidden_state_plan"}
@@ -51,7 +53,7 @@ def test_partitions():
         assert by_name[name].get_partition_keys() == [f"B{i}" for i in range(1, 9)]
     assert isinstance(by_name["hidden_states"], dg.DynamicPartitionsDefinition)
     assert by_name["hidden_states"].name == "hidden_state_shards"
-    for name in ("merged_dataset", "draft_vocab", "hidden_state_plan", "trainer_exports"):
+    for name in ("audit_overview", "merged_dataset", "draft_vocab", "hidden_state_plan", "trainer_exports"):
         assert by_name[name] is None
 
 
@@ -93,7 +95,14 @@ def test_pools_jobs_and_schedules():
     graph = _graph()
     assert graph.get(dg.AssetKey("responses")).pools == {"llm_api"}
     assert graph.get(dg.AssetKey("hidden_states")).pools == {"gpu"}
-    for job in ("dataset_job", "merge_job", "hidden_states_job", "exports_job", "hidden_states_k8s_job"):
+    for job in (
+        "dataset_job",
+        "audit_view_job",
+        "merge_job",
+        "hidden_states_job",
+        "exports_job",
+        "hidden_states_k8s_job",
+    ):
         assert defs.resolve_job_def(job) is not None
     assert defs.resolve_schedule_def("resume_incomplete_datasets").cron_schedule == "0 */6 * * *"
 

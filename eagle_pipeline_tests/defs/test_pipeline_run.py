@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -74,7 +75,10 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
         .records[0]
         .asset_materialization.metadata
     )
-    overview = {r.data["dataset"]: r.data for r in merged_meta["per_dataset_overview"].value.records}
+    # Two narrow tables (where the rows went; what the requests cost), joined on the dataset.
+    overview = {r.data["dataset"]: dict(r.data) for r in merged_meta["per_dataset_rows"].value.records}
+    for r in merged_meta["per_dataset_requests"].value.records:
+        overview[r.data["dataset"]].update(r.data)
     assert set(overview) == {"B1", "B6"}
     assert all(r["responses"] == 6 and r["token_samples"] == 6 and r["audit"] == "pass" for r in overview.values())
     assert sum(r["merged_rows"] for r in overview.values()) == manifest["rows_total"]
@@ -104,6 +108,12 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
     materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
     assert "token_samples" in materialized
     assert materialized.isdisjoint({"merged_dataset", "draft_vocab", "hidden_state_plan"})
+    # The failed step's error is a summary with the figures and what to do, not Dagster's generic check error.
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    assert failure.step_key == "token_samples_billing_agreement"
+    message = failure.event_specific_data.error.message
+    assert re.search(r"Audit failed: billing_agreement blocks B1: (\d+) of \1 rows over the per-row tolerance", message)
+    assert "First failing row: B1-" in message and "rerun dataset_job for B1" in message
 
 
 def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance):
@@ -116,7 +126,9 @@ def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance)
     evaluation = _check_evaluations(result)["prompt_agreement"]
     assert evaluation.passed is False and evaluation.severity == dg.AssetCheckSeverity.WARN
     meta = evaluation.metadata
-    assert meta["rows_failing"].value == meta["rows_checked"].value > 0
+    assert meta["B1: rows failing"].value == meta["B1: rows checked"].value > 0
+    assert evaluation.description.startswith("B1: ") and meta["dataset"].value == "B1"
+    assert meta["first_failure_example"].value.startswith(f"{meta['failing_sample_ids'].value[0]}: ")
     assert json.loads(json.dumps(meta["details"].value))["difference_median"] == 37.0
     assert "usage_prompt_tokens" in meta["failure_examples"].value
     materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
@@ -132,6 +144,11 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     failure = next(e for e in result.all_events if e.is_step_failure)
     message = failure.event_specific_data.error.message
     assert "B1/billing_agreement" in message and "blocking audit failed" in message
+    # It starts with one paragraph: what failed, the figures, what to do; the list of problems follows.
+    summary = failure.event_specific_data.error.message.split("\n\n")[0]
+    assert "Merge refused: 1 of 1 datasets are not fit to merge. B1: billing_agreement: " in summary
+    assert re.search(r"(\d+) of \1 rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%", summary), summary
+    assert "rerun dataset_job" in summary
 
     # Clean data: regenerate into a fresh data root with no faults; the audit passes and merge runs.
     import shutil
@@ -181,7 +198,9 @@ def test_checks_and_merge_read_the_one_stored_audit_of_the_current_file(pipeline
     result = _run(defs, "checks_only", instance, "B1")
     evaluations = _check_evaluations(result)
     assert len(evaluations) == 14
-    assert evaluations["single_eot"].passed is False and evaluations["single_eot"].metadata["rows_failing"].value == 2
+    assert (
+        evaluations["single_eot"].passed is False and evaluations["single_eot"].metadata["B1: rows failing"].value == 2
+    )
     assert all(e.passed for name, e in evaluations.items() if name != "single_eot")
     assert not _run(defs, "merge_job", instance).success  # the recorded blocking verdict stops the merge
 

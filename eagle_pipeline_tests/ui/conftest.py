@@ -188,10 +188,14 @@ def _wait_for_location(ui: DagsterUI, proc: subprocess.Popen) -> None:
 
 
 def launch_dataset_run(ui: DagsterUI, partition: str) -> str:
+    return launch_job_run(ui, JOB, {"dagster/partition": partition})
+
+
+def launch_job_run(ui: DagsterUI, job: str, tags: dict[str, str] | None = None) -> str:
     params = {
-        "selector": {"repositoryLocationName": ui.location, "repositoryName": ui.repository, "pipelineName": JOB},
+        "selector": {"repositoryLocationName": ui.location, "repositoryName": ui.repository, "pipelineName": job},
         "runConfigData": RUN_CONFIG,
-        "executionMetadata": {"tags": [{"key": "dagster/partition", "value": partition}]},
+        "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]},
     }
     result = ui.gql(LAUNCH_RUN, {"params": params})["launchRun"]
     assert result["__typename"] == "LaunchRunSuccess", result
@@ -293,3 +297,61 @@ def screenshot_dir(tmp_path_factory) -> Path:
     path = Path(configured) if configured else tmp_path_factory.mktemp("screenshots")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# --- The audit view and a refused merge (issue 16, items 1 and 3) ---
+
+AUDIT_VIEW_TIMEOUT_S = 240  # the audit_view sensor ticks every 30 s; its run then starts and materialises the view
+AUDIT_VIEW_QUERY = """
+query AuditView {
+  assetOrError(assetKey: {path: ["audit_overview"]}) {
+    __typename
+    ... on Asset {
+      assetMaterializations(limit: 5) {
+        runId
+        timestamp
+        metadataEntries {
+          label
+          ... on TextMetadataEntry { text }
+          ... on IntMetadataEntry { intValue }
+          ... on MarkdownMetadataEntry { mdStr }
+          ... on TableMetadataEntry { table { records schema { columns { name description } } } }
+        }
+      }
+    }
+  }
+}
+"""
+
+
+RUN_END_QUERY = "query End($runId: ID!) { runOrError(runId: $runId) { ... on Run { endTime } } }"
+
+
+def _entries(materialization: dict) -> dict:
+    return {e["label"]: e for e in materialization["metadataEntries"]}
+
+
+@pytest.fixture(scope="package")
+def audit_view(dagster_ui) -> dict:
+    """The audit_overview materialization that judged both datasets' runs: launched by the audit_view sensor, with
+    no click, after both dataset runs. Returns {"runId", "timestamp" (ms), "metadata": label -> entry}."""
+    ended = dagster_ui.gql(RUN_END_QUERY, {"runId": dagster_ui.runs[FAILING]["runId"]})["runOrError"]["endTime"]
+    deadline = time.monotonic() + AUDIT_VIEW_TIMEOUT_S
+    while True:
+        data = dagster_ui.gql(AUDIT_VIEW_QUERY)["assetOrError"]
+        mats = data.get("assetMaterializations", []) if data["__typename"] == "Asset" else []
+        for m in mats:
+            # A refresh may come between the two dataset runs (or during B6's); wait for one made after B6's run.
+            if int(m["timestamp"]) > ended * 1000:
+                return {"runId": m["runId"], "timestamp": m["timestamp"], "metadata": _entries(m)}
+        if time.monotonic() > deadline:
+            pytest.fail(f"no audit_overview judged {FAILING} within {AUDIT_VIEW_TIMEOUT_S}s:\n{dagster_ui.log_tail()}")
+        time.sleep(2)
+
+
+@pytest.fixture(scope="package")
+def refused_merge(dagster_ui) -> dict:
+    """merge_job launched after the two dataset runs: it refuses, because B6's blocking audit failed."""
+    if "merge" not in dagster_ui.runs:
+        dagster_ui.runs["merge"] = wait_for_run(dagster_ui, launch_job_run(dagster_ui, "merge_job"))
+    return dagster_ui.runs["merge"]

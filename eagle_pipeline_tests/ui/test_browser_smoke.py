@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from eagle_pipeline.audit import GATES
-from eagle_pipeline_tests.ui.conftest import FAILING, PASSING
+from eagle_pipeline_tests.ui.conftest import FAILING, PASSING, ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,7 @@ ASSETS = (
     "prompts",
     "responses",
     "token_samples",
+    "audit_overview",
     "merged_dataset",
     "draft_vocab",
     "hidden_state_plan",
@@ -77,7 +78,7 @@ PAGES = (
     Page(
         "token_samples_checks",
         "/assets/token_samples?view=checks",
-        (*(f">{g.name}<" for g in GATES), ">Failed<", "FAIL (blocks)", "rows_failing", f">{FAILING}<"),
+        (*(f">{g.name}<" for g in GATES), ">Failed<", "FAIL (blocks)", f"{FAILING}: rows failing", f">{FAILING}<"),
     ),
     Page(
         "check_billing_agreement",
@@ -88,7 +89,12 @@ PAGES = (
     Page(
         "failed_run",
         "/runs/{failed_run}",
-        (f"partition: {FAILING}", "DagsterAssetCheckFailedError", "billing_agreement", ">Failure<"),
+        (
+            f"partition: {FAILING}",
+            f"Audit failed: billing_agreement blocks {FAILING}",
+            "billing_agreement",
+            ">Failure<",
+        ),
     ),
     # Partition status: both datasets materialised (a failed audit does not unmaterialise), B1's latest shown.
     Page(
@@ -112,6 +118,7 @@ PAGES = (
         (
             "resume_incomplete_datasets",
             "default_automation_condition_sensor",
+            "audit_view_sensor",  # running from the start: it refreshes the audit view
             "Automation condition sensor",
             "every 6 hours",
         ),
@@ -271,3 +278,114 @@ def test_ui_token_lengths_histogram(chromium, ui_without_welcome, screenshot_dir
     assert 'src="data:image/png;base64,' in dom
     assert _png_size(png.read_bytes()) == (WIDTH, HEIGHT)
     _assert_not_blank(png)
+
+
+# --- The audit view, check summaries and failure summaries, read as a person sees them (issue 16, items 1 and 3) ---
+
+NARROW_WIDTH = 1280  # the audit view's tables must fit a 1280 px window
+AUDIT_VIEW_URL = "/assets/audit_overview?view=events&time={timestamp}"  # the view made after both dataset runs
+# Every <table> on the page: where its right edge is, and whether it scrolls (a cut-off table is wider than its box).
+_TABLE_BOXES = """Array.from(document.querySelectorAll('table')).map(t => {
+    const box = t.getBoundingClientRect();
+    return {right: Math.round(box.right), width: Math.round(box.width), scroll: t.scrollWidth,
+            parent: t.parentElement ? t.parentElement.clientWidth : 0, text: t.innerText.slice(0, 80)};
+})"""
+_TEXT = "(document.body ? document.body.innerText : '')"
+
+
+async def _visible_text(chromium: str, url: str, png: Path, profile: Path, ready: str, width: int, height: int):
+    """Opens `url`, waits until the visible text holds `ready`, screenshots; returns (innerText, table boxes)."""
+    from eagle_pipeline_tests.ui.cdp import chromium_tab
+
+    async with chromium_tab(chromium, profile, width, height) as tab:
+        await tab.navigate(url)
+        await tab.wait_for(f"{_TEXT}.includes({ready!r})", timeout=PAGE_TIMEOUT_S, what=repr(ready))
+        await asyncio.sleep(1.0)  # let the remaining queries settle
+        text = await tab.evaluate(_TEXT)
+        boxes = await tab.evaluate(_TABLE_BOXES)
+        scroll_width = await tab.evaluate("document.documentElement.scrollWidth")
+        await tab.screenshot(png)
+        return text, boxes, scroll_width
+
+
+def _open(chromium, ui, path, png, profile, ready, width=WIDTH, height=HEIGHT):
+    pytest.importorskip("aiohttp", reason="the DevTools-protocol driver needs aiohttp")
+
+    async def run():
+        return await asyncio.wait_for(
+            _visible_text(chromium, ui.base_url + path, png, profile, ready, width, height), HISTOGRAM_TIMEOUT_S
+        )
+
+    png.unlink(missing_ok=True)
+    result = asyncio.run(run())
+    _assert_not_blank(png)
+    return result
+
+
+def test_ui_audit_view_marks_the_failing_dataset_unfit_and_fits_1280_px(
+    chromium, ui_without_welcome, audit_view, screenshot_dir, tmp_path
+):
+    png = screenshot_dir / "ui_audit_overview.png"
+    fit = f"1 of 2 datasets fit to merge: {PASSING} yes; {FAILING} NO (billing_agreement)"
+    url = AUDIT_VIEW_URL.format(timestamp=audit_view["timestamp"])
+    text, boxes, scroll_width = _open(
+        chromium, ui_without_welcome, url, png, tmp_path / "profile", fit, NARROW_WIDTH, 1400
+    )
+    (tmp_path / "audit_view.txt").write_text(text)
+    assert _png_size(png.read_bytes()) == (NARROW_WIDTH, 1400)
+    # What a person reads, without a click: the verdict per dataset, the gate, its counts and the first failing row.
+    for expected in (
+        fit,
+        "fit_to_merge",
+        "billing_agreement",
+        f"{ROWS} of {ROWS}",
+        "FAIL (blocks)",
+        f"first_failure {FAILING}",
+        f"billing_agreement: {FAILING}-",
+        "rows over the per-row tolerance",
+    ):
+        assert expected in text, f"{expected!r} not visible on {url} (text in {tmp_path})"
+    datasets_table = [b for b in boxes if "reason" in b["text"]]
+    assert datasets_table, boxes
+    for box in boxes:
+        assert box["right"] <= NARROW_WIDTH and box["scroll"] <= max(box["width"], box["parent"]) + 1, box
+    assert scroll_width <= NARROW_WIDTH
+
+
+def test_ui_check_names_the_dataset_and_shows_its_first_failure(chromium, ui_without_welcome, tmp_path):
+    png = tmp_path / "ui_check_billing_agreement_summary.png"  # docs/img has the full check page from PAGES
+    summary = f"{FAILING}: FAIL (blocks): {ROWS} of {ROWS} rows over the per-row tolerance; aggregate "
+    text, _, _ = _open(
+        chromium,
+        ui_without_welcome,
+        "/assets/token_samples?view=checks&checkDetail=billing_agreement",
+        png,
+        tmp_path / "profile",
+        summary,
+    )
+    (tmp_path / "check.txt").write_text(text)
+    assert "first_failure_example" in text
+    assert re.search(rf"{FAILING}-\S+: len\(output_ids\)=\d+ usage_completion_tokens=\d+", text), text[:3000]
+
+
+def test_ui_failed_run_shows_the_summary_before_the_traceback(chromium, ui_without_welcome, tmp_path):
+    ui = ui_without_welcome
+    png = tmp_path / "ui_failed_run_summary.png"  # docs/img/ui_failed_run.png comes from PAGES
+    ready = f"Audit failed: billing_agreement blocks {FAILING}: {ROWS} of {ROWS} rows over the per-row tolerance"
+    text, _, _ = _open(chromium, ui, f"/runs/{ui.runs[FAILING]['runId']}", png, tmp_path / "profile", ready)
+    (tmp_path / "run.txt").write_text(text)
+    assert "Stack Trace" in text
+    assert text.index(ready) < text.index("Stack Trace")
+    assert f"rerun dataset_job for {FAILING}" in text[: text.index("Stack Trace")]
+
+
+def test_ui_refused_merge_run_starts_with_its_summary(
+    chromium, ui_without_welcome, refused_merge, screenshot_dir, tmp_path
+):
+    ui = ui_without_welcome
+    png = screenshot_dir / "ui_refused_merge_run.png"
+    ready = "Merge refused: 1 of 2 datasets are not fit to merge."
+    text, _, _ = _open(chromium, ui, f"/runs/{refused_merge['runId']}", png, tmp_path / "profile", ready, height=1600)
+    (tmp_path / "merge_run.txt").write_text(text)
+    assert f"{FAILING}: billing_agreement: {ROWS} of {ROWS} rows over the per-row tolerance" in text
+    assert "Stack Trace" in text and text.index(ready) < text.index("Stack Trace")

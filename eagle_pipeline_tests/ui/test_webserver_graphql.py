@@ -7,6 +7,7 @@ shows comes from these same queries, so this is what an operator would see in th
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -165,17 +166,28 @@ def test_billing_agreement_passes_for_the_clean_dataset_and_fails_for_the_over_b
     assert ok["status"] == "SUCCEEDED" and ok["partition"] == PASSING
     assert ok["evaluation"]["success"] is True
     meta = _metadata(ok["evaluation"]["metadataEntries"])
-    assert meta["rows_checked"] == ROWS and meta["rows_failing"] == 0
+    assert meta[f"{PASSING}: rows checked"] == ROWS and meta[f"{PASSING}: rows failing"] == 0
+    assert ok["evaluation"]["description"].startswith(f"{PASSING}: pass: 0 of {ROWS} rows over the per-row tolerance")
 
     bad = _execution_in_run(dagster_ui, "billing_agreement", FAILING)
     assert bad["status"] == "FAILED" and bad["partition"] == FAILING
     evaluation = bad["evaluation"]
     assert evaluation["success"] is False
     assert evaluation["severity"] == "ERROR"  # blocking severity, not a warning
-    assert evaluation["description"] == "FAIL (blocks)"
+    # The description names the dataset and the counts: every row over its tolerance, the aggregate over its bound.
+    assert re.fullmatch(
+        rf"{FAILING}: FAIL \(blocks\): {ROWS} of {ROWS} rows over the per-row tolerance; aggregate "
+        rf"1\d\.\d\d% > 0\.50%; {ROWS} excluded downstream",
+        evaluation["description"],
+    ), evaluation["description"]
     meta = _metadata(evaluation["metadataEntries"])
-    assert meta["rows_checked"] == ROWS and meta["rows_failing"] == ROWS  # +15% billed on every response
-    assert meta["failure_rate"] == pytest.approx(1.0)
+    # +15% billed on every response; the numbers are keyed by dataset, so each dataset has its own plot.
+    assert meta[f"{FAILING}: rows checked"] == ROWS and meta[f"{FAILING}: rows failing"] == ROWS
+    assert meta[f"{FAILING}: failure rate"] == pytest.approx(1.0)
+    assert not any(k.startswith(f"{PASSING}:") for k in meta)
+    assert meta["dataset"] == FAILING
+    # The first failing row, as plain text (no click): its sample id and the two counts that disagree.
+    assert re.match(rf"{FAILING}-\S+: len\(output_ids\)=\d+ usage_completion_tokens=\d+", meta["first_failure_example"])
 
     # Per-partition history: the partition filter returns only that dataset's evaluations.
     assert {e["partition"] for e in _executions(dagster_ui, "billing_agreement", FAILING)} == {FAILING}
@@ -186,7 +198,8 @@ def test_a_passing_gate_passes_for_both_datasets(dagster_ui, partition):
     execution = _execution_in_run(dagster_ui, "ends_with_eot", partition)
     assert execution["status"] == "SUCCEEDED"
     assert execution["evaluation"]["success"] is True
-    assert _metadata(execution["evaluation"]["metadataEntries"])["rows_checked"] == ROWS
+    assert _metadata(execution["evaluation"]["metadataEntries"])[f"{partition}: rows checked"] == ROWS
+    assert execution["evaluation"]["description"] == f"{partition}: pass: 0 of {ROWS} rows failing"
 
 
 def test_every_other_gate_passed_on_the_over_billed_dataset(dagster_ui):
@@ -222,3 +235,93 @@ def test_the_gpu_pool_is_listed_with_its_limit_before_any_shard_ran(dagster_ui):
         time.sleep(2)
     assert pools.get("gpu") == 1, (pools, dagster_ui.log_tail())
     assert pools.get("llm_api", 0) >= 1
+
+
+# --- The audit view, failure summaries (issue 16, items 1 and 3) ---
+
+
+def _table(entry: dict) -> list[dict]:
+    return [json.loads(r) for r in entry["table"]["records"]]
+
+
+def test_the_audit_view_marks_the_failing_dataset_unfit_and_the_clean_one_fit(dagster_ui, audit_view):
+    meta = audit_view["metadata"]
+    assert (
+        meta["fit_to_merge"]["text"] == f"1 of 2 datasets fit to merge: {PASSING} yes; {FAILING} NO (billing_agreement)"
+    )
+    rows = {r["dataset"]: r for r in _table(meta["datasets"])}
+    assert rows[PASSING]["fit"] == "yes" and rows[PASSING]["rows"] == ROWS
+    assert rows[FAILING]["fit"] == "NO" and rows[FAILING]["excluded"] == ROWS
+    assert re.match(rf"billing_agreement: {ROWS} of {ROWS} rows over the per-row tolerance", rows[FAILING]["reason"])
+    findings = {(r["dataset"], r["gate"]): r for r in _table(meta["gates_with_findings"])}
+    assert set(findings) == {(FAILING, "billing_agreement")}, findings
+    assert findings[(FAILING, "billing_agreement")] == {
+        "dataset": FAILING,
+        "gate": "billing_agreement",
+        "action": "block",
+        "failing": f"{ROWS} of {ROWS}",
+        "verdict": "FAIL (blocks)",
+        "excluded": ROWS,
+    }
+    assert meta[f"first_failure {FAILING}"]["text"].startswith(f"billing_agreement: {FAILING}-")
+    assert f"first_failure {PASSING}" not in meta
+    # Every column says what it counts.
+    for table in ("datasets", "gates_with_findings"):
+        assert all(c["description"] for c in meta[table]["table"]["schema"]["columns"]), table
+    # Launched by the audit_view sensor, not by a click.
+    run = dagster_ui.gql(RUN_QUERY, {"runId": audit_view["runId"]})["runOrError"]
+    tags = {t["key"]: t["value"] for t in run["tags"]}
+    assert tags.get("eagle/launched_by") == "audit_view_sensor", tags
+
+
+RUN_EVENTS = """
+query RunEvents($runId: ID!) {
+  logsForRun(runId: $runId, limit: 2000) {
+    __typename
+    ... on EventConnection {
+      events {
+        __typename
+        ... on MessageEvent { message level stepKey }
+        ... on ExecutionStepFailureEvent { error { message stack } }
+      }
+    }
+  }
+}
+"""
+
+
+def _events(dagster_ui, run_id: str) -> list[dict]:
+    logs = dagster_ui.gql(RUN_EVENTS, {"runId": run_id})["logsForRun"]
+    assert logs["__typename"] == "EventConnection", logs
+    return logs["events"]
+
+
+def test_the_failed_audit_run_says_what_failed_with_the_figures_before_the_traceback(dagster_ui):
+    """The failed step's error (which the run page shows, and the run's failure repeats) is the audit's summary."""
+    failures = [
+        e
+        for e in _events(dagster_ui, dagster_ui.runs[FAILING]["runId"])
+        if e["__typename"] == "ExecutionStepFailureEvent"
+    ]
+    assert len(failures) == 1, failures
+    message = failures[0]["error"]["message"]
+    assert re.search(
+        rf"Audit failed: billing_agreement blocks {FAILING}: {ROWS} of {ROWS} rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%",
+        message,
+    ), message
+    assert f"First failing row: {FAILING}-" in message and f"rerun dataset_job for {FAILING}" in message
+    assert "Traceback" not in message and failures[0]["error"]["stack"]  # the stack comes separately, after it
+
+
+def test_a_refused_merge_starts_with_a_summary_of_what_to_fix(dagster_ui, refused_merge):
+    assert refused_merge["status"] == "FAILURE"
+    failure = next(
+        e for e in _events(dagster_ui, refused_merge["runId"]) if e["__typename"] == "ExecutionStepFailureEvent"
+    )
+    first_paragraph = failure["error"]["message"].split("\n\n")[0]
+    assert re.search(
+        rf"Merge refused: 1 of 2 datasets are not fit to merge\. {FAILING}: billing_agreement: {ROWS} of {ROWS} rows "
+        r"over the per-row tolerance; aggregate [\d.]+% > 0\.50%",
+        first_paragraph,
+    ), first_paragraph
+    assert "What to do:" in first_paragraph and "rerun dataset_job" in first_paragraph
