@@ -23,7 +23,7 @@ from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.config import load_config
 defs.resolve_all_job_defs()
 print(json.dumps({"module": eagle_pipeline.__file__, "datasets": dataset_partitions.get_partition_keys(),
-                  "prompts": str(load_config().datasets["B1"].prompts), "n_assets": len(defs.resolve_asset_graph().get_all_asset_keys())}))
+                  "prompts": str(load_config().datasets["B1"].prompts), "assets": sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())}))
 """
 
 
@@ -69,4 +69,8 @@ def test_wheel_ships_no_tests_and_loads_the_code_location_from_a_fresh_venv(tmp_
     assert Path(loaded["module"]).is_relative_to(venv)
     assert loaded["datasets"] == [f"B{i}" for i in range(1, 9)]
     assert Path(loaded["prompts"]).is_relative_to(venv) and Path(loaded["prompts"]).is_file()
-    assert loaded["n_assets"] == 8
+    # The wheel's code location holds exactly the assets of the source tree's.
+    from eagle_pipeline.definitions import defs
+
+    assert loaded["assets"] == sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())
+    assert "token_samples" in loaded["assets"] and "audit_overview" in loaded["assets"]
