@@ -49,9 +49,12 @@ bench: venv
 	$(PY) benchmarks/bench_reconstruct.py
 	$(PY) benchmarks/bench_audit.py
 	$(PY) benchmarks/bench_generation.py
+	$(PY) benchmarks/bench_answer_log.py --quick
+	$(PY) benchmarks/bench_stream_memory.py
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_extract.py
 	$(PY) benchmarks/bench_extract_engine.py
+	$(PY) benchmarks/bench_teacher_agreement.py
 
 gpu-check: venv
 	$(PY) scripts/gpu_check.py
