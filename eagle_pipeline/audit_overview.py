@@ -65,7 +65,7 @@ def audit_failure_summary(dataset: str, name: str, gate: Mapping[str, Any]) -> s
         f"Audit failed: {name} blocks {dataset}: {gate_counts(gate)}."
         + (f" First failing row: {example}." if example else "")
         + f" What to do: see docs/audit.md#{name} for the usual causes; fix the data or the configuration, then "
-        f"rerun dataset_job for {dataset}. The merge refuses until every blocking gate passes on {dataset}'s latest "
+        f"rerun EAGLE_dataset for {dataset}. The merge refuses until every blocking gate passes on {dataset}'s latest "
         "token samples; audit_overview shows every dataset's verdict."
     )
 
@@ -217,7 +217,7 @@ def refusal_summary(audits: Sequence[DatasetAudit]) -> str:
     reasons = " ".join(f"{a.dataset}: {a.reason}." for a in unfit)
     return (
         f"Merge refused: {len(unfit)} of {len(audits)} datasets are not fit to merge. {reasons} Nothing was merged. "
-        "What to do: fix each unfit dataset (docs/audit.md gives each gate's usual causes), rerun dataset_job for it "
-        "so every gate runs on its latest token samples, then run merge_job again; the audit_overview asset shows "
+        "What to do: fix each unfit dataset (docs/audit.md gives each gate's usual causes), rerun EAGLE_dataset for it "
+        "so every gate runs on its latest token samples, then run EAGLE_merge again; the audit_overview asset shows "
         "every dataset's verdict."
     )

@@ -202,7 +202,7 @@ def cmd_retire_responses(args: argparse.Namespace) -> int:
     print(summary.describe())
     for source, n in summary.by_backend_provider.items():
         print(f"  {source}: {n} rows")
-    print(f"rerun the dataset (dataset_job, partition {args.dataset}) to request the retired prompts again")
+    print(f"rerun the dataset (EAGLE_dataset, partition {args.dataset}) to request the retired prompts again")
     return EXIT_OK
 
 

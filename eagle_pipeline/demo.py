@@ -65,12 +65,12 @@ def run_demo() -> int:
         return result.success
 
     for ds in cfg.dataset_names:
-        run("dataset_job", ds)
-    run("audit_view_job")  # the audit view, so the UI opens on every dataset's verdict
-    if run("merge_job"):
+        run("EAGLE_dataset", ds)
+    run("EAGLE_audit_view")  # the audit view, so the UI opens on every dataset's verdict
+    if run("EAGLE_merge"):
         for key in sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)):
-            run("hidden_states_job", key)
-        run("exports_job")
+            run("EAGLE_hidden_states", key)
+        run("EAGLE_exports")
     print_summary(cfg, root, time.monotonic() - t0, failures)
     return 1 if failures else 0
 

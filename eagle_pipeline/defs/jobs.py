@@ -8,15 +8,19 @@ from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import audit_overview, token_samples
 
+# Job names start with "EAGLE_" so that they sort before Dagster's implicit "__ASSET_JOB" ('E' < '_'): the UI launches
+# a selection made in the asset graph as the first job, in sorted order, that holds every selected asset, so such a
+# run carries the project's job name (docs/ui.md, "Job names"). Where two jobs hold an asset, the shorter name sorts
+# first: the hidden_states shards launch as EAGLE_hidden_states, not EAGLE_hidden_states_k8s.
 dataset_job = dg.define_asset_job(
-    "dataset_job",
+    "EAGLE_dataset",
     selection=dg.AssetSelection.assets(prompts, responses, token_samples),
     # Fourteen audit checks as fourteen processes cost more than the checks themselves; one process per run.
     executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
 )
 audit_view_job = dg.define_asset_job(
-    "audit_view_job",
+    "EAGLE_audit_view",
     selection=dg.AssetSelection.assets(audit_overview),
     description=(
         "Refresh the audit view (audit_overview): every dataset's fit-to-merge verdict. The audit_view sensor "
@@ -24,12 +28,12 @@ audit_view_job = dg.define_asset_job(
     ),
 )
 merge_job = dg.define_asset_job(
-    "merge_job",
+    "EAGLE_merge",
     selection=dg.AssetSelection.assets(merged_dataset, draft_vocab, hidden_state_plan),
     description="Merge and shuffle the audited datasets, build the draft vocabulary and plan the extraction.",
 )
 hidden_states_job = dg.define_asset_job(
-    "hidden_states_job",
+    "EAGLE_hidden_states",
     selection=dg.AssetSelection.assets(hidden_states),
     description="Extract hidden states for one shard of the merged dataset.",
 )
@@ -40,12 +44,12 @@ try:  # dagster-k8s is optional (the dev extra; the cluster's code image): witho
 except ImportError:  # pragma: no cover - exercised only where dagster-k8s is not installed
     k8s_job_executor = None
 
-# The same selection as hidden_states_job, each step in its own Kubernetes Job: the extraction step's pod asks for a
+# The same selection as EAGLE_hidden_states, each step in its own Kubernetes Job: the extraction step's pod asks for a
 # GPU through the asset's op tags (GPU_OP_TAGS), the three check steps get CPU pods. Needs the K8sRunLauncher (or
 # explicit kubeconfig/job_image execution config) only when a run starts, never to load. docs/scaling.md.
 hidden_states_k8s_job = (
     dg.define_asset_job(
-        "hidden_states_k8s_job",
+        "EAGLE_hidden_states_k8s",
         selection=dg.AssetSelection.assets(hidden_states),
         executor_def=k8s_job_executor,
         description="Extract one hidden-state shard on a Kubernetes GPU node (one pod per step; k8s_job_executor).",
@@ -57,7 +61,7 @@ hidden_states_k8s_job = (
 scale_out_jobs = [j for j in (hidden_states_k8s_job,) if j is not None]
 
 exports_job = dg.define_asset_job(
-    "exports_job",
+    "EAGLE_exports",
     selection=dg.AssetSelection.assets(trainer_exports),
     description="Write the trainer exports once every hidden-state shard is done.",
 )
@@ -128,10 +132,11 @@ def retire_responses_op(
 
 
 @dg.job(
+    name="EAGLE_retire_responses",
     description=(
         "Retire a dataset's committed responses into responses/<dataset>/retired/<stamp>/ (docs/generation.md). "
-        "Then rerun dataset_job to request the retired prompts again."
-    )
+        "Then rerun EAGLE_dataset to request the retired prompts again."
+    ),
 )
 def retire_responses_job():
     retire_responses_op()

@@ -33,14 +33,14 @@ def test_schedule_resumes_only_incomplete_datasets(pipeline_config, instance, tm
     pipeline_config(datasets=("B1", "B6"), limit=3)
     defs = build_defs()
     assert _schedule_requests(instance) == ["B1", "B6"]
-    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
+    assert defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1").success
     assert _schedule_requests(instance) == ["B6"]
     # A response shard lost (say, a crash before the rest was committed): B1 is incomplete again.
     root = DataRoot(tmp_path / "data")
     next(root.responses_dir("B1").glob("part-*.parquet")).unlink()
     assert _schedule_requests(instance) == ["B1", "B6"]
-    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
-    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B6").success
+    assert defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1").success
+    assert defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B6").success
     with dg.build_schedule_context(instance=instance, resources={"pipeline": PipelineResource()}) as ctx:
         assert isinstance(resume_incomplete_datasets(ctx), dg.SkipReason)
 
@@ -60,7 +60,7 @@ def test_merge_automation_waits_for_every_dataset_audit(pipeline_config, instanc
     defs = build_defs()
     merged = dg.AssetKey("merged_dataset")
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
-    job = defs.resolve_job_def("dataset_job")
+    job = defs.resolve_job_def("EAGLE_dataset")
     outcomes = {
         ds: job.execute_in_process(instance=instance, partition_key=ds, raise_on_error=False).success for ds in names
     }
@@ -78,7 +78,7 @@ def test_merge_automation_waits_for_every_dataset_audit(pipeline_config, instanc
     # Stages below the merge wait for it, then follow once its own blocking checks passed.
     for key in ("draft_vocab", "hidden_state_plan"):
         assert tick.get_num_requested(dg.AssetKey(key)) == 0
-    assert defs.resolve_job_def("merge_job").execute_in_process(instance=instance).success  # merge, vocab, plan
+    assert defs.resolve_job_def("EAGLE_merge").execute_in_process(instance=instance).success  # merge, vocab, plan
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=tick.cursor)
     shards = instance.get_dynamic_partitions("hidden_state_shards")
     assert len(shards) >= 2
@@ -106,8 +106,8 @@ def test_the_audit_view_follows_every_dataset_audit_without_a_click(pipeline_con
     )
     defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=[checks_only]))
     view = dg.AssetKey("audit_overview")
-    refresh = defs.resolve_job_def("audit_view_job")  # what `make demo` runs; the sensor's runs do the same
-    job = defs.resolve_job_def("dataset_job")
+    refresh = defs.resolve_job_def("EAGLE_audit_view")  # what `make demo` runs; the sensor's runs do the same
+    job = defs.resolve_job_def("EAGLE_dataset")
 
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
     assert tick.get_num_requested(view) == 0  # nothing audited yet

@@ -37,7 +37,7 @@ def _edit(path, **dataset_keys):
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
-def _run(defs, instance, job="dataset_job", partition_key="B1", **kw):
+def _run(defs, instance, job="EAGLE_dataset", partition_key="B1", **kw):
     return defs.resolve_job_def(job).execute_in_process(
         instance=instance, partition_key=partition_key, raise_on_error=False, **kw
     )
@@ -175,7 +175,7 @@ def test_an_overbilling_providers_rows_keep_failing_until_retired_and_their_spen
     assert budget.spent_usd == pytest.approx(ledger, rel=1e-12)
 
     # The same through the Dagster job: retire the good backend's rows, and the dataset is incomplete again.
-    job_result = defs.resolve_job_def("retire_responses_job").execute_in_process(
+    job_result = defs.resolve_job_def("EAGLE_retire_responses").execute_in_process(
         instance=instance,
         run_config={"ops": {"retire_responses_op": {"config": {"dataset": "B1", "backend": "simulated"}}}},
         raise_on_error=False,

@@ -96,15 +96,52 @@ def test_pools_jobs_and_schedules():
     assert graph.get(dg.AssetKey("responses")).pools == {"llm_api"}
     assert graph.get(dg.AssetKey("hidden_states")).pools == {"gpu"}
     for job in (
-        "dataset_job",
-        "audit_view_job",
-        "merge_job",
-        "hidden_states_job",
-        "exports_job",
-        "hidden_states_k8s_job",
+        "EAGLE_dataset",
+        "EAGLE_audit_view",
+        "EAGLE_merge",
+        "EAGLE_hidden_states",
+        "EAGLE_exports",
+        "EAGLE_hidden_states_k8s",
     ):
         assert defs.resolve_job_def(job) is not None
     assert defs.resolve_schedule_def("resume_incomplete_datasets").cron_schedule == "0 */6 * * *"
+
+
+# The job the UI launches for a selection made in the asset graph: the first of the assets' common job names, in the
+# order the repository snapshot (GraphQL's `jobNames`) gives them (LaunchAssetExecutionButton's getCommonJob).
+LAUNCHED_FROM_GRAPH = {
+    "prompts": "EAGLE_dataset",
+    "responses": "EAGLE_dataset",
+    "token_samples": "EAGLE_dataset",
+    "audit_overview": "EAGLE_audit_view",
+    "merged_dataset": "EAGLE_merge",
+    "draft_vocab": "EAGLE_merge",
+    "hidden_state_plan": "EAGLE_merge",
+    "hidden_states": "EAGLE_hidden_states",  # in EAGLE_hidden_states_k8s too; the one-host job is the one launched
+    "trainer_exports": "EAGLE_exports",
+}
+
+
+def _common_job(snaps: dict, assets) -> str | None:
+    common = [j for j in snaps[assets[0]].job_names if all(j in snaps[a].job_names for a in assets)]
+    return common[0] if common else None
+
+
+def test_a_selection_made_in_the_asset_graph_launches_the_project_job():
+    from dagster._core.remote_representation.external_data import RepositorySnap
+
+    snap = RepositorySnap.from_def(defs.get_repository_def())
+    snaps = {n.asset_key.to_user_string(): n for n in snap.asset_nodes}
+    for node in snaps.values():
+        assert node.job_names == sorted(node.job_names), node.job_names  # the order the UI picks from
+        assert "__ASSET_JOB" in node.job_names  # still there; sorted after every EAGLE_ job
+    assert {a: _common_job(snaps, [a]) for a in snaps} == LAUNCHED_FROM_GRAPH
+    assert _common_job(snaps, ["prompts", "responses", "token_samples"]) == "EAGLE_dataset"
+    # A selection across jobs has only the implicit job in common.
+    assert _common_job(snaps, ["token_samples", "merged_dataset"]) == "__ASSET_JOB"
+    # The launched run holds the audit checks: the UI adds the checks whose jobNames include the job.
+    checks = [c for c in snap.asset_check_nodes or [] if c.asset_key.to_user_string() == "token_samples"]
+    assert len(checks) == len(GATES) and all("EAGLE_dataset" in c.job_names for c in checks)
 
 
 def test_gpu_step_carries_a_gpu_request_for_the_k8s_executor():

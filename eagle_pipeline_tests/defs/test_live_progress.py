@@ -49,7 +49,7 @@ def _latest_materialization(instance) -> dict:
 def test_generation_observes_its_partition_while_it_runs(pipeline_config, instance):
     _slow_config(pipeline_config, limit=6)
     defs = build_defs()
-    result = defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1")
+    result = defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1")
     assert result.success
 
     seen = _observations(instance, "B1")
@@ -72,13 +72,13 @@ def test_generation_observes_its_partition_while_it_runs(pipeline_config, instan
 def test_a_resumed_run_counts_earlier_rows_and_reports_failures_by_class(pipeline_config, instance):
     _slow_config(pipeline_config, limit=3)
     defs = build_defs()
-    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
+    assert defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1").success
     first_ledger = _latest_materialization(instance)["spend_usd_ledger"]
 
     # Three more prompts; the step's new server answers the first request, then fails every one (HTTP 500, no retry).
     _slow_config(pipeline_config, limit=6, faults={"after_requests": {"http_500": 1}})
     defs = build_defs()
-    result = defs.resolve_job_def("dataset_job").execute_in_process(
+    result = defs.resolve_job_def("EAGLE_dataset").execute_in_process(
         instance=instance, partition_key="B1", raise_on_error=False
     )
     seen = _observations(instance, "B1")
@@ -104,10 +104,10 @@ def test_a_shard_run_observes_its_partition_with_rows_and_tokens(pipeline_config
     cfg["hidden_states"].update(max_tokens_per_batch=64, progress_every_s=0)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     defs = build_defs()
-    assert defs.resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1").success
-    assert defs.resolve_job_def("merge_job").execute_in_process(instance=instance).success
+    assert defs.resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1").success
+    assert defs.resolve_job_def("EAGLE_merge").execute_in_process(instance=instance).success
     shard = sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME))[0]
-    result = defs.resolve_job_def("hidden_states_job").execute_in_process(instance=instance, partition_key=shard)
+    result = defs.resolve_job_def("EAGLE_hidden_states").execute_in_process(instance=instance, partition_key=shard)
     assert result.success
 
     records = instance.fetch_observations(dg.AssetKey("hidden_states"), limit=100, ascending=True).records

@@ -36,21 +36,21 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
     defs = build_defs()
     root = DataRoot(tmp_path / "data")
     for ds in ("B1", "B6"):
-        result = _run(defs, "dataset_job", instance, ds)
+        result = _run(defs, "EAGLE_dataset", instance, ds)
         assert result.success, ds
         evaluations = _check_evaluations(result)
         assert len(evaluations) >= 12
         failed = [name for name, e in evaluations.items() if not e.passed]
         assert failed == [], f"{ds}: {failed}"
         assert pq.read_table(root.tokens(ds)).num_rows == 6
-    assert _run(defs, "merge_job", instance).success
+    assert _run(defs, "EAGLE_merge", instance).success
     shards = instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)
     assert len(shards) == 3  # 12 rows (6 + 6, no duplicates) / shard size 4
     for key in shards:
-        result = _run(defs, "hidden_states_job", instance, key)
+        result = _run(defs, "EAGLE_hidden_states", instance, key)
         assert result.success, key
         assert all(e.passed for e in result.get_asset_check_evaluations())
-    assert _run(defs, "exports_job", instance).success
+    assert _run(defs, "EAGLE_exports", instance).success
 
     manifest = json.loads((root.merged_dir / "manifest.json").read_text())
     assert manifest["rows_total"] == 12
@@ -75,12 +75,16 @@ def test_whole_graph_materializes_and_writes_every_output(pipeline_config, insta
         .records[0]
         .asset_materialization.metadata
     )
-    # Two narrow tables (where the rows went; what the requests cost), joined on the dataset.
+    # Three narrow tables (where the rows went; what the requests cost; who served them), joined on the dataset.
     overview = {r.data["dataset"]: dict(r.data) for r in merged_meta["per_dataset_rows"].value.records}
-    for r in merged_meta["per_dataset_requests"].value.records:
-        overview[r.data["dataset"]].update(r.data)
+    for table in ("per_dataset_requests", "per_dataset_providers"):
+        for r in merged_meta[table].value.records:
+            overview[r.data["dataset"]].update(r.data)
     assert set(overview) == {"B1", "B6"}
     assert all(r["responses"] == 6 and r["token_samples"] == 6 and r["audit"] == "pass" for r in overview.values())
+    # The provider split counts every current response once: "provider:rows, ..." adds up to the responses.
+    for r in overview.values():
+        assert sum(int(part.rsplit(":", 1)[1]) for part in r["providers"].split(", ")) == r["responses"], r
     assert sum(r["merged_rows"] for r in overview.values()) == manifest["rows_total"]
     assert overview["B1"]["spend_usd"] > 0
 
@@ -113,7 +117,7 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
     assert failure.step_key == "token_samples_billing_agreement"
     message = failure.event_specific_data.error.message
     assert re.search(r"Audit failed: billing_agreement blocks B1: (\d+) of \1 rows over the per-row tolerance", message)
-    assert "First failing row: B1-" in message and "rerun dataset_job for B1" in message
+    assert "First failing row: B1-" in message and "rerun EAGLE_dataset for B1" in message
 
 
 def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance):
@@ -138,8 +142,8 @@ def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance)
 def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline_config, instance, tmp_path):
     pipeline_config(datasets=("B1",), simulated={"faults": {"billing_mismatch": 1.0}})
     defs = build_defs()
-    assert not _run(defs, "dataset_job", instance, "B1").success
-    result = _run(defs, "merge_job", instance)
+    assert not _run(defs, "EAGLE_dataset", instance, "B1").success
+    result = _run(defs, "EAGLE_merge", instance)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure)
     message = failure.event_specific_data.error.message
@@ -148,15 +152,15 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     summary = failure.event_specific_data.error.message.split("\n\n")[0]
     assert "Merge refused: 1 of 1 datasets are not fit to merge. B1: billing_agreement: " in summary
     assert re.search(r"(\d+) of \1 rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%", summary), summary
-    assert "rerun dataset_job" in summary
+    assert "rerun EAGLE_dataset" in summary
 
     # Clean data: regenerate into a fresh data root with no faults; the audit passes and merge runs.
     import shutil
 
     shutil.rmtree(tmp_path / "data")
     pipeline_config(datasets=("B1",))
-    assert _run(defs, "dataset_job", instance, "B1").success
-    assert _run(defs, "merge_job", instance).success
+    assert _run(defs, "EAGLE_dataset", instance, "B1").success
+    assert _run(defs, "EAGLE_merge", instance).success
 
     # Token samples rematerialised without their checks: the audit did not run on the latest data, merge refuses.
     no_checks = dg.define_asset_job(
@@ -168,7 +172,7 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     before = root.tokens("B1").stat().st_mtime_ns
     assert _run(defs2, "tokens_without_checks", instance, "B1").success
     assert root.tokens("B1").stat().st_mtime_ns != before
-    result = _run(defs, "merge_job", instance)
+    result = _run(defs, "EAGLE_merge", instance)
     assert not result.success
     message = next(e for e in result.all_events if e.is_step_failure).event_specific_data.error.message
     assert "did not run on the latest token samples" in message
@@ -202,7 +206,7 @@ def test_checks_and_merge_read_the_one_stored_audit_of_the_current_file(pipeline
         evaluations["single_eot"].passed is False and evaluations["single_eot"].metadata["B1: rows failing"].value == 2
     )
     assert all(e.passed for name, e in evaluations.items() if name != "single_eot")
-    assert not _run(defs, "merge_job", instance).success  # the recorded blocking verdict stops the merge
+    assert not _run(defs, "EAGLE_merge", instance).success  # the recorded blocking verdict stops the merge
 
     # Bound to another file: recomputed from the data, so the verdict is the data's own again.
     report["tokens_sha256"] = "0" * 64
@@ -210,4 +214,4 @@ def test_checks_and_merge_read_the_one_stored_audit_of_the_current_file(pipeline
     result = _run(defs, "checks_only", instance, "B1")
     assert all(e.passed for e in _check_evaluations(result).values())
     assert json.loads(root.audit_report("B1").read_text())["gates"]["single_eot"]["failing"] == 0
-    assert _run(defs, "merge_job", instance).success
+    assert _run(defs, "EAGLE_merge", instance).success

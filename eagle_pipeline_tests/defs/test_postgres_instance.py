@@ -109,9 +109,9 @@ def test_concurrent_dataset_runs_pools_merge_gate_and_schedule_on_postgres(pg_ho
     embedded = dg.DagsterInstance.ephemeral()
     assert _schedule_requests(instance) == _schedule_requests(embedded) == ["B1", "B6"]
 
-    procs = {ds: _launch(pg_home, "dataset_job", ds) for ds in ("B1", "B6")}
+    procs = {ds: _launch(pg_home, "EAGLE_dataset", ds) for ds in ("B1", "B6")}
     outputs = {ds: p.communicate(timeout=300)[0] for ds, p in procs.items()}
-    runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "dataset_job"}
+    runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "EAGLE_dataset"}
     assert set(runs) == {"B1", "B6"}, outputs
     assert runs["B1"].status == dg.DagsterRunStatus.SUCCESS, outputs["B1"][-3000:]
     assert runs["B6"].status == dg.DagsterRunStatus.FAILURE, outputs["B6"][-3000:]  # the blocking audit check
@@ -140,7 +140,7 @@ def test_concurrent_dataset_runs_pools_merge_gate_and_schedule_on_postgres(pg_ho
     assert (True, "billing_agreement", False) in checks and (True, "billing_agreement", True) in checks
 
     # A merge launched later, in another run, refuses: the cross-run gate reads the verdicts B6's run left.
-    merge = build_defs().resolve_job_def("merge_job").execute_in_process(instance=instance, raise_on_error=False)
+    merge = build_defs().resolve_job_def("EAGLE_merge").execute_in_process(instance=instance, raise_on_error=False)
     assert not merge.success
     message = next(e for e in merge.all_events if e.is_step_failure).event_specific_data.error.message
     assert "B6/billing_agreement" in message and "blocking audit failed" in message
@@ -156,10 +156,10 @@ def test_shard_runs_in_parallel_share_the_gpu_pool_on_postgres(pg_home, pg_insta
     instance.event_log_storage.set_concurrency_slots("gpu", 2)
     keys = instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)
     assert len(keys) == 2
-    procs = {key: _launch(pg_home, "hidden_states_job", key, "-o", "hidden_states") for key in keys}
+    procs = {key: _launch(pg_home, "EAGLE_hidden_states", key, "-o", "hidden_states") for key in keys}
     outputs = {key: p.communicate(timeout=300)[0] for key, p in procs.items()}
     assert all(p.returncode == 0 for p in procs.values()), {k: o[-3000:] for k, o in outputs.items()}
-    runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "hidden_states_job"}
+    runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "EAGLE_hidden_states"}
     assert {k: r.status for k, r in runs.items()} == dict.fromkeys(keys, dg.DagsterRunStatus.SUCCESS)
     (s0, e0), (s1, e1) = (_slot_window(instance, runs[k].run_id, "hidden_states") for k in keys)
     assert s0 < e1 and s1 < e0  # a pool of two: both shards extracted at once

@@ -71,20 +71,20 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
 
 def _run_shard(instance, key, defs=None):
     defs = defs or build_defs()
-    return defs.resolve_job_def("hidden_states_job").execute_in_process(
+    return defs.resolve_job_def("EAGLE_hidden_states").execute_in_process(
         instance=instance, partition_key=key, raise_on_error=False
     )
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 1. Kubernetes: the Job dagster-k8s's step handler would create for each step of hidden_states_k8s_job
+# 1. Kubernetes: the Job dagster-k8s's step handler would create for each step of EAGLE_hidden_states_k8s
 
 
 def _k8s_job():
     from eagle_pipeline.defs.jobs import scale_out_jobs
 
     return dg.Definitions.merge(build_defs(), dg.Definitions(jobs=scale_out_jobs)).resolve_job_def(
-        "hidden_states_k8s_job"
+        "EAGLE_hidden_states_k8s"
     )
 
 
@@ -123,7 +123,7 @@ def _launched_k8s_jobs(tmp_path: Path, step_keys: list[str]) -> dict:
     launcher = yaml.safe_load((DEPLOY / "dagster.yaml").read_text())["run_launcher"]
     # Out of a cluster: the same launcher, with a kubeconfig pointing at a closed loopback port and a job image.
     launcher["config"].update(load_incluster_config=False, kubeconfig_file=str(kubeconfig), job_image="eagle:test")
-    run_config = yaml.safe_load((DEPLOY / "hidden_states_k8s_job.run_config.yaml").read_text())
+    run_config = yaml.safe_load((DEPLOY / "EAGLE_hidden_states_k8s.run_config.yaml").read_text())
 
     recon = dg.build_reconstructable_job(__name__, "hidden_states_k8s_job_for_reconstruction")
     job_def = recon.get_definition()
@@ -146,7 +146,7 @@ def _launched_k8s_jobs(tmp_path: Path, step_keys: list[str]) -> dict:
         )
         run = create_run_for_test(
             instance,
-            job_name="hidden_states_k8s_job",
+            job_name="EAGLE_hidden_states_k8s",
             job_code_origin=recon.get_python_origin(),
             tags={"dagster/partition": "00001"},
         )
@@ -299,7 +299,7 @@ def test_shards_extract_in_parallel_runs_within_the_gpu_pool(tmp_path, monkeypat
                     "-m",
                     "eagle_pipeline.definitions",
                     "-j",
-                    "hidden_states_job",
+                    "EAGLE_hidden_states",
                     "-o",
                     "hidden_states",
                     "--tags",
@@ -315,7 +315,7 @@ def test_shards_extract_in_parallel_runs_within_the_gpu_pool(tmp_path, monkeypat
         }
         outputs = {key: p.communicate(timeout=240)[0] for key, p in procs.items()}
         assert all(p.returncode == 0 for p in procs.values()), {k: o[-3000:] for k, o in outputs.items()}
-        runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "hidden_states_job"}
+        runs = {r.tags["dagster/partition"]: r for r in instance.get_runs() if r.job_name == "EAGLE_hidden_states"}
         results = [(key, runs[key].status == dg.DagsterRunStatus.SUCCESS, runs[key].run_id) for key in keys]
         assert [ok for _, ok, _ in results] == [True] * 2, results
         windows, pids = [], set()

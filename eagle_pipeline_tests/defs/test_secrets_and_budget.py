@@ -51,7 +51,7 @@ def test_api_key_never_reaches_data_logs_or_dagster_storage(pipeline_config, ins
         api_key=KEY, faults=faults, count_completion_tokens=completion, count_prompt_tokens=prompt
     ) as srv:
         _point_at_openrouter(path, srv.url)
-        result = build_defs().resolve_job_def("dataset_job").execute_in_process(instance=instance, partition_key="B1")
+        result = build_defs().resolve_job_def("EAGLE_dataset").execute_in_process(instance=instance, partition_key="B1")
         assert result.success
         assert any(f == "http_500" for f in (r.fault for r in srv.request_log()))  # the echo path was exercised
     root = DataRoot(tmp_path / "data")
@@ -72,7 +72,7 @@ def test_pipeline_budget_stops_new_requests_and_keeps_committed_rows(pipeline_co
     raw["backends"]["simulated"]["concurrency"] = 1
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     defs = build_defs()
-    result = defs.resolve_job_def("dataset_job").execute_in_process(
+    result = defs.resolve_job_def("EAGLE_dataset").execute_in_process(
         instance=instance, partition_key="B1", raise_on_error=False
     )
     assert not result.success
@@ -83,7 +83,7 @@ def test_pipeline_budget_stops_new_requests_and_keeps_committed_rows(pipeline_co
     assert 0 < table.num_rows < 24
     assert sum(table.column("cost_usd").to_pylist()) <= 0.002 + max(table.column("cost_usd").to_pylist())
     # Rerun under the same cap: nothing more is requested, nothing committed is lost.
-    again = defs.resolve_job_def("dataset_job").execute_in_process(
+    again = defs.resolve_job_def("EAGLE_dataset").execute_in_process(
         instance=instance, partition_key="B1", raise_on_error=False
     )
     assert not again.success

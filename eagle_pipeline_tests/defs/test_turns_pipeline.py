@@ -30,7 +30,7 @@ def test_all_turns_end_to_end(pipeline_config, instance, tmp_path):
     defs = build_defs()
     root = DataRoot(tmp_path / "data")
 
-    result = defs.resolve_job_def("dataset_job").execute_in_process(
+    result = defs.resolve_job_def("EAGLE_dataset").execute_in_process(
         instance=instance, partition_key="B5", raise_on_error=False
     )
     assert result.success
@@ -53,7 +53,7 @@ def test_all_turns_end_to_end(pipeline_config, instance, tmp_path):
     assert sorted(tokens.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in responses)
     assert "every dataset is complete" in _schedule(instance)
 
-    merged = defs.resolve_job_def("merge_job").execute_in_process(instance=instance, raise_on_error=False)
+    merged = defs.resolve_job_def("EAGLE_merge").execute_in_process(instance=instance, raise_on_error=False)
     assert merged.success
     rows = read_merged(root.merged_dir).to_pylist()
     manifest = MergeManifest.read(root.merged_dir)

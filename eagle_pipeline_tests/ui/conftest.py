@@ -2,7 +2,7 @@
 
 The `dagster_ui` fixture (one per test package) starts `dagster dev -w workspace.yaml` as `make ui` does (the
 project's dagster.yaml copied into a temporary $DAGSTER_HOME), bound to 127.0.0.1 on a free port, and launches two
-`dataset_job` runs through the GraphQL API, the way the UI's launchpad does: B1 on the clean simulated backend, then
+`EAGLE_dataset` runs through the GraphQL API, the way the UI's launchpad does: B1 on the clean simulated backend, then
 B6 on a copy of it whose simulated provider over-bills every response (`billing_mismatch: 1.0`), so B6's blocking
 `billing_agreement` audit fails and B1's passes. The server and everything it started are always stopped when the
 package's tests are done.
@@ -39,14 +39,14 @@ PASSING = "B1"  # clean simulated backend: every audit gate passes
 FAILING = "B6"  # backend that over-bills every response: billing_agreement fails and blocks
 FAULTY_BACKEND = "simulated_faulty"
 ROWS = 4
-JOB = "dataset_job"
+JOB = "EAGLE_dataset"
 START_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "/usr/bin/chromium")
 SCREENSHOT_ENV = "EAGLE_SCREENSHOT_DIR"
-RUN_CONFIG: dict = {}  # dataset_job already runs in one process (its executor)
+RUN_CONFIG: dict = {}  # EAGLE_dataset already runs in one process (its executor)
 
 
 class GraphQLError(AssertionError):
@@ -191,10 +191,10 @@ def launch_dataset_run(ui: DagsterUI, partition: str) -> str:
     return launch_job_run(ui, JOB, {"dagster/partition": partition})
 
 
-def launch_job_run(ui: DagsterUI, job: str, tags: dict[str, str] | None = None) -> str:
+def launch_job_run(ui: DagsterUI, job: str, tags: dict[str, str] | None = None, run_config: dict | None = None) -> str:
     params = {
         "selector": {"repositoryLocationName": ui.location, "repositoryName": ui.repository, "pipelineName": job},
-        "runConfigData": RUN_CONFIG,
+        "runConfigData": RUN_CONFIG if run_config is None else run_config,
         "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]},
     }
     result = ui.gql(LAUNCH_RUN, {"params": params})["launchRun"]
@@ -280,6 +280,14 @@ def dagster_ui(tmp_path_factory) -> Iterator[DagsterUI]:
         yield ui
 
 
+@pytest.fixture(scope="package")
+def ui_without_welcome(dagster_ui):
+    """The first visit on 127.0.0.1 opens a 'Join the Dagster community' dialog over the page: mark it seen."""
+    assert dagster_ui.gql("mutation { setNuxSeen }")["setNuxSeen"] is True
+    assert dagster_ui.gql("{ shouldShowNux }")["shouldShowNux"] is False
+    return dagster_ui
+
+
 @pytest.fixture(scope="session")
 def chromium() -> str:
     """Debian's chromium, for the browser tests (skipped, with the reason, when it is absent)."""
@@ -351,7 +359,7 @@ def audit_view(dagster_ui) -> dict:
 
 @pytest.fixture(scope="package")
 def refused_merge(dagster_ui) -> dict:
-    """merge_job launched after the two dataset runs: it refuses, because B6's blocking audit failed."""
+    """EAGLE_merge launched after the two dataset runs: it refuses, because B6's blocking audit failed."""
     if "merge" not in dagster_ui.runs:
-        dagster_ui.runs["merge"] = wait_for_run(dagster_ui, launch_job_run(dagster_ui, "merge_job"))
+        dagster_ui.runs["merge"] = wait_for_run(dagster_ui, launch_job_run(dagster_ui, "EAGLE_merge"))
     return dagster_ui.runs["merge"]

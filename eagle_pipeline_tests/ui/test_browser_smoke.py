@@ -43,14 +43,6 @@ ASSETS = (
 GROUPS = ("generation", "tokens", "merge", "hidden_states", "exports")
 
 
-@pytest.fixture(scope="package")
-def ui_without_welcome(dagster_ui):
-    """The first visit on 127.0.0.1 opens a 'Join the Dagster community' dialog over the page: mark it seen."""
-    assert dagster_ui.gql("mutation { setNuxSeen }")["setNuxSeen"] is True
-    assert dagster_ui.gql("{ shouldShowNux }")["shouldShowNux"] is False
-    return dagster_ui
-
-
 @dataclass(frozen=True)
 class Page:
     name: str  # the screenshot is ui_<name>.png
@@ -108,7 +100,7 @@ PAGES = (
             f">{FAILING}<",
             ">Materialized<",
             "Latest materialization",
-            "dataset_job",
+            "EAGLE_dataset",
         ),
     ),
     # The schedule and the declarative-automation sensor the daemon evaluates (both stopped by default).
@@ -376,7 +368,7 @@ def test_ui_failed_run_shows_the_summary_before_the_traceback(chromium, ui_witho
     (tmp_path / "run.txt").write_text(text)
     assert "Stack Trace" in text
     assert text.index(ready) < text.index("Stack Trace")
-    assert f"rerun dataset_job for {FAILING}" in text[: text.index("Stack Trace")]
+    assert f"rerun EAGLE_dataset for {FAILING}" in text[: text.index("Stack Trace")]
 
 
 def test_ui_refused_merge_run_starts_with_its_summary(

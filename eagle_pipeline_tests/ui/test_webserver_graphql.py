@@ -309,7 +309,7 @@ def test_the_failed_audit_run_says_what_failed_with_the_figures_before_the_trace
         rf"Audit failed: billing_agreement blocks {FAILING}: {ROWS} of {ROWS} rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%",
         message,
     ), message
-    assert f"First failing row: {FAILING}-" in message and f"rerun dataset_job for {FAILING}" in message
+    assert f"First failing row: {FAILING}-" in message and f"rerun EAGLE_dataset for {FAILING}" in message
     assert "Traceback" not in message and failures[0]["error"]["stack"]  # the stack comes separately, after it
 
 
@@ -324,4 +324,4 @@ def test_a_refused_merge_starts_with_a_summary_of_what_to_fix(dagster_ui, refuse
         r"over the per-row tolerance; aggregate [\d.]+% > 0\.50%",
         first_paragraph,
     ), first_paragraph
-    assert "What to do:" in first_paragraph and "rerun dataset_job" in first_paragraph
+    assert "What to do:" in first_paragraph and "rerun EAGLE_dataset" in first_paragraph
