@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline.merge.arrow_ops import concat_prompt_output, hash_u64, supervised_per_row, unit_interval
-from eagle_pipeline.merge.turns import LOSS_ON_MODES, apply_spans, fold_turns
+from eagle_pipeline.merge.turns import LOSS_ON_MODES, apply_spans, fold_turns, select_groups
 from eagle_pipeline.storage import clean_stale_tmp, file_sha256, read_json, write_json_atomic, write_parquet_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -268,19 +268,19 @@ def _select(inputs: list[MergeInput], settings: MergeSettings):
                 dedup_winners.setdefault(datasets[lose], {})[datasets[win]] = int(pair_counts[lose, win])
             alive[cand[loser]] = False
 
-    # 4. Weights and caps per dataset: keep the rows with the smallest seeded hash.
+    # 4. Weights and caps per dataset: keep the rows (whole conversations) with the smallest seeded hash.
     selected: list[_Selected] = []
     for d, inp in enumerate(inputs):
         ds = inp.dataset
         members = np.flatnonzero(alive & (ds_idx == d))
-        n = len(members)
-        n_weighted = math.floor(n * float(settings.weights.get(ds, 1.0)) + 0.5)
-        n_keep = min(n_weighted, int(settings.caps.get(ds, n_weighted)))
-        excluded[ds]["weight"] = n - n_weighted
-        excluded[ds]["cap"] = n_weighted - n_keep
-        if n_keep < n:
-            h = hash_u64(list(sid[members]), f"select:{settings.seed}:{ds}")
-            members = np.sort(members[np.lexsort((sid[members].astype(str), h))[:n_keep]])
+        cap = settings.caps.get(ds)
+        keep, excluded[ds]["weight"], excluded[ds]["cap"] = select_groups(
+            grp[members],
+            float(settings.weights.get(ds, 1.0)),
+            None if cap is None else int(cap),
+            f"select:{settings.seed}:{ds}",
+        )
+        members = members[keep]
         ids = sid[members]
         # Keyed by conversation (a row's own sample id when it is none): a conversation's turns share one split.
         is_eval = unit_interval(hash_u64(list(grp[members]), f"eval:{settings.seed}")) < settings.eval_fraction

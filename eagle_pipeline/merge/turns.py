@@ -7,16 +7,48 @@ template kept that turn as generated: Kimi keeps the reasoning of the tool-call 
 turn k is dropped and its output span is supervised inside turn k+1's prompt. A turn the template rewrote in later
 prompts (reasoning dropped from history, SpecForge #419) is never folded: its row stays, supervised on its own
 output only, so no token is ever trained on text the target did not produce at that position.
+
+Weights and caps pick whole conversations (`select_groups`): a conversation is kept or dropped with all its turns.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pyarrow as pa
 
 from eagle_pipeline.arrow_lists import list_parts, list_rows, make_list
+from eagle_pipeline.merge.arrow_ops import hash_u64
 
 LOSS_ON_MODES = ("last_turn", "all_turns")
+
+
+def select_groups(groups: np.ndarray, weight: float, cap: int | None, salt: str) -> tuple[np.ndarray, int, int]:
+    """Which rows a dataset's weight and cap keep, whole groups only (`groups`: each row's conversation, its own
+    sample id when it is none), and the rows dropped by the weight and by the cap.
+
+    The groups are ranked by the seeded hash of their id (`salt`), ties by id. The weight keeps the first
+    `round(G * weight)` of the G groups; the cap then keeps the longest prefix of those whose rows together do not
+    exceed it: never more rows than the cap, and short of it by less than the next group's rows. With one row per
+    group (no conversations) that is `round(n * weight)` rows, then at most `cap`, as before.
+    """
+    n = len(groups)
+    keep = np.ones(n, dtype=bool)
+    if n == 0:
+        return keep, 0, 0
+    names, inverse, sizes = np.unique(groups.astype(str), return_inverse=True, return_counts=True)
+    n_weighted = math.floor(len(names) * float(weight) + 0.5)
+    if n_weighted == len(names) and (cap is None or cap >= n):
+        return keep, 0, 0
+    ranked = np.lexsort((names, hash_u64(list(names), salt)))[:n_weighted]
+    rows_weighted = np.cumsum(sizes[ranked])
+    n_capped = n_weighted if cap is None else int(np.searchsorted(rows_weighted, cap, side="right"))
+    chosen = np.zeros(len(names), dtype=bool)
+    chosen[ranked[:n_capped]] = True
+    keep = chosen[inverse]
+    weighted = int(rows_weighted[-1]) if n_weighted else 0
+    return keep, n - weighted, weighted - int(np.count_nonzero(keep))
 
 
 def fold_turns(table: pa.Table) -> tuple[np.ndarray, dict[int, list[tuple[int, int]]]]:

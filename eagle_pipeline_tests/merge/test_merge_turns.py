@@ -39,6 +39,7 @@ def _conversations(n_conv: int, *, rewrite_every: int = 0, seed: int = 0) -> pa.
 
 
 def _merge(tmp_path, table: pa.Table, **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tokens.parquet"
     pq.write_table(table, path)
     manifest = merge_datasets([MergeInput("B5", path)], tmp_path / "merged", MergeSettings(**kw))
@@ -84,3 +85,62 @@ def test_loss_on(tmp_path, loss_on):
         assert mask.tolist() == want.tolist(), sid
     assert manifest.supervised_tokens_total == sum(int(np.sum(r["loss_mask"])) for r in rows)
     assert manifest.supervised_tokens_total == sum(len(r["output_ids"]) for r in src.values())
+
+
+def _ragged(n_conv: int) -> pa.Table:
+    """Conversations of 1, 2 or 3 turns (conversation c keeps its first c % 3 + 1), and two rows of no conversation."""
+    table = _conversations(n_conv).to_pylist()
+    rows = [r for r in table if r["turn_index"] <= int(r["conversation_id"][1:]) % 3]
+    for i in range(2):
+        rows.append({**rows[i], "sample_id": f"single-{i}", "prompt_key": f"single-{i}", "conversation_id": None})
+        rows[-1]["turn_index"] = None
+    return pa.Table.from_pylist(rows, schema=_conversations(1).schema)
+
+
+def _kept_conversations(rows: list[dict]) -> dict[str, int]:
+    kept: dict[str, int] = {}
+    for r in rows:
+        group = r["sample_id"].rsplit("-t", 1)[0]
+        kept[group] = kept.get(group, 0) + 1
+    return kept
+
+
+def test_caps_and_weights_keep_whole_conversations(tmp_path):
+    from eagle_pipeline.merge.arrow_ops import hash_u64
+
+    table = _ragged(30)
+    size = _kept_conversations(table.to_pylist())  # rows of each conversation (a single row: its own group)
+    assert sorted(set(size.values())) == [1, 2, 3] and sum(size.values()) == table.num_rows == 62
+    # The documented ranking: the seeded hash of the conversation id, ties by id.
+    names = sorted(size)
+    ranking = [names[i] for i in np.lexsort((np.array(names), hash_u64(names, "select:3:B5")))]
+
+    short_of_cap = 0
+    for cap in (0, 1, 2, 5, 9, 10, 31, 61):
+        manifest, rows = _merge(tmp_path / f"cap{cap}", table, seed=3, caps={"B5": cap}, eval_fraction=0.3)
+        kept = _kept_conversations(rows)
+        assert all(kept[c] == size[c] for c in kept), cap  # no conversation cut
+        n = len(rows)
+        assert n <= cap and (manifest.excluded["B5"]["cap"], manifest.excluded["B5"]["weight"]) == (62 - n, 0)
+        # Whole conversations in ranking order until the next one would exceed the cap.
+        prefix = ranking[: len(kept)]
+        assert set(kept) == set(prefix), cap
+        if len(kept) < len(ranking):
+            assert n + size[ranking[len(kept)]] > cap, cap
+        short_of_cap += n < cap
+        split_of: dict[str, set[str]] = {}
+        for r in rows:
+            split_of.setdefault(r["sample_id"].rsplit("-t", 1)[0], set()).add(r["split"])
+        assert all(len(s) == 1 for s in split_of.values())
+    assert short_of_cap >= 2  # some caps fell inside a conversation: a row cap would have cut it
+
+    manifest, rows = _merge(tmp_path / "weight", table, seed=3, weights={"B5": 0.4})
+    kept = _kept_conversations(rows)
+    assert set(kept) == set(ranking[: round(len(ranking) * 0.4)])
+    assert all(kept[c] == size[c] for c in kept)
+    assert manifest.excluded["B5"]["weight"] == 62 - len(rows) and manifest.excluded["B5"]["cap"] == 0
+    # A cap with a weight: a prefix of the weighted conversations.
+    manifest, capped = _merge(tmp_path / "both", table, seed=3, weights={"B5": 0.4}, caps={"B5": 7})
+    both = _kept_conversations(capped)
+    assert set(both) <= set(kept) and len(capped) <= 7 and all(both[c] == size[c] for c in both)
+    assert manifest.excluded["B5"]["cap"] == len(rows) - len(capped)
