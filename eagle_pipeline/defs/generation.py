@@ -177,6 +177,7 @@ def generation_metadata(
     totals = committed_totals(table, errors)
     return {
         "dagster/row_count": totals["rows"],
+        "response_rows": totals["rows"],  # the same, under the key live progress reports use (one row per turn)
         "generation_mode": "simulated (loopback OpenRouter-format server)" if simulated else "live",
         "simulated": simulated,
         "backend": summary.backend,

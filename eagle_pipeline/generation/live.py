@@ -213,6 +213,8 @@ class LiveRun:
             done=done,
             total=self.plan.total,
             done_this_run=self.c.answered,
+            rows_this_run=self.c.completed,
+            response_rows=self.plan.rows_done + self.c.completed,
             rate_per_s=rate,
             eta_s=remaining / rate if rate > 0 else None,
             spend_usd=self.ledger.this_run_usd,

@@ -20,6 +20,8 @@ class RequestPlan:
     total: int  # distinct sample ids considered
     already_done: int  # committed by earlier runs
     duplicates: int  # prompt rows sharing a sample id with an earlier row (requested once)
+    # committed rows answering these prompts (every committed turn of a conversation); set by the runner for progress
+    rows_done: int = 0
     # regenerate: all_turns: each item is a conversation's first turn still to request; its conversation by id
     conversations: dict[str, SourceConversation] = field(default_factory=dict)
 

@@ -29,6 +29,7 @@ from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
 from eagle_pipeline.generation.client import HttpClient
+from eagle_pipeline.generation.coverage import current_row_count
 from eagle_pipeline.generation.failures import Redactor
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
@@ -202,6 +203,9 @@ async def agenerate_dataset(
                 else None
             ),
         )
+        if backend.kind.is_http:  # what progress reports count from (an import reports none)
+            ids = (prompts if limit is None else prompts.slice(0, limit)).column("sample_id").to_pylist()
+            plan = replace(plan, rows_done=current_row_count(out_dir, ids))
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:

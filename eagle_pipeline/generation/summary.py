@@ -23,8 +23,8 @@ class ProgressEvent:
     dataset: str
     done: int  # prompts of this call answered: committed by earlier runs or completed in this one
     total: int
-    done_this_run: int  # completed in this run
-    rate_per_s: float  # completions per second in this run
+    done_this_run: int  # prompts answered in this run (a regenerated conversation once its last turn is in)
+    rate_per_s: float  # prompts answered per second in this run
     eta_s: float | None
     spend_usd: float  # this run
     spend_total_usd: float  # the dataset's recorded spend: every committed row, earlier runs included, plus this run
@@ -32,12 +32,16 @@ class ProgressEvent:
     elapsed_s: float
     already_done: int = 0  # prompts of this call committed by earlier runs
     errors_by_class: dict[str, int] = field(default_factory=dict)  # failed requests of this run, by failure class
+    # Response rows: one per answer, one per turn of a regenerated conversation (regenerate: all_turns).
+    rows_this_run: int = 0  # committed (or about to be) by this run
+    response_rows: int = 0  # answering the prompts of this call: earlier runs' rows plus this run's
 
     def figures(self) -> dict[str, Any]:
         """The figures as plain values, under the keys the final responses metadata gives the same quantities
-        (`current_prompts_answered`, `spend_usd_this_run`, `spend_usd_ledger`, ...), so that a live report and the
-        materialization that ends the run read alike. In the order the UI lists them; `eta_s` is absent while no
-        rate is known."""
+        (`current_prompts_answered`, `response_rows`, `spend_usd_this_run`, ...), so that a live report and the
+        materialization that ends the run read alike: prompts (conversations) under `current_prompts*` and
+        `already_done`, response rows (turns) under `response_rows` and `completed_this_run`. In the order the UI
+        lists them; `eta_s` is absent while no rate is known."""
         figures: dict[str, Any] = {
             "current_prompts_answered": self.done,
             "current_prompts": self.total,
@@ -48,7 +52,8 @@ class ProgressEvent:
             "spend_usd_ledger": round(float(self.spend_total_usd), 6),
             "failed_this_run": self.errors,
             "errors_by_class_this_run": dict(sorted(self.errors_by_class.items())),
-            "completed_this_run": self.done_this_run,
+            "response_rows": self.response_rows,
+            "completed_this_run": self.rows_this_run,
             "already_done": self.already_done,
             "current_prompts_missing": max(0, self.total - self.done),
             "elapsed_s": round(float(self.elapsed_s), 2),
@@ -72,7 +77,8 @@ class ProgressEvent:
         by_class = f" ({by_class})" if by_class else ""
         return (
             f"[{self.dataset}] {self.done:,}/{self.total:,} done ({pct:.1f}%), {self.done_this_run:,} this run "
-            f"at {self.rate_per_s:,.1f}/s, eta {eta}; spend ${self.spend_usd:,.4f} this run, "
+            f"at {self.rate_per_s:,.1f}/s, eta {eta}; {self.response_rows:,} response rows "
+            f"({self.rows_this_run:,} this run); spend ${self.spend_usd:,.4f} this run, "
             f"${self.spend_total_usd:,.4f} dataset total; errors {self.errors:,} this run{by_class}; "
             f"elapsed {self.elapsed_s:,.0f}s"
         )

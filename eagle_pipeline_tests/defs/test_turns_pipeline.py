@@ -49,6 +49,18 @@ def test_all_turns_end_to_end(pipeline_config, instance, tmp_path):
     meta = instance.fetch_materializations(dg.AssetKey("responses"), limit=1).records[0].asset_materialization.metadata
     ends = [r["conversation_end"] for r in responses if r["conversation_end"]]
     assert meta["conversation_ends"].value == {e: ends.count(e) for e in set(ends)} and len(ends) == len(prompts)
+    # The live report's last figures are the final metadata's: conversations and turn rows, each under its key.
+    observed = instance.fetch_observations(dg.AssetKey("responses"), limit=1).records[0].asset_observation.metadata
+    for key, want in [
+        ("current_prompts", len(prompts)),
+        ("current_prompts_answered", len(prompts)),
+        ("already_done", 0),
+        ("response_rows", len(responses)),
+        ("completed_this_run", len(responses)),
+        ("failed_this_run", 0),
+    ]:
+        assert observed[key].value == meta[key].value == want, key
+    assert meta["dagster/row_count"].value == len(responses)
     tokens = pq.read_table(root.tokens("B5"))
     assert sorted(tokens.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in responses)
     assert "every dataset is complete" in _schedule(instance)

@@ -29,6 +29,8 @@ def test_figures_of_one_event():
         elapsed_s=4.0,
         already_done=20,
         errors_by_class={"timeout": 1, "rate_limit": 2},
+        rows_this_run=10,
+        response_rows=30,
     )
     assert event.figures() == {
         "current_prompts": 40,
@@ -37,6 +39,7 @@ def test_figures_of_one_event():
         "percent_done": 75.0,
         "already_done": 20,
         "completed_this_run": 10,
+        "response_rows": 30,
         "failed_this_run": 3,
         "errors_by_class_this_run": {"rate_limit": 2, "timeout": 1},
         "rate_per_s": 2.5,
@@ -49,6 +52,12 @@ def test_figures_of_one_event():
     assert "errors 3 this run (rate_limit 2, timeout 1);" in event.format()
     no_rate = ProgressEvent("B3", 0, 5, 0, 0.0, None, 0.0, 0.0, 0, 0.1)
     assert "eta_s" not in no_rate.figures() and " eta - " in no_rate.headline()
+    # regenerate: all_turns: prompts are conversations, rows are turns; each key counts one of them.
+    turns = ProgressEvent("B5", 3, 4, 2, 0.5, 2.0, 0.0, 0.0, 0, 4.0, already_done=1, rows_this_run=7, response_rows=10)
+    figures = turns.figures()
+    assert (figures["current_prompts_answered"], figures["already_done"]) == (3, 1)
+    assert (figures["completed_this_run"], figures["response_rows"]) == (7, 10)
+    assert "3/4 done (75.0%), 2 this run at 0.5/s, eta 2s; 10 response rows (7 this run);" in turns.format()
 
 
 def test_reports_count_earlier_rows_and_agree_with_the_files_at_the_end(tmp_path):

@@ -360,3 +360,59 @@ def test_retiring_a_turn_retires_the_conversation_from_that_turn_on(tmp_path):
         assert again.requested == 2
         rows = _rows(tmp_path)
         assert [r["turn_index"] for r in rows] == [0, 1, 2] and rows[2]["conversation_end"] == END_COMPLETE
+
+
+def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
+    """Live figures and the materialization's count the same things: conversations under `current_prompts*` and
+    `already_done`, turn rows under `response_rows` and `completed_this_run`, earlier runs' turns included."""
+    from eagle_pipeline.defs.generation import generation_metadata
+    from eagle_pipeline.generation import read_errors
+    from eagle_pipeline.generation.coverage import current_responses
+
+    def source(i: int) -> list[dict]:
+        msgs = _source()
+        msgs[1] = {**msgs[1], "content": f"{msgs[1]['content']} (trip {i})"}
+        return msgs
+
+    prompts = prompts_table(
+        "B5",
+        [Prompt(f"conv-{i}", source(i), [WEATHER_TOOL]) for i in range(3)]
+        + [Prompt("plain", source(3)[:2], [WEATHER_TOOL])],  # no assistant turn: one turn to generate
+        SAMPLING.to_dict(),
+        "all_turns",
+    )
+    out, errors_dir = out_dirs(tmp_path, "B5")
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        shards = {
+            (t.column("conversation_id")[0].as_py(), t.column("turn_index")[0].as_py()): p
+            for p in part_files(out)
+            for t in [pq.read_table(p)]
+        }
+        assert len(shards) == 3 * 3 + 1
+        first, second = prompts.column("sample_id").to_pylist()[:2]
+        # Conversations reopened at their last turn and at their second: 3 turns to request for 2 conversations.
+        for i, key in enumerate([(first, 2), (second, 1), (second, 2)]):
+            shards[key].rename(tmp_path / f"aside-{i}.parquet")
+        events = []
+        summary = run(
+            prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", progress=events.append
+        )
+    table, cov = current_responses("B5", read_responses(out), prompts.column("sample_id").to_pylist())
+    final = {**generation_metadata(summary, table, read_errors(errors_dir), simulated=True), **cov.metadata()}
+    last = events[-1].figures()
+    shared = (
+        "current_prompts",
+        "current_prompts_answered",
+        "current_prompts_missing",
+        "already_done",
+        "response_rows",
+        "completed_this_run",
+        "failed_this_run",
+        "spend_usd_this_run",
+    )
+    assert {k: last[k] for k in shared} == {k: final[k] for k in shared}
+    assert (last["current_prompts"], last["current_prompts_answered"], last["already_done"]) == (4, 4, 2)
+    assert (last["response_rows"], last["completed_this_run"]) == (10, 3) and final["dagster/row_count"] == 10
+    assert (events[-1].done_this_run, summary.requested) == (2, 3)
+    assert [e.response_rows for e in events] == sorted(e.response_rows for e in events) and events[0].response_rows >= 7
