@@ -254,17 +254,31 @@ def _independent_render(template_path: Path, messages: list[dict], tools: list[d
     )
 
 
-def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_them(tmp_path, kimi_dir):
-    from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
+@pytest.mark.parametrize("wire", ["openrouter", "vllm"])
+def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_them(tmp_path, kimi_dir, wire):
+    """OpenRouter returns text (ids rebuilt from it); the vLLM double, given the Kimi tokenizer, returns the ids a
+    real vLLM serving Kimi returns: each turn's prompt rendered by the chat template from the history it was sent."""
+    from eagle_pipeline.generation import SimulatedVLLMServer
+    from eagle_pipeline.tokens import IDS_RECONSTRUCTED, IDS_RETURNED, load_tokenizer, reconstruct_table
+
+    from .test_gen_selfhosted import vllm_backend
 
     tok = load_tokenizer(kimi_dir)
     prompts = _prompts(_source())
-    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+    if wire == "openrouter":
+        with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+    else:
+        with SimulatedVLLMServer(tokenizer=tok, tool_call_rate=1.0, tool_rounds=2) as vllm:
+            run(prompts, vllm_backend(vllm.url), tmp_path, dataset="B5", regenerate="all_turns")
     responses = read_responses(out_dirs(tmp_path, "B5")[0])
+    returned_prompts = [ids is not None for ids in responses.column("prompt_token_ids").to_pylist()]
+    assert returned_prompts == [wire == "vllm"] * 3  # vLLM: the prompt ids checked below are the server's
     samples = reconstruct_table(responses, tok, "kimi-k2.5", dataset_has_tools=True).to_pylist()
     samples.sort(key=lambda r: r["turn_index"])
     assert [r["turn_index"] for r in samples] == [0, 1, 2]
+    assert {r["ids_origin"] for r in samples} == {IDS_RETURNED if wire == "vllm" else IDS_RECONSTRUCTED}
+    assert [r["finish_reason"] for r in samples] == ["tool_calls", "tool_calls", "stop"]
     assert {r["conversation_id"] for r in samples} == {responses.column("conversation_id")[0].as_py()}
     p = [r["prompt_ids"] for r in samples]
     o = [r["output_ids"] for r in samples]

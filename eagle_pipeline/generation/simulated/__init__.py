@@ -1,7 +1,8 @@
 """Loopback servers that speak OpenRouter's, vLLM's and SGLang's wire formats, with deterministic answers and faults.
 
 `SimulatedOpenRouterServer` is the offline stand-in for OpenRouter (the 'simulated' backend kind and the test
-double); `SimulatedVLLMServer` and `SimulatedSGLangServer` return token ids through a tokenizer-like `encode`.
+double); `SimulatedVLLMServer` and `SimulatedSGLangServer` return token ids through a tokenizer-like `encode` (the
+vLLM double, given the target's tokenizer, renders prompts with its chat template as a real vLLM does).
 All listen on 127.0.0.1 only, on an aiohttp app in a background thread, and are context managers:
 
     with SimulatedOpenRouterServer(latency_s=0.01, faults={"http_429": 0.2}) as srv:

@@ -9,10 +9,12 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.answers import request_key, synthesize, tool_history_problem
+from eagle_pipeline.generation.simulated.answers import Answer, request_key, synthesize, tool_history_problem
 from eagle_pipeline.generation.simulated.faults import fault_response
 from eagle_pipeline.generation.simulated.id_server import IdServer
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
+from eagle_pipeline.tokens import TargetTokenizer, reconstruct_output, render_prompt_ids
+from eagle_pipeline.tokens.reconstruct import as_profile_ids
 
 
 class SimulatedVLLMServer(IdServer):
@@ -22,6 +24,13 @@ class SimulatedVLLMServer(IdServer):
     chooses `reasoning` (current) or `reasoning_content` (older releases). `stream: true` requests get server-sent
     events paced by `stream` (a `StreamStyle` or its keyword arguments): `prompt_token_ids` in the first chunk, each
     chunk's `token_ids`, usage in a last chunk only when `stream_options.include_usage` is set, as vLLM does.
+
+    Given the target's `tokenizer` (and its model `profile`), ids are the target's, as a real vLLM serving it
+    returns them: `prompt_token_ids` the chat template's render of the request's messages and tools with the
+    generation prompt (`tokens.render_prompt_ids`, the `thinking` of `chat_template_kwargs`), `token_ids` the
+    answer in the profile's output layout (`tokens.reconstruct_output`: reasoning `</think>` content, tool-call
+    section, end of turn); `encode` and the special ids then come from the tokenizer. Without one, a toy render:
+    role markers and content through `encode`.
     """
 
     base_path = "/v1"
@@ -35,19 +44,48 @@ class SimulatedVLLMServer(IdServer):
         stream: StreamStyle | dict[str, Any] | None = None,
         tool_call_rate: float = 0.6,
         tool_rounds: int = 0,
+        tokenizer: TargetTokenizer | None = None,
+        profile: str = "kimi-k2.5",
         **kw: Any,
     ) -> None:
+        self.tokenizer, self.profile = tokenizer, profile
+        if tokenizer is not None:
+            ids = as_profile_ids(tokenizer, profile)
+            kw = dict(
+                encode=tokenizer.encode_ordinary,
+                think_start_id=ids.think_open_id,
+                think_end_id=ids.think_close_id,
+                eos_id=ids.eot_id,
+                **kw,
+            )
         super().__init__(**kw)
         self.tool_call_rate, self.tool_rounds = tool_call_rate, tool_rounds
         self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
         self.supports_token_ids = supports_token_ids
         self.reasoning_field = reasoning_field
 
-    def prompt_ids(self, messages: list, tools: list | None) -> list[int]:
+    def prompt_ids(self, messages: list, tools: list | None, *, thinking: bool = True) -> list[int]:
+        """The ids the target sees: the chat template's render with a tokenizer, else the toy render."""
+        if self.tokenizer is not None:
+            return render_prompt_ids(self.tokenizer, messages, tools, thinking=thinking)
         text = "".join(f"<|{m.get('role')}|>{m.get('content') or ''}" for m in messages) + "<|assistant|>"
         if tools:
             text = json.dumps(tools) + text
         return self.encode(text)
+
+    def output_ids(self, ans: Answer, *, thinking: bool, finished: bool) -> list[int]:
+        """The answer's ids: the profile's output layout with a tokenizer, else the toy layout (`IdServer`)."""
+        if self.tokenizer is None:
+            return super().output_ids(ans, thinking=thinking, finished=finished)
+        ids = reconstruct_output(
+            self.tokenizer,
+            self.profile,
+            reasoning=ans.reasoning if thinking else None,
+            content=ans.content,
+            tool_calls=ans.tool_calls,
+            thinking=thinking,
+        ).ids
+        return ids if finished else ids[:-1]  # unfinished: no end of turn
 
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
         messages = body.get("messages")
@@ -103,7 +141,7 @@ class SimulatedVLLMServer(IdServer):
         ans, out_ids = self.generate(
             ans, thinking=thinking, max_tokens=max_tokens if isinstance(max_tokens, int) else None
         )
-        p_ids = self.prompt_ids(messages, tools)
+        p_ids = self.prompt_ids(messages, tools, thinking=thinking)
         message: dict[str, Any] = {
             "role": "assistant",
             "content": ans.content or None,
