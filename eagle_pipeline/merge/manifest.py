@@ -1,0 +1,151 @@
+"""The merge's settings, inputs and manifest, and the merged table's schema and file names (`merge_datasets` writes
+them, the reader, checks, exports and extraction read them)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from eagle_pipeline.merge.turns import LOSS_ON_MODES
+from eagle_pipeline.storage import read_json
+
+MANIFEST_NAME = "manifest.json"
+SHARD_GLOB = "part-*.parquet"
+FORMAT_VERSION = 1
+# Row groups well below the shard size so readers can stream a shard batch by batch.
+ROW_GROUP_ROWS = 1024
+
+MERGED_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("n_tokens", pa.int32()),
+        ("n_prompt_tokens", pa.int32()),
+        ("source", pa.string()),
+        ("backend", pa.string()),
+        ("provider", pa.string()),
+        ("split", pa.string()),
+        # Provenance beyond the contract: where the ids came from, literal special-token text, the dedup key.
+        ("ids_origin", pa.string()),
+        ("literal_special", pa.bool_()),
+        ("prompt_key", pa.string()),
+    ]
+)
+
+REQUIRED_INPUT_COLUMNS = ("sample_id", "prompt_ids", "output_ids")
+# Copied through when present; null-filled otherwise so partial upstream tables still merge.
+PASSTHROUGH_COLUMNS = {
+    "source": pa.string(),
+    "backend": pa.string(),
+    "provider": pa.string(),
+    "ids_origin": pa.string(),
+    "literal_special": pa.bool_(),
+    "prompt_key": pa.string(),
+}
+# "folded": a conversation's turn supervised inside its next turn's row (`loss_on: all_turns`, merge/turns.py).
+EXCLUSION_REASONS = ("audit", "duplicate_sample_id", "dedup", "weight", "cap", "folded")
+# The turns of a regenerated conversation: read to keep a conversation in one split and to fold its turns.
+CONVERSATION_COLUMNS = {"conversation_id": pa.string(), "turn_index": pa.int32()}
+
+
+def shard_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    """How datasets are combined. Every random choice is a keyed hash of (seed, sample_id), so a row's fate
+    does not depend on which other rows are present or on input row order."""
+
+    seed: int = 0
+    weights: Mapping[str, float] = field(default_factory=dict)  # dataset -> keep fraction in [0, 1]
+    caps: Mapping[str, int] = field(default_factory=dict)  # dataset -> max rows
+    dedup: bool = True
+    eval_fraction: float = 0.0
+    rows_per_shard: int = 10_000
+    loss_on: str = "last_turn"  # or "all_turns": fold a conversation's verbatim turns into its later rows
+
+    def validate(self, datasets: list[str]) -> None:
+        problems = []
+        known = set(datasets)
+        for name, table in (("weights", self.weights), ("caps", self.caps)):
+            unknown = sorted(set(table) - known)
+            if unknown:
+                problems.append(f"{name} name datasets not being merged: {unknown}")
+        for ds, w in self.weights.items():
+            # Upsampling would duplicate sample ids (and their hidden states); repeat in the trainer instead.
+            if not (0.0 <= float(w) <= 1.0):
+                problems.append(f"weights[{ds!r}] = {w}: must be in [0, 1]")
+        for ds, c in self.caps.items():
+            if int(c) != c or c < 0:
+                problems.append(f"caps[{ds!r}] = {c}: must be a non-negative integer")
+        if not (0.0 <= self.eval_fraction < 1.0):
+            problems.append(f"eval_fraction = {self.eval_fraction}: must be in [0, 1)")
+        if self.rows_per_shard < 1:
+            problems.append(f"rows_per_shard = {self.rows_per_shard}: must be >= 1")
+        if self.loss_on not in LOSS_ON_MODES:
+            problems.append(f"loss_on = {self.loss_on!r}: must be one of {list(LOSS_ON_MODES)}")
+        if problems:
+            raise ValueError("invalid merge settings: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weights"] = {k: float(v) for k, v in sorted(self.weights.items())}
+        d["caps"] = {k: int(v) for k, v in sorted(self.caps.items())}
+        return d
+
+
+@dataclass
+class MergeInput:
+    """One dataset's token samples plus the audit's verdict on them."""
+
+    dataset: str
+    tokens_path: Path
+    keep_mask: np.ndarray | None = None  # bool per row of tokens_path; None admits every row
+    excluded_by_gate: dict[str, int] = field(default_factory=dict)  # reported, not applied
+    upstream_version: str = ""
+
+
+@dataclass
+class MergeManifest:
+    """What a merge wrote and why; `manifest.json` is written after every shard, so it is the commit point."""
+
+    format_version: int
+    datasets: list[str]
+    seed: int
+    settings: dict[str, Any]
+    config_hash: str
+    upstream_versions: dict[str, str]
+    input_rows: dict[str, int]
+    rows_total: int
+    rows_per_dataset: dict[str, int]
+    tokens_total: int
+    tokens_per_dataset: dict[str, int]
+    supervised_tokens_total: int
+    supervised_tokens_per_dataset: dict[str, int]
+    rows_without_supervised_tokens: int
+    excluded: dict[str, dict[str, int]]  # dataset -> reason -> rows
+    audit_gates: dict[str, dict[str, int]]  # dataset -> gate -> rows (as the audit reported them)
+    dedup_winners: dict[str, dict[str, int]]  # losing dataset -> dataset that kept the prompt -> rows
+    splits: dict[str, int]
+    splits_per_dataset: dict[str, dict[str, int]]
+    shards: list[dict[str, Any]]  # {"path", "rows", "tokens", "sha256"}
+    columns: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MergeManifest:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+    @classmethod
+    def read(cls, out_dir: str | Path) -> MergeManifest:
+        return cls.from_dict(read_json(Path(out_dir) / MANIFEST_NAME))
