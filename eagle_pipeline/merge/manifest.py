@@ -65,6 +65,7 @@ class MergeSettings:
     does not depend on which other rows are present or on input row order."""
 
     seed: int = 0
+    # Whole conversations only (turns.select_groups): a fraction of a dataset's conversations, a cap never exceeded.
     weights: Mapping[str, float] = field(default_factory=dict)  # dataset -> keep fraction in [0, 1]
     caps: Mapping[str, int] = field(default_factory=dict)  # dataset -> max rows
     dedup: bool = True

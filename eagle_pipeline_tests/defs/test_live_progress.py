@@ -19,6 +19,7 @@ SHARED_KEYS = (
     "current_prompts_missing",
     "already_done",
     "completed_this_run",
+    "response_rows",
     "failed_this_run",
     "spend_usd_this_run",
     "spend_usd_ledger",
