@@ -8,20 +8,20 @@ from eagle_pipeline.merge.checks import (
     check_supervised_spans_end_with_eot,
     check_unique_sample_ids,
 )
-from eagle_pipeline.merge.core import (
-    MANIFEST_NAME,
-    MERGED_SCHEMA,
-    MergeInput,
-    MergeManifest,
-    MergeSettings,
-    merge_datasets,
-)
+from eagle_pipeline.merge.core import merge_datasets
 from eagle_pipeline.merge.export import (
     HF_SCHEMA,
     ExportSummary,
     export_hf_parquet,
     export_specforge_jsonl,
     hf_manifest_path,
+)
+from eagle_pipeline.merge.manifest import (
+    MANIFEST_NAME,
+    MERGED_SCHEMA,
+    MergeInput,
+    MergeManifest,
+    MergeSettings,
 )
 from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths, read_merged
 from eagle_pipeline.merge.vocab import (

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from eagle_pipeline.arrow_lists import as_array, list_parts
 from eagle_pipeline.merge.arrow_ops import row_of_position
-from eagle_pipeline.merge.core import SHARD_GLOB, MergeManifest
+from eagle_pipeline.merge.manifest import SHARD_GLOB, MergeManifest
 from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths
 from eagle_pipeline.storage import file_sha256
 

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_pipeline.arrow_lists import list_parts
-from eagle_pipeline.merge.core import MANIFEST_NAME
+from eagle_pipeline.merge.manifest import MANIFEST_NAME
 from eagle_pipeline.merge.reader import iter_merged_shards
 from eagle_pipeline.storage import atomic_path, file_sha256, write_bytes_atomic, write_json_atomic
 

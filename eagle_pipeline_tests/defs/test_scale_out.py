@@ -49,7 +49,7 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
     from eagle_pipeline.defs.resources import PipelineResource
     from eagle_pipeline.hidden_states import num_shards
     from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
-    from eagle_pipeline.merge.core import MANIFEST_NAME, MergeManifest
+    from eagle_pipeline.merge.manifest import MANIFEST_NAME, MergeManifest
 
     root = DataRoot(tmp_path / "data")
     vocab = PipelineResource().tokenizer().vocab_size
