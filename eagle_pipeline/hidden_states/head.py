@@ -5,12 +5,16 @@ The project stores the final hidden state **pre-norm** (the last decoder layer's
 teacher check needs `lm_head(final_norm(pre))`; both need only these two weights and the norm's epsilon, never the
 model. Any engine records them with `save_target_head` (the transformers engine takes them from the loaded model;
 the vLLM engine, without the model in process, reads only those two tensors from the checkpoint's safetensors files:
-`checkpoint_head`).
+`checkpoint_head`, once per checkpoint into a head cache that later shard runs read: `cached_checkpoint_head`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,10 +232,107 @@ def checkpoint_head(model_dir: str | Path) -> CheckpointHead:
     return CheckpointHead(d, norm_key, keys[norm_key], head_key, keys[head_key], float(eps), hidden, vocab)
 
 
-def save_target_head_from_checkpoint(found: CheckpointHead, out_dir: str | Path) -> tuple[Path, str]:
-    """Record the head `checkpoint_head` found, read straight from the checkpoint (never the whole model)."""
-    norm, head = found.load()
+def save_target_head_from_checkpoint(
+    found: CheckpointHead,
+    out_dir: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Path, str]:
+    """Record the head `checkpoint_head` found: read straight from the checkpoint (never the whole model), or,
+    with `cache_dir`, from the head cache there (`cached_checkpoint_head`), which only the first run reads it into."""
+    norm, head = found.load() if cache_dir is None else cached_checkpoint_head(found, cache_dir, log=log)
     return save_target_head(out_dir, norm_weight=norm, eps=found.eps, lm_head=head, source=found.source())
+
+
+class HeadCacheWarning(UserWarning):
+    """A head cache file was unreadable or damaged (it is rebuilt from the checkpoint)."""
+
+
+def checkpoint_head_key(found: CheckpointHead) -> str:
+    """What identifies the head tensors of a checkpoint without reading them: its resolved directory, the sha256 of
+    its safetensors index, and each head tensor's name, shape and file (resolved path, size, mtime and ctime: a
+    file rewritten, replaced or copied over changes its ctime even when its mtime is restored)."""
+    index = found.model_dir / SAFETENSORS_INDEX
+    files = {}
+    for key, file in ((found.norm_key, found.norm_file), (found.head_key, found.head_file)):
+        st = file.stat()
+        files[key] = [os.path.realpath(file), st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    ident = {
+        "checkpoint": str(found.model_dir.resolve()),
+        "index_sha256": file_sha256(index) if index.is_file() else None,
+        "tensors": files,
+        "hidden_size": found.hidden_size,
+        "vocab_size": found.vocab_size,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def head_cache_path(found: CheckpointHead, cache_dir: str | Path) -> Path:
+    """One cache file per checkpoint directory (a changed checkpoint replaces its entry, never adds one)."""
+    name = hashlib.sha256(str(found.model_dir.resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{found.model_dir.name}-{name}.safetensors"
+
+
+def _tensors_sha256(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def write_head_cache(path: str | Path, key: str, norm: torch.Tensor, head: torch.Tensor) -> None:
+    """Write a head cache file atomically: the two tensors, the checkpoint's `key` and their bytes' sha256."""
+    from safetensors.torch import save_file
+
+    meta = {"checkpoint_head_key": key, "tensors_sha256": _tensors_sha256(norm, head)}
+    with atomic_path(path) as tmp:
+        save_file(
+            {"final_norm.weight": norm.contiguous(), "lm_head.weight": head.contiguous()}, str(tmp), metadata=meta
+        )
+
+
+def read_head_cache(path: str | Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (norm, lm_head) a cache file holds for `key`; None when it holds another key (the checkpoint changed).
+    Raises ValueError naming the file when it is unreadable or its tensors do not match their recorded sha256."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("checkpoint_head_key") != key:
+                return None
+            norm, head = f.get_tensor("final_norm.weight"), f.get_tensor("lm_head.weight")
+    except Exception as exc:  # a truncated or overwritten file: safetensors' own errors do not name it
+        raise ValueError(f"{path}: unreadable head cache ({type(exc).__name__}: {exc})") from exc
+    if _tensors_sha256(norm, head) != meta.get("tensors_sha256"):
+        raise ValueError(f"{path}: head cache tensors do not match their recorded sha256 (damaged file)")
+    return norm, head
+
+
+def cached_checkpoint_head(
+    found: CheckpointHead, cache_dir: str | Path, *, log: Callable[[str], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final norm weight, lm_head) of `found`, from its cache file under `cache_dir` when that holds this
+    checkpoint's key (`checkpoint_head_key`), else read from the checkpoint once and cached. A damaged cache file
+    is rebuilt with a `HeadCacheWarning` naming it."""
+    path, key = head_cache_path(found, cache_dir), checkpoint_head_key(found)
+    if path.exists():
+        try:
+            cached = read_head_cache(path, key)
+        except ValueError as exc:
+            message = f"{exc}; rebuilding it from {found.model_dir}"
+            warnings.warn(message, HeadCacheWarning, stacklevel=2)
+            if log is not None:
+                log(f"warning: {message}")
+            cached = None
+        if cached is not None:
+            return cached
+    norm, head = found.load()
+    write_head_cache(path, key, norm, head)
+    if log is not None:
+        log(f"target head of {found.model_dir} cached in {path}")
+    return norm, head
 
 
 def final_norm_eps(model: torch.nn.Module) -> float:

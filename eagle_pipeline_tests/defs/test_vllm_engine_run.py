@@ -40,6 +40,7 @@ def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, ins
     meta = read_index_meta(idx)
     assert meta["engine"] == "vllm" and meta["final_state_is_post_norm"] is False and meta["target_head_sha256"]
     assert (root.hidden_states_dir / "target_head.safetensors").exists()
+    assert len(list(root.head_cache_dir.iterdir())) == 1  # the checkpoint's head, cached in the data root
     assert meta["vllm_layer_ids"] == [2, 4, 5, 8] and meta["aux_layers"] == [1, 3, 4]  # the tiny model: 8 layers
     with safe_open(str(st), "pt") as f:
         assert f.metadata()["engine"] == "vllm"

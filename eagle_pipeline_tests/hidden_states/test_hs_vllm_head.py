@@ -5,6 +5,9 @@ served by the loopback double over real HTTP passes every check JUDGED; a head f
 from __future__ import annotations
 
 import json
+import os
+import re
+import time
 
 import pytest
 import torch
@@ -17,8 +20,14 @@ from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.head import (
     SAFETENSORS_INDEX,
     TARGET_HEAD_FILE,
+    HeadCacheWarning,
     checkpoint_head,
+    checkpoint_head_key,
+    head_cache_path,
     load_target_head,
+    read_head_cache,
+    save_target_head_from_checkpoint,
+    write_head_cache,
 )
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
@@ -34,14 +43,14 @@ def texts(normed_model):
     return greedy_rows(normed_model, 8, seed=11)
 
 
-def _engine_shard(model, checkpoint, merged, tmp_path, n):
+def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng"):
     storage = tmp_path / "storage"
     with VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(AUX, L), storage_path=storage) as srv:
         return extract_shard_vllm(
             merged,
             shard_index=0,
             shard_size=n,
-            out_dir=tmp_path / "eng",
+            out_dir=tmp_path / out,
             endpoints=[srv.url],
             storage_path=storage,
             num_layers=L,
@@ -95,10 +104,10 @@ def test_without_a_checkpoint_the_two_checks_say_not_judged(normed_model, texts,
         assert results[name].verdict == NOT_JUDGED and "NOT JUDGED" in results[name].detail
 
 
-def _kimi_style_checkpoint(d, *, tied=False, drop=()):
+def _kimi_style_checkpoint(d, *, tied=False, drop=(), seed=1):
     """A sharded checkpoint under Kimi-K2.5's names (`language_model.` prefix, a VLM config with text_config)."""
-    d.mkdir()
-    g = torch.Generator().manual_seed(1)
+    d.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
     tensors = {
         "language_model.model.embed_tokens.weight": torch.randn(VOCAB, 64, generator=g),
         "language_model.model.layers.0.mlp.gate.weight": torch.randn(8, 64, generator=g),
@@ -154,3 +163,94 @@ def test_a_missing_head_stops_the_run_before_any_request(normed_model, texts, me
     with pytest.raises(FileNotFoundError, match=r"cfg: no model\.safetensors\.index\.json"):
         _engine_shard(normed_model, tmp_path / "cfg", merged, tmp_path, len(texts))
     assert not (tmp_path / "storage").exists() or list((tmp_path / "storage").iterdir()) == []
+
+
+def test_later_shard_runs_read_the_head_cache_not_the_checkpoint(normed_model, texts, merged_factory, tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    normed_model.save_pretrained(checkpoint)
+    merged = merged_factory(texts)
+    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts))
+    found = checkpoint_head(checkpoint)
+    cache = head_cache_path(found, tmp_path / "head_cache")  # the data root's (`out_dir`'s parent) by default
+    assert list((tmp_path / "head_cache").iterdir()) == [cache]
+    first = cache.stat()
+    norm, head = found.load()
+    cached = read_head_cache(cache, checkpoint_head_key(found))
+    assert cached is not None and torch.equal(cached[0], norm) and torch.equal(cached[1], head)
+
+    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts), out="eng2")
+    again = cache.stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # read, not rebuilt
+    recorded = load_target_head(tmp_path / "eng2")
+    assert torch.equal(recorded.norm_weight, norm) and torch.equal(recorded.lm_head, head)
+
+    # A cache entry under this checkpoint's key holding other values is what the next run records: it reads the
+    # cache, not the checkpoint.
+    write_head_cache(cache, checkpoint_head_key(found), norm + 1, head)
+    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts), out="eng3")
+    assert torch.equal(load_target_head(tmp_path / "eng3").norm_weight, norm + 1)
+
+
+def _record(checkpoint, tmp_path, out):
+    return save_target_head_from_checkpoint(checkpoint_head(checkpoint), tmp_path / out, cache_dir=tmp_path / "cache")
+
+
+def test_a_changed_checkpoint_invalidates_its_cache_entry(tmp_path):
+    ckpt = tmp_path / "kimi"
+    _kimi_style_checkpoint(ckpt)
+    _record(ckpt, tmp_path, "a")
+    cache = head_cache_path(checkpoint_head(ckpt), tmp_path / "cache")
+
+    # New weights in the same files (same shapes, so the same sizes), written a second later.
+    new, files = _kimi_style_checkpoint(ckpt, seed=2)
+    for file in set(files.values()):
+        st = (ckpt / file).stat()
+        os.utime(ckpt / file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _record(ckpt, tmp_path, "b")
+    recorded = load_target_head(tmp_path / "b")
+    assert torch.equal(recorded.lm_head, new["language_model.lm_head.weight"])
+    assert list((tmp_path / "cache").iterdir()) == [cache]  # the checkpoint's one entry, replaced
+
+    # Rewritten in place with every mtime put back: the ctime still moves (timestamps tick at the kernel's coarse
+    # clock, a few ms; the sleep makes sure one tick passed).
+    time.sleep(0.05)
+    before = {f: (ckpt / f).stat() for f in set(files.values())}
+    newer, _ = _kimi_style_checkpoint(ckpt, seed=3)
+    for f, st in before.items():
+        os.utime(ckpt / f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        after = (ckpt / f).stat()
+        assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+        assert after.st_ctime_ns != st.st_ctime_ns
+    _record(ckpt, tmp_path, "c")
+    assert torch.equal(load_target_head(tmp_path / "c").norm_weight, newer["language_model.model.norm.weight"])
+
+    # Another checkpoint directory with the same files (mtimes kept) gets its own entry.
+    other = tmp_path / "copy"
+    other.mkdir()
+    for f in ckpt.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+        os.utime(other / f.name, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    _record(other, tmp_path, "d")
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_damaged_cache_file_is_named_and_rebuilt(tmp_path, damage):
+    tensors, _ = _kimi_style_checkpoint(tmp_path / "kimi")
+    _record(tmp_path / "kimi", tmp_path, "a")
+    found = checkpoint_head(tmp_path / "kimi")
+    cache = head_cache_path(found, tmp_path / "cache")
+    data = bytearray(cache.read_bytes())
+    if damage == "truncated":
+        del data[len(data) // 2 :]
+    else:
+        data[-3] ^= 0x40  # inside the last tensor's data
+    cache.write_bytes(bytes(data))
+    logged = []
+    with pytest.warns(HeadCacheWarning, match=re.escape(str(cache))):
+        save_target_head_from_checkpoint(found, tmp_path / "b", cache_dir=tmp_path / "cache", log=logged.append)
+    assert any(str(cache) in line and line.startswith("warning:") for line in logged)
+    recorded = load_target_head(tmp_path / "b")
+    assert torch.equal(recorded.lm_head, tensors["language_model.lm_head.weight"])
+    rebuilt = read_head_cache(cache, checkpoint_head_key(found))
+    assert rebuilt is not None and torch.equal(rebuilt[1], tensors["language_model.lm_head.weight"])
