@@ -355,7 +355,7 @@ def engine_extractor(
             progress=guard,
         )
     if engine == "torchrun":
-        from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+        from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
 
         model_dir = workdir / "model"  # what every rank loads: the same seeded weights, saved once
         if not (model_dir / "config.json").exists():
@@ -363,15 +363,17 @@ def engine_extractor(
             model.save_pretrained(model_dir)
             print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
         return lambda shard: extract_shard_torchrun(
-            model_dir,
-            merged,
-            shard_index=shard,
-            shard_size=shard_size,
-            out_dir=out_dir,
-            tp_size=tp_size,
-            aux_layers=aux,
-            max_tokens_per_batch=max_tpb,
-            final_state="pre_norm",  # as the in-process path stores it: the kept shards compare directly
+            TorchrunShard(
+                model_dir,
+                merged,
+                shard_index=shard,
+                shard_size=shard_size,
+                out_dir=out_dir,
+                tp_size=tp_size,
+                aux_layers=aux,
+                max_tokens_per_batch=max_tpb,
+                final_state="pre_norm",  # as the in-process path stores it: the kept shards compare directly
+            )
         )
     if engine == "vllm":
         from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,73 +43,60 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun_argv(
-    model_dir: str | Path,
-    merged_dir: str | Path,
-    *,
-    shard_index: int,
-    shard_size: int,
-    out_dir: str | Path,
-    tp_size: int,
-    ep_size: int | None = None,
-    aux_layers: Sequence[int] | None = None,
-    max_tokens_per_batch: int = 8192,
-    final_state: str = "post_norm",
-    model_identity: Mapping[str, Any] | None = None,
-    port: int | None = None,
-) -> list[str]:
+@dataclass(frozen=True)
+class TorchrunShard:
+    """One shard's world: what the shard run starts it with and what every rank reads (as one JSON argument).
+    `aux_layers` None: the default low/mid/high; `model_identity` None: the model directory's."""
+
+    model_dir: Path
+    merged_dir: Path
+    shard_index: int
+    shard_size: int
+    out_dir: Path
+    tp_size: int
+    ep_size: int | None = None
+    aux_layers: tuple[int, ...] | None = None
+    max_tokens_per_batch: int = 8192
+    final_state: str = "post_norm"
+    model_identity: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model_dir", "merged_dir", "out_dir"):
+            object.__setattr__(self, name, Path(getattr(self, name)))
+        if self.aux_layers is not None:
+            object.__setattr__(self, "aux_layers", tuple(int(k) for k in self.aux_layers))
+
+    def to_json(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps(fields, sort_keys=True, default=str)  # the paths as strings
+
+    @classmethod
+    def from_json(cls, text: str) -> TorchrunShard:
+        return cls(**json.loads(text))
+
+
+def torchrun_argv(shard: TorchrunShard, *, port: int | None = None) -> list[str]:
     """The command one shard's world runs (the current interpreter's torch.distributed.run)."""
-    argv = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(tp_size),
+        str(shard.tp_size),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
         str(port or _free_port()),
         "-m",
         "eagle_pipeline.hidden_states.engine_torchrun",
-        "--model",
-        str(model_dir),
-        "--merged",
-        str(merged_dir),
         "--shard",
-        str(shard_index),
-        "--shard-size",
-        str(shard_size),
-        "--out",
-        str(out_dir),
-        "--tp-size",
-        str(tp_size),
-        "--max-tokens-per-batch",
-        str(max_tokens_per_batch),
-        "--final-state",
-        final_state,
+        shard.to_json(),
     ]
-    if ep_size:
-        argv += ["--ep-size", str(ep_size)]
-    if model_identity is not None:
-        argv += ["--model-identity", json.dumps(dict(model_identity), sort_keys=True)]
-    if aux_layers is not None:
-        argv += ["--aux-layers", ",".join(str(int(k)) for k in aux_layers)]
-    return argv
 
 
 def extract_shard_torchrun(
-    model_dir: str | Path,
-    merged_dir: str | Path,
+    shard: TorchrunShard,
     *,
-    shard_index: int,
-    shard_size: int,
-    out_dir: str | Path,
-    tp_size: int,
-    ep_size: int | None = None,
-    aux_layers: Sequence[int] | None = None,
-    max_tokens_per_batch: int = 8192,
-    final_state: str = "post_norm",
-    model_identity: Mapping[str, Any] | None = None,
     on_mismatch: str = "refuse",
     timeout_s: float | None = None,
     log: Callable[[str], None] | None = None,
@@ -116,37 +105,26 @@ def extract_shard_torchrun(
     and `model_identity` (default: the model directory's); a done shard with it starts no world, one made under
     other settings is refused or redone (`on_mismatch`). A failed world raises RuntimeError naming the shard and
     the end of its output; rank 0's atomic writes leave no partial shard."""
-    n_layers = int(describe_model_config(load_text_config(model_dir))["num_layers"])
-    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n_layers), n_layers)
-    identity = dict(model_identity) if model_identity is not None else model_dir_identity(model_dir)
+    s = shard
+    n_layers = int(describe_model_config(load_text_config(s.model_dir))["num_layers"])
+    aux = validate_aux_layers(s.aux_layers if s.aux_layers is not None else default_aux_layers(n_layers), n_layers)
+    identity = dict(s.model_identity) if s.model_identity is not None else model_dir_identity(s.model_dir)
     wanted = ExtractionFingerprint(
         model=identity,
         aux_layers=aux,
-        final_state=final_state,
-        shard_size=shard_size,
+        final_state=s.final_state,
+        shard_size=s.shard_size,
         dtype=dtype_name(default_state_dtype("cuda" if torch.cuda.is_available() else "cpu")),
-        merged_version=merged_version(merged_dir),
+        merged_version=merged_version(s.merged_dir),
         engine=ENGINE_TORCHRUN,
     )
-    decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch)
+    decision = prepare_shard(s.out_dir, s.shard_index, wanted, on_mismatch=on_mismatch)
     if decision.reuse is not None:
         return decision.reuse
-    idx_path = shard_paths(out_dir, shard_index)[1]
-    argv = torchrun_argv(
-        model_dir,
-        merged_dir,
-        shard_index=shard_index,
-        shard_size=shard_size,
-        out_dir=out_dir,
-        tp_size=tp_size,
-        ep_size=ep_size,
-        aux_layers=aux_layers,
-        max_tokens_per_batch=max_tokens_per_batch,
-        final_state=final_state,
-        model_identity=identity,
-    )
+    idx_path = shard_paths(s.out_dir, s.shard_index)[1]
+    argv = torchrun_argv(dataclasses.replace(s, model_identity=identity))
     if log is not None:
-        log(f"shard {shard_index:05d}: {' '.join(argv)}")
+        log(f"shard {s.shard_index:05d}: {' '.join(argv)}")
     repo = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout, as this process does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     parent = os.getpid()
@@ -155,9 +133,11 @@ def extract_shard_torchrun(
     )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
-        raise RuntimeError(f"shard {shard_index:05d}: torchrun world of {tp_size} exited {proc.returncode}:\n{tail}")
+        raise RuntimeError(
+            f"shard {s.shard_index:05d}: torchrun world of {s.tp_size} exited {proc.returncode}:\n{tail}"
+        )
     if log is not None and proc.stdout.strip():
-        log(f"shard {shard_index:05d}: world done: {proc.stdout.strip().splitlines()[-1]}")
+        log(f"shard {s.shard_index:05d}: world done: {proc.stdout.strip().splitlines()[-1]}")
     stored = read_index_meta(idx_path)
     return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
 
@@ -179,7 +159,7 @@ def extract_shard_from_config(
     model_dir = materialized_model_dir(
         h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
     )
-    summary = extract_shard_torchrun(
+    shard = TorchrunShard(
         model_dir,
         merged_dir,
         shard_index=shard_index,
@@ -190,9 +170,8 @@ def extract_shard_from_config(
         aux_layers=h.aux_layers,
         max_tokens_per_batch=h.max_tokens_per_batch,
         model_identity=model_identity,
-        on_mismatch=h.on_settings_change,
-        log=log,
     )
+    summary = extract_shard_torchrun(shard, on_mismatch=h.on_settings_change, log=log)
     return summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else "")
 
 
@@ -229,51 +208,40 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     ap = argparse.ArgumentParser(description="one rank of a tensor-parallel extraction world (run by torchrun)")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--merged", required=True)
-    ap.add_argument("--shard", type=int, required=True)
-    ap.add_argument("--shard-size", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp-size", type=int, required=True)
-    ap.add_argument("--ep-size", type=int, default=None)
-    ap.add_argument("--aux-layers", default=None)
-    ap.add_argument("--max-tokens-per-batch", type=int, default=8192)
-    ap.add_argument("--final-state", default="post_norm")
-    ap.add_argument("--model-identity", default=None, help="JSON: the model identity the fingerprint records")
-    args = ap.parse_args(argv)
+    ap.add_argument("--shard", required=True, help="JSON of the TorchrunShard (engine_torchrun.torchrun_argv)")
+    s = TorchrunShard.from_json(ap.parse_args(argv).shard)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = f"cuda:{local_rank}" if cuda else "cpu"
-    dist = {"tp_size": args.tp_size, **({"ep_size": args.ep_size} if args.ep_size else {})}
+    dist = {"tp_size": s.tp_size, **({"ep_size": s.ep_size} if s.ep_size else {})}
     model = AutoModelForCausalLM.from_pretrained(
-        args.model,
+        s.model_dir,
         local_files_only=True,
         dtype=torch.bfloat16 if cuda else torch.float32,
-        distributed_config=DistributedConfig(**dist),
+        distributed_config=DistributedConfig(tp_size=s.tp_size, ep_size=s.ep_size or None),
     ).eval()
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # Every rank runs the same forwards (the collectives need all of them); only rank 0 keeps what it writes.
-    out = Path(args.out) if rank == 0 else Path(tempfile.mkdtemp(prefix=f"eagle-tp-rank{rank}-"))
+    out = s.out_dir if rank == 0 else Path(tempfile.mkdtemp(prefix=f"eagle-tp-rank{rank}-"))
     try:
         summary = extract_shard(
             model,
-            args.merged,
-            shard_index=args.shard,
-            shard_size=args.shard_size,
+            s.merged_dir,
+            shard_index=s.shard_index,
+            shard_size=s.shard_size,
             out_dir=out,
-            aux_layers=aux,
-            max_tokens_per_batch=args.max_tokens_per_batch,
+            aux_layers=s.aux_layers,
+            max_tokens_per_batch=s.max_tokens_per_batch,
             device=device,
-            final_state=args.final_state,
+            final_state=s.final_state,
             force=rank != 0,
-            model_identity=json.loads(args.model_identity) if args.model_identity else None,
+            model_identity=s.model_identity,
             engine=ENGINE_TORCHRUN,
         )
     finally:
         if rank != 0:
             shutil.rmtree(out, ignore_errors=True)
     if rank == 0:
-        report = {"shard": args.shard, "rows": summary.rows, "sha256": summary.sha256, **dist}
+        report = {"shard": s.shard_index, "rows": summary.rows, "sha256": summary.sha256, **dist}
         print(json.dumps({**report, "parallel": parallel_layout(model)}))
     return 0
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun, torchrun_argv
 
 from .conftest import make_rows
 
@@ -29,13 +29,33 @@ def _world(model, merged, tmp_path, **dist):
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     logs: list[str] = []
-    s = extract_shard_torchrun(
-        model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", log=logs.append, **dist
-    )
+    shard = TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", **dist)
+    s = extract_shard_torchrun(shard, log=logs.append)
     assert "--nproc-per-node 2" in logs[0] and not s.skipped
     report = json.loads(logs[-1].split("world done: ", 1)[1])
     assert report["sha256"] == s.sha256 and report["tp_size"] == 2
     return s, model_dir, report["parallel"]
+
+
+def test_the_world_gets_exactly_the_shard_run_s_parameters(tmp_path):
+    shard = TorchrunShard(
+        tmp_path / "model",
+        str(tmp_path / "merged"),
+        shard_index=3,
+        shard_size=6,
+        out_dir=tmp_path / "out",
+        tp_size=4,
+        ep_size=4,
+        aux_layers=[1, 3, 4],
+        max_tokens_per_batch=1024,
+        final_state="pre_norm",
+        model_identity={"kind": "dir", "sha256": "ab"},
+    )
+    argv = torchrun_argv(shard, port=29511)
+    assert argv[argv.index("--nproc-per-node") + 1] == "4" and argv[argv.index("--master-port") + 1] == "29511"
+    assert argv[-2:] == ["--shard", shard.to_json()]
+    back = TorchrunShard.from_json(argv[-1])  # what every rank parses
+    assert back == shard and back.merged_dir == tmp_path / "merged" and back.aux_layers == (1, 3, 4)
 
 
 def _assert_same_shard(path, ref_path):
@@ -58,7 +78,9 @@ def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
     _assert_same_shard(s.path, ref.path)
-    again = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
+    again = extract_shard_torchrun(
+        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
+    )
     assert again.skipped and again.sha256 == s.sha256  # a done shard starts no world
 
 
@@ -86,16 +108,16 @@ def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):
     tiny_ds.config.save_pretrained(tmp_path / "model")  # a config without weights: every rank fails to load
     with pytest.raises(RuntimeError, match=r"shard 00000: torchrun world of 2 exited"):
         extract_shard_torchrun(
-            tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2
+            TorchrunShard(tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2)
         )
     assert shard_status(tmp_path / "o", 0) == "missing"
 
 
 _CHILD = """
 import sys
-from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_torchrun
+from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
 model, merged, out = sys.argv[1:4]
-extract_shard_torchrun(model, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
+extract_shard_torchrun(TorchrunShard(model, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2))
 """
 
 
@@ -116,7 +138,9 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
     merged = merged_factory(make_rows(6, seed=3, min_len=2, max_len=40), [6])
     model_dir = tmp_path / "model"
     tiny_ds.save_pretrained(model_dir)
-    clean = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "c", tp_size=2)
+    clean = extract_shard_torchrun(
+        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "c", tp_size=2)
+    )
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(model_dir), str(merged), str(out)], env=env)
@@ -131,5 +155,7 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
         time.sleep(0.1)
     assert _world_pids(str(out)) == []  # no orphaned world goes on holding devices and writing the shard
     assert shard_status(out, 0) != "done"
-    again = extract_shard_torchrun(model_dir, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
+    again = extract_shard_torchrun(
+        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
+    )
     assert not again.skipped and again.sha256 == clean.sha256 and shard_status(out, 0) == "done"
