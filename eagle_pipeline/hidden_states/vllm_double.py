@@ -27,16 +27,13 @@ connector), `late_file` (the lock is let go at once and the file appears `late_f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +42,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from ..loopback_http import LoopbackHttpServer
 from .layers import _layer_output, get_backbone
 
 TRANSIENT_FAULTS = ("http_500", "http_503", "timeout", "lock_never_released")
@@ -100,12 +98,15 @@ class _Faults:
         return found
 
 
-class VLLMHiddenStatesDouble:
-    """The double, on 127.0.0.1 in a background thread; a context manager. `url` is the base URL to configure.
+class VLLMHiddenStatesDouble(LoopbackHttpServer):
+    """The double, on 127.0.0.1 in a background thread (`loopback_http`); a context manager. `url` is the base URL
+    to configure; requests are counted per prompt key (`ids_key`).
 
     `layer_ids` are vLLM ids (what `eagle_aux_hidden_state_layer_ids` would hold). The forward runs on one
     worker thread (the server's one "GPU"), the file writes on `num_writer_threads` others, as the connector does.
     """
+
+    client_max_size = 256 * 1024 * 1024  # prompts of token ids, the longest rows several MB of JSON
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class VLLMHiddenStatesDouble:
         num_writer_threads: int = 2,
         port: int = 0,
     ) -> None:
+        super().__init__(port=port)
         self.model = model.eval()
         backbone: Any = get_backbone(model)
         self.backbone = backbone
@@ -133,95 +135,28 @@ class VLLMHiddenStatesDouble:
         self.faults = _Faults(faults)
         self.latency_s = float(latency_s)
         self.vocab_size = int(backbone.embed_tokens.num_embeddings)
-        self._port = port
-        self.port: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="double-gpu")
         self._writers = ThreadPoolExecutor(num_writer_threads, thread_name_prefix="double-writer")
         self._stuck_locks: list[Any] = []  # lock files a `lock_never_released` fault keeps locked
-        self._counts: Counter[str] = Counter()
-        self._n_requests = 0
         self._in_flight = 0
         self.max_in_flight = 0  # the most /v1/completions requests it served at once
         self.compute_seconds = 0.0  # time spent in forwards (the server's own compute, for benchmarks)
-        self._mutex = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self.died = False
 
-    # ---- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> VLLMHiddenStatesDouble:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="vllm-double", daemon=True)
-            self._thread.start()
-            self._ready.wait(30)
-            if self._error is not None:
-                raise RuntimeError(f"vLLM double failed to start: {self._error}")
-        return self
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/health", self._health)
 
     def stop(self) -> None:
-        if self._thread is not None and self._loop is not None and self._thread.is_alive():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(30)
-        self._thread = None
+        """Stop serving, then let the writer threads finish and release the locks a fault kept."""
+        super().stop()
         self._writers.shutdown(wait=True)
         self._compute.shutdown(wait=True)
         for fh in self._stuck_locks:
             fh.close()
         self._stuck_locks.clear()
-
-    def __enter__(self) -> VLLMHiddenStatesDouble:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        assert self.port is not None, "server not started"
-        return f"http://127.0.0.1:{self.port}"
-
-    def request_counts(self) -> dict[str, int]:
-        """Requests seen per prompt key (all attempts)."""
-        with self._mutex:
-            return dict(self._counts)
-
-    @property
-    def total_requests(self) -> int:
-        with self._mutex:
-            return self._n_requests
-
-    def _serve(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            app = web.Application(client_max_size=256 * 1024 * 1024)
-            app.router.add_post("/v1/completions", self._completions)
-            app.router.add_get("/v1/models", self._models)
-            app.router.add_get("/version", self._version)
-            app.router.add_get("/health", self._health)
-            runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
-            loop.run_until_complete(runner.setup())
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", self._port))
-            sock.listen(1024)
-            self.port = sock.getsockname()[1]
-            loop.run_until_complete(web.SockSite(runner, sock).start())
-        except BaseException as exc:  # surfaced by start()
-            self._error = exc
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
 
     # ---- handlers --------------------------------------------------------------------------------------------
     async def _version(self, _request: web.Request) -> web.Response:
@@ -250,13 +185,13 @@ class VLLMHiddenStatesDouble:
         )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        with self._mutex:
+        with self._lock:
             self._in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
         try:
             return await self._complete(request)
         finally:
-            with self._mutex:
+            with self._lock:
                 self._in_flight -= 1
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -270,10 +205,8 @@ class VLLMHiddenStatesDouble:
         if any(not 0 <= x < self.vocab_size for x in prompt):
             return _error(400, f"token id out of vocabulary [0, {self.vocab_size})")
         key = ids_key(prompt)
-        with self._mutex:
-            self._n_requests += 1
-            self._counts[key] += 1
-            attempt, n_seen = self._counts[key], self._n_requests
+        with self._lock:
+            attempt, n_seen = self._count_locked(key)
         f = self.faults
         if f.die_after is not None and n_seen > f.die_after:
             self.died = True

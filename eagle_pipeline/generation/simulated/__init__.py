@@ -31,7 +31,7 @@ to every request once the server has seen more than N (a key revoked or credits 
              (usage.prompt_tokens counts a system prompt the provider injected: +PROMPT_INJECTED_TOKENS)
 
 Modules: `answers` (request keys, token counters, the deterministic answer), `faults` (the fault plan and the HTTP
-response of each fault), `server` (the loopback transport, lifecycle and request log), `streaming` (a completion body as SSE chunks, paced
+response of each fault), `server` (the request log, on the loopback harness `eagle_pipeline.loopback_http`), `streaming` (a completion body as SSE chunks, paced
 by a `StreamStyle`, with the stream faults), and one module per wire format:
 `openrouter`, `vllm`, `sglang` (with `id_server`, the token-id rendering the last two share).
 """

@@ -1,22 +1,21 @@
-"""The base of the simulated servers: an aiohttp app on 127.0.0.1 in a background thread, with a request log.
+"""The base of the simulated chat servers: the loopback harness (eagle_pipeline/loopback_http.py) with a request log.
 
-Subclasses give the routes and `handle` (one wire format each); transport, lifecycle and bookkeeping live here.
+Subclasses give the routes and `handle` (one wire format each); the harness owns transport and lifecycle, this
+class the bookkeeping the tests read.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 from aiohttp import web
 
 from eagle_pipeline.generation.simulated.faults import FaultPlan
+from eagle_pipeline.loopback_http import LoopbackHttpServer
 
 
 @dataclass(frozen=True)
@@ -28,98 +27,33 @@ class RequestRecord:
     status: int
 
 
-class LoopbackServer:
-    """An aiohttp app on 127.0.0.1 in a background thread, with a request log for tests."""
+class LoopbackServer(LoopbackHttpServer):
+    """A chat double: its POST `routes` (under `base_path`) go to `handle`, with a request log for tests."""
 
     routes: tuple[str, ...] = ()
-    base_path = ""
+    backlog = 4096
 
     def __init__(self, *, latency_s: float = 0.0, faults: dict[str, Any] | None = None, port: int = 0) -> None:
+        super().__init__(port=port)
         self.latency_s = float(latency_s)
         self.plan = FaultPlan(faults)
-        self._port = port
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
         self._log: list[RequestRecord] = []
         self._arrivals: list[tuple[str, float]] = []
         self._answered: dict[tuple[str, int], float] = {}
         self._bodies: dict[str, dict[str, Any]] = {}
         self._headers: deque[dict[str, str]] = deque(maxlen=1000)  # the latest requests' headers, bounded
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.port: int | None = None
 
-    # lifecycle
-    def start(self) -> Self:
-        if self._thread is not None:
-            return self
-        self._thread = threading.Thread(target=self._serve, name=type(self).__name__, daemon=True)
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise RuntimeError(f"{type(self).__name__} failed to start: {self._error}")
-        return self
-
-    def stop(self) -> None:
-        if self._thread is None or self._loop is None:
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        assert self.port is not None, "server not started"
-        return f"http://127.0.0.1:{self.port}{self.base_path}"
-
-    def _serve(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            app = web.Application(client_max_size=64 * 1024 * 1024)
-            for r in self.routes:
-                app.router.add_post(self.base_path + r, self._entry)
-            # handler_cancellation: a client that timed out stops the server's sleeping handler too.
-            runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
-            loop.run_until_complete(runner.setup())
-            self._runner = runner
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", self._port))
-            sock.listen(4096)
-            self.port = sock.getsockname()[1]
-            site = web.SockSite(runner, sock, backlog=4096)
-            loop.run_until_complete(site.start())
-        except BaseException as exc:  # surfaced by start()
-            self._error = exc
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(runner.cleanup())
-            loop.close()
+    def add_routes(self, app: web.Application) -> None:
+        for r in self.routes:
+            app.router.add_post(self.base_path + r, self._entry)
 
     # request bookkeeping
     def _note(self, key: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, int]:
         with self._lock:
             self._arrivals.append((key, time.time()))
-            self._counts[key] += 1
             self._bodies[key] = body
             self._headers.append(headers)
-            return self._counts[key], sum(self._counts.values())
+            return self._count_locked(key)
 
     def _record(self, key: str, attempt: int, at: float, fault: str | None, status: int) -> None:
         with self._lock:
@@ -147,30 +81,9 @@ class LoopbackServer:
         with self._lock:
             return dict(self._answered)
 
-    def open_connections(self) -> int:
-        """Client connections the server still holds. Zero after a client was killed means every request it had sent
-        is in the request log (or was dropped unread with its connection, never to be recorded)."""
-        assert self._loop is not None, "server not started"
-
-        async def count() -> int:
-            server = self._runner.server if self._runner is not None else None
-            return len(server.connections) if server is not None else 0
-
-        return asyncio.run_coroutine_threadsafe(count(), self._loop).result(30)
-
-    def request_counts(self) -> dict[str, int]:
-        """Requests seen per request key (all attempts)."""
-        with self._lock:
-            return dict(self._counts)
-
     def request_log(self) -> list[RequestRecord]:
         with self._lock:
             return list(self._log)
-
-    @property
-    def total_requests(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
 
     def body_for(self, key: str) -> dict[str, Any] | None:
         """The last request body seen for a key."""
