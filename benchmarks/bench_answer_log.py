@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,21 +35,9 @@ def _cpu() -> float:
 
 
 def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) -> dict:
-    import pyarrow as pa
-
     from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
-    from eagle_pipeline.prompts import canonical_json
 
-    text = "Explain, with one worked example, how the following idea applies in practice: " + "context " * 40
-    prompts = pa.table(
-        {
-            "sample_id": [f"B1-{i:08d}" for i in range(n)],
-            "dataset": ["B1"] * n,
-            "source_id": [str(i) for i in range(n)],
-            "messages_json": [canonical_json([{"role": "user", "content": f"{text} #{i}"}]) for i in range(n)],
-            "tools_json": pa.nulls(n, pa.string()),
-        }
-    )
+    prompts = bg.bench_prompts(n)
     backend = BackendSpec(
         name="bench", kind="openrouter", endpoint=url, model="m", concurrency=in_flight, timeout_s=120, stream=False
     )
@@ -76,19 +63,9 @@ def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) ->
                 answer_log_s=answer_log.DEFAULT_FLUSH_S if with_log else None,
             )
             wall, cpu = time.monotonic() - t0, _cpu() - cpu0
-            t = read_responses(Path(d) / "r")
-            starts = [x.timestamp() for x in t.column("started_at").to_pylist()]
-            ends = [x.timestamp() for x in t.column("finished_at").to_pylist()]
+            steady = bg.steady_of_responses(read_responses(Path(d) / "r"), in_flight, latency)
     finally:
         os.fsync = real_fsync
-    ordered = sorted(ends)
-    steady = bg._steady(
-        [(a, b, True) for a, b in zip(starts, ends)],
-        in_flight,
-        latency,
-        min(starts) + 2 * latency,
-        ordered[int(len(ordered) * 0.9)],
-    )
     return {
         "completed": s.completed,
         "steady_per_s": steady["steady_per_s"],
@@ -126,28 +103,17 @@ def main() -> None:
     args = ap.parse_args()
     in_flight, latency, n = 2000, 2.0, 8000
     order = [True, False] if args.quick else [True, False, False, True]
-    with tempfile.TemporaryDirectory() as d:
-        port_file = os.path.join(d, "port")
-        server = subprocess.Popen([sys.executable, bg.__file__, "--serve", str(latency), port_file])
-        try:
-            for _ in range(200):
-                if os.path.exists(port_file) and Path(port_file).read_text():
-                    break
-                time.sleep(0.05)
-            url = f"http://127.0.0.1:{Path(port_file).read_text()}/api/v1"
-            print(f"# answer log cost: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {in_flight} in flight, ")
-            print(f"# {latency:.0f} s latency, N = {n} per run, one client process")
-            print(f"{'answer log':<12} {'done':>6} {'steady/s':>9} {'cpu ms/resp':>11} {'fsyncs/s':>9} {'wall s':>7}")
-            for with_log in order:
-                r = one_run(url, in_flight, n, latency, with_log)
-                print(
-                    f"{'on' if with_log else 'off':<12} {r['completed']:>6} {r['steady_per_s']:>9.0f} "
-                    f"{r['cpu_ms_per_response']:>11.3f} {r['fsyncs_per_s']:>9.1f} {r['wall_s']:>7.1f}",
-                    flush=True,
-                )
-        finally:
-            server.kill()
-            server.wait()
+    with bg.loopback_server(latency) as (url, _):
+        print(f"# answer log cost: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {in_flight} in flight, ")
+        print(f"# {latency:.0f} s latency, N = {n} per run, one client process")
+        print(f"{'answer log':<12} {'done':>6} {'steady/s':>9} {'cpu ms/resp':>11} {'fsyncs/s':>9} {'wall s':>7}")
+        for with_log in order:
+            r = one_run(url, in_flight, n, latency, with_log)
+            print(
+                f"{'on' if with_log else 'off':<12} {r['completed']:>6} {r['steady_per_s']:>9.0f} "
+                f"{r['cpu_ms_per_response']:>11.3f} {r['fsyncs_per_s']:>9.1f} {r['wall_s']:>7.1f}",
+                flush=True,
+            )
     print(
         f"AnswerLog.append of a ~4 KB row, 20,000 in a tight loop (its thread writing them): {append_cost_us():.1f} us"
     )

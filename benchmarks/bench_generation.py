@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,15 +176,14 @@ def _usage() -> tuple[float, int]:
     return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
 
 
-def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bool = False) -> dict:
+def bench_prompts(n: int):
+    """`n` single-turn prompts of ~400 characters (the `prompts` table `generate_dataset` takes)."""
     import pyarrow as pa
 
-    from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
     from eagle_pipeline.prompts import canonical_json
 
-    sampling = SamplingSpec(seed=1, max_tokens=4096)
     text = "Explain, with one worked example, how the following idea applies in practice: " + "context " * 40
-    prompts = pa.table(
+    return pa.table(
         {
             "sample_id": [f"B1-{i:08d}" for i in range(n)],
             "dataset": ["B1"] * n,
@@ -191,6 +192,23 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bo
             "tools_json": pa.nulls(n, pa.string()),
         }
     )
+
+
+def steady_of_responses(table, in_flight: int, latency: float) -> dict:
+    """Steady throughput (`_steady`) of a `responses` table, from two latencies after the first request (connection
+    ramp) to the 90th-percentile completion (before the drain)."""
+    starts = [x.timestamp() for x in table.column("started_at").to_pylist()]
+    ends = [x.timestamp() for x in table.column("finished_at").to_pylist()]
+    spans = [(a, b, True) for a, b in zip(starts, ends)]
+    ordered = sorted(ends)
+    return _steady(spans, in_flight, latency, min(starts) + 2 * latency, ordered[int(len(ordered) * 0.9)])
+
+
+def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bool = False) -> dict:
+    from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
+
+    sampling = SamplingSpec(seed=1, max_tokens=4096)
+    prompts = bench_prompts(n)
     backend = BackendSpec(
         name="bench",
         kind="openrouter",
@@ -216,12 +234,7 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bo
         cpu1, rss = _usage()
         t = read_responses(Path(d) / "r")
         chunks = t.column("stream_chunks").to_pylist()
-        starts = [x.timestamp() for x in t.column("started_at").to_pylist()]
-        ends = [x.timestamp() for x in t.column("finished_at").to_pylist()]
-    spans = [(a, b, True) for a, b in zip(starts, ends)]
-    ordered = sorted(ends)
-    # From two latencies after the first request (connection ramp) to the 90th-percentile completion (before the drain).
-    steady = _steady(spans, in_flight, latency, min(starts) + 2 * latency, ordered[int(len(ordered) * 0.9)])
+        steady = steady_of_responses(t, in_flight, latency)
     return {
         "completed": s.completed,
         "failed": s.failed,
@@ -320,9 +333,9 @@ def client_bare(kind: str, url: str, in_flight: int, n: int, latency: float, dur
 # ---- orchestration ---------------------------------------------------------------------------------------
 
 
-def scenario(
-    client: str, in_flight: int, latency: float, n: int, duration: float = 600.0, env: dict | None = None
-) -> dict:
+@contextlib.contextmanager
+def loopback_server(latency: float) -> Iterator[tuple[str, int]]:
+    """The fixed-latency server (`serve`) in its own process: yields its base URL (`.../api/v1`) and its pid."""
     with tempfile.TemporaryDirectory() as d:
         port_file = os.path.join(d, "port")
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(latency), port_file])
@@ -331,30 +344,35 @@ def scenario(
                 if os.path.exists(port_file) and Path(port_file).read_text():
                     break
                 time.sleep(0.05)
-            port = Path(port_file).read_text()
-            base = f"http://127.0.0.1:{port}/api/v1"
-            url = base if client.startswith("pipeline") else base + "/chat/completions"
-            cmd = [
-                sys.executable,
-                __file__,
-                "--client",
-                client,
-                url,
-                str(in_flight),
-                str(n),
-                str(latency),
-                str(duration),
-            ]
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
-            if out.returncode != 0:
-                return {"error": out.stderr[-2000:]}
-            server_cpu = _proc_cpu(server.pid)
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            res["server_cpu_s"] = server_cpu
-            return res
+            yield f"http://127.0.0.1:{Path(port_file).read_text()}/api/v1", server.pid
         finally:
             server.kill()
             server.wait()
+
+
+def scenario(
+    client: str, in_flight: int, latency: float, n: int, duration: float = 600.0, env: dict | None = None
+) -> dict:
+    with loopback_server(latency) as (base, server_pid):
+        url = base if client.startswith("pipeline") else base + "/chat/completions"
+        cmd = [
+            sys.executable,
+            __file__,
+            "--client",
+            client,
+            url,
+            str(in_flight),
+            str(n),
+            str(latency),
+            str(duration),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+        if out.returncode != 0:
+            return {"error": out.stderr[-2000:]}
+        server_cpu = _proc_cpu(server_pid)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res["server_cpu_s"] = server_cpu
+        return res
 
 
 def _proc_cpu(pid: int) -> float | None:

@@ -139,7 +139,13 @@ class ChatStreamAssembler:
             raw, hold = raw[:-1], b"\r"
         if b"\r" in raw:
             raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events = raw.split(b"\n\n")
+        # Every event one line (what OpenRouter and vLLM send): the lines alternate event and blank, an odd number of
+        # them, and the events are every other line, as splitting at blank lines gives them. Splitting at a byte is
+        # ~2x faster than at two, and the check is one join.
+        lines = raw.split(b"\n")
+        one_line = len(lines) % 2 == 1 and not b"".join(lines[1::2])
+        events = lines[::2] if one_line else raw.split(b"\n\n")
+        del lines
         tail = events.pop()  # after the last blank line: `[DONE]` without its blank line, or a chunk cut short
         if not final:
             rest = tail + hold
@@ -148,8 +154,8 @@ class ChatStreamAssembler:
         if self.done:  # nothing may follow [DONE]; ignore rather than fail a complete answer (keep-alives counted)
             self.keepalives += sum(line[:1] == b":" for ev in events + [tail] for line in ev.split(b"\n"))
             return
-        if b"\n" not in b"".join(events) and b"\n" not in tail:  # memchr: ~5x faster than counting newlines
-            # Every event is one line (what OpenRouter and vLLM send): framed without a Python step per event.
+        if one_line or (b"\n" not in b"".join(events) and b"\n" not in tail):
+            # Every event is one line: framed without a Python step per event.
             self.keepalives += [ev[:1] for ev in events].count(b":") + (tail[:1] == b":")  # one line each
             payloads = [ev[5:] for ev in events if ev[:5] == b"data:"]
             if tail[:5] == b"data:":

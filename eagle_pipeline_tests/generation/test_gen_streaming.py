@@ -426,6 +426,29 @@ def test_assembler_envelope_cut_changes_nothing_apply_reads():
     assert cuts == [True, False, True, False, True]  # the cases above did take the cut where they could
 
 
+def test_assembler_blank_line_runs_frame_alike():
+    """Events framed on lines (every event one line, one blank line after each) and on blank lines (any other
+    layout: extra blank lines, a line with only a newline, a leading blank line) give the same chunks and body."""
+    env = {"id": "g1", "model": "m", "object": "chat.completion.chunk"}
+    events = [
+        b": OPENROUTER PROCESSING",
+        _compact({**env, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        *(_compact({**env, "choices": [{"index": 0, "delta": {"content": f"w{i} "}}]}) for i in range(6)),
+        _compact({**env, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        b"data: [DONE]",
+    ]
+    outcomes = []
+    for sep, lead in ((b"\n\n", b""), (b"\n\n\n\n", b""), (b"\n\n", b"\n\n"), (b"\n\n\n", b""), (b"\n\n", b"\n")):
+        raw = lead + sep.join(events) + sep
+        whole = _outcome(raw, [raw])
+        assert _outcome(raw, [raw[i : i + 7] for i in range(0, len(raw), 7)]) == whole
+        outcomes.append(whole)
+    body, chunks, keepalives = outcomes[0]
+    assert isinstance(body, dict) and body["choices"][0]["message"]["content"] == "w0 w1 w2 w3 w4 w5 "
+    assert (chunks, keepalives) == (8, 1)
+    assert all(o == outcomes[0] for o in outcomes)
+
+
 def test_stream_setting_per_kind():
     base = dict(name="b", endpoint="http://127.0.0.1:1", model="m")
     assert BackendSpec(kind="openrouter", **base).effective_stream is True
