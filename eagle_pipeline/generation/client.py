@@ -80,7 +80,8 @@ class HttpClient:
                 retry_after = resp.headers.get("Retry-After")
                 retry_s = F.parse_retry_after(retry_after) if retry_after else None
                 if events is not None and 200 <= resp.status < 300 and resp.content_type == "text/event-stream":
-                    async for data in resp.content.iter_any():
+                    read = resp.content.readany  # what iter_any() awaits, without its iterator per read
+                    while data := await read():
                         events.feed(data)
                     return resp.status, None, retry_s
                 raw = await resp.read()
