@@ -441,7 +441,8 @@ def test_assembler_blank_line_runs_frame_alike():
     for sep, lead in ((b"\n\n", b""), (b"\n\n\n\n", b""), (b"\n\n", b"\n\n"), (b"\n\n\n", b""), (b"\n\n", b"\n")):
         raw = lead + sep.join(events) + sep
         whole = _outcome(raw, [raw])
-        assert _outcome(raw, [raw[i : i + 7] for i in range(0, len(raw), 7)]) == whole
+        pieces = [raw[i : i + 7] for i in range(0, len(raw), 7)]
+        assert _outcome(raw, pieces) == whole == _outcome(raw, pieces, batch_bytes=64)  # framed per batch too
         outcomes.append(whole)
     body, chunks, keepalives = outcomes[0]
     assert isinstance(body, dict) and body["choices"][0]["message"]["content"] == "w0 w1 w2 w3 w4 w5 "
