@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -141,7 +144,67 @@ def processed_by(arrivals: list[tuple[str, float]], t: float, workers: int) -> i
     return max(0, sum(1 for _, at in arrivals if at <= t) - workers)
 
 
-def drained(srv: LoopbackServer) -> None:
+class ServerProcess:
+    """A simulated OpenRouter server in a child process of its own (`server_child`), with the request-log reads the
+    kill tests need. Its stamps of when an answer's last byte was written come from a clock and an event loop that
+    neither the test nor the client (another process) can delay; the reads fetch only what is new since the last."""
+
+    def __init__(self, **server_kwargs: Any) -> None:
+        self._kwargs = server_kwargs
+        self._proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self._answered: list[tuple[str, int, float]] = []
+        self._read_by: list[tuple[str, int, float]] = []
+        self._arrivals: list[tuple[str, float]] = []
+
+    def __enter__(self) -> Self:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "eagle_pipeline_tests.generation.server_child", json.dumps(self._kwargs)],
+            cwd=Path(__file__).resolve().parents[2],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        self.url = self._proc.stdout.readline().strip()
+        assert self.url.startswith("http://127.0.0.1:"), f"the server process did not start: {self.url!r}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(30)
+
+    def _call(self, call: str, **kw: Any) -> Any:
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps({"call": call, **kw}) + "\n")
+        self._proc.stdin.flush()
+        return json.loads(self._proc.stdout.readline())
+
+    def answered(self) -> list[tuple[str, int, float]]:
+        """(request key, attempt, server wall clock when the answer's last byte was written), in that order."""
+        self._answered += [(k, a, t) for k, a, t in self._call("answered", since=len(self._answered))]
+        return list(self._answered)
+
+    def read_by(self) -> list[tuple[str, int, float]]:
+        """(request key, attempt, server wall clock when the client had certainly read the whole answer), in the
+        order of those proofs (`LoopbackServer.read_by`)."""
+        self._read_by += [(k, a, t) for k, a, t in self._call("read_by", since=len(self._read_by))]
+        return list(self._read_by)
+
+    def arrivals(self) -> list[tuple[str, float]]:
+        """(request key, server wall clock) of every request as it arrived, in order."""
+        self._arrivals += [(k, t) for k, t in self._call("arrivals", since=len(self._arrivals))]
+        return list(self._arrivals)
+
+    def open_connections(self) -> int:
+        return int(self._call("open_connections"))
+
+    def request_counts(self) -> dict[str, int]:
+        return dict(self._call("request_counts"))
+
+
+def drained(srv: LoopbackServer | ServerProcess) -> None:
     """Wait until the server has dealt with every request a killed client sent (a starved server reads them late)."""
     deadline = time.monotonic() + 60
     while srv.open_connections() and time.monotonic() < deadline:

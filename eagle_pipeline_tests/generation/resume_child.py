@@ -3,7 +3,7 @@
 python -m eagle_pipeline_tests.generation.resume_child PROMPTS_PARQUET URL ROOT [OPTIONS_JSON]
 
 OPTIONS_JSON (optional): {"backend": {BackendSpec overrides}, "commit_every_rows": N, "commit_every_s": T,
-"dataset": NAME, "regenerate": MODE}.
+"dataset": NAME, "regenerate": MODE, "answer_log_s": S (null: no answer log)}.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle_pipeline.generation import BackendSpec, generate_dataset
+from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 
 from .generation_helpers import SAMPLING
 
@@ -48,6 +49,7 @@ def main() -> None:
         commit_every_s=options.get("commit_every_s", 0.05),
         progress_every_s=3600,
         regenerate=options.get("regenerate", "last_turn"),
+        answer_log_s=options.get("answer_log_s", DEFAULT_FLUSH_S),
     )
     print(json.dumps(s.to_dict()))
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +19,17 @@ import pytest
 from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServer, read_responses, request_key
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
 
-from .generation_helpers import SAMPLING, committed_ids, drained, durable_ids, make_prompts, out_dirs, processed_by
+from .generation_helpers import (
+    SAMPLING,
+    ServerProcess,
+    committed_ids,
+    drained,
+    durable_ids,
+    make_prompts,
+    out_dirs,
+    run,
+    sim_backend,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,14 +137,89 @@ def _torn_copy(out: Path, sample_id: str) -> int:
     return cut
 
 
-@pytest.mark.slow
-def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_second(tmp_path):
-    """Kill -9 at random points of a 2,000-in-flight run whose commit window (500 rows) most kills fall inside, with a
-    frame cut mid-write in the log after one kill, then finish. From the server's own request log: every answer the
-    client had read more than 0.1 s before a kill is durable, and no run requests anything durable when it starts
-    (so none of those answers is bought again); no row is torn or duplicated; every prompt is answered once."""
-    rng = random.Random(15_0005)
-    n, in_flight, latency, grace_s = 5000, 2000, 3.0, 0.1
+# The answer log's promise: an answer the client has read is durable (written to the log) within ~0.1 s.
+GRACE_S = 0.1
+# When the client read an answer is proven by the server (`LoopbackServer.read_by`): the next request on the
+# connection that carried it. The client appends the row to the log before it yields to its event loop, but the
+# connection is back in the pool a moment earlier, so another task may send that next request first: one pass of a
+# busy event loop (tens of milliseconds on a loaded 2-core machine). An answer read more than GRACE_S + READ_SLACK_S
+# before a kill must be durable after it.
+READ_SLACK_S = 0.05
+COMMIT_ROWS = 1000  # the commit window of the 2,000-in-flight runs (commit_every_s is out of reach)
+IN_FLIGHT = 2000
+
+
+def test_the_server_proves_a_read_by_the_next_request_on_the_same_connection(tmp_path):
+    """The kill test's clock of the client's reads: an answer counts as read when its connection carries the next
+    request, never earlier than its last byte was written; the last answer on each connection is not proven."""
+    n = 12
+    with ServerProcess(latency_s=0.01) as srv:
+        summary = run(make_prompts(n), sim_backend(srv.url, concurrency=2), tmp_path)
+        answered = {(k, a): t for k, a, t in srv.answered()}
+        read_by = srv.read_by()
+    assert summary.completed == n and len(answered) == n
+    assert n - 2 <= len(read_by) < n  # at most 2 connections, each with an unproven last answer
+    for k, a, t in read_by:
+        assert t >= answered[(k, a)]
+
+
+@dataclass
+class _Kill:
+    """One kill -9 of a 2,000-in-flight run, seen from the server's records and the files left."""
+
+    old: set[str]  # request keys of the answers the client had read more than GRACE_S + READ_SLACK_S before the kill
+    in_no_shard: int  # how many of them no committed shard held after the kill (only the log could keep them)
+    lost_age_s: float  # how long before the kill the client had read the oldest answer that is not durable (0: none)
+    rebought: set[str] = field(default_factory=set)  # the old answers the next run requested again
+
+
+def _reads(srv: ServerProcess, read_start: int, answered: set[tuple[str, int]]) -> list[tuple[str, float]]:
+    """(key, when the client had read it) of this run's answers proven read so far (`answered`: this run's)."""
+    return [(k, t) for k, a, t in srv.read_by()[read_start:] if (k, a) in answered]
+
+
+def _kill_inside_a_commit_window(
+    proc: subprocess.Popen, srv: ServerProcess, answered_start: int, read_start: int, rng: random.Random
+) -> float:
+    """Kill -9 the run once r of its answers (random, 100..400) were read by the client more than GRACE_S +
+    READ_SLACK_S ago while the server had written fewer than COMMIT_ROWS - 50 in all: the client holds too few rows for
+    its first commit, so only the answer log can keep those old answers. Returns the kill's time."""
+    r = rng.randint(100, 400)
+    while True:
+        assert proc.poll() is None, f"the run ended before its kill: {proc.communicate()}"
+        t_kill = time.time()
+        written = {(k, a) for k, a, _ in srv.answered()[answered_start:]}
+        old = sum(1 for _, t in _reads(srv, read_start, written) if t <= t_kill - GRACE_S - READ_SLACK_S)
+        assert len(written) < COMMIT_ROWS - 50, (
+            f"the client lagged too far behind the server to kill it inside its first commit window: "
+            f"{len(written)} answers written, {old} of them read more than {GRACE_S + READ_SLACK_S} s ago"
+        )
+        if old >= r:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+            return t_kill
+        time.sleep(0.01)
+
+
+@dataclass
+class _Runs:
+    kills: list[_Kill]
+    summary: dict | None  # the last run's, if it finished
+    out: Path
+    key_of: dict[str, str]  # sample id -> request key
+    torn_sid: str | None  # the sample id of the frame cut mid-write added to the log after the first kill
+
+
+def _kill_runs_at_2000_in_flight(
+    tmp_path: Path, *, answer_log_s: float | None, kills: int, finish: bool, seed: int
+) -> _Runs:
+    """Kill -9 `kills` successive runs of 5,000 prompts at 2,000 in flight (server latency 2-6 s, in a process of its
+    own), each inside a commit window, then one more run: to the end with `finish`, else killed once it has sent its
+    first wave (which holds every prompt the killed run was answered but did not keep). With the answer log on, a
+    frame cut mid-write is added to the log after the first kill. Checks on every run that it requests nothing that
+    was durable at its start, and nothing twice."""
+    rng = random.Random(seed)
+    n = 5000
     prompts = make_prompts(n)
     prompts_path = tmp_path / "prompts.parquet"
     pq.write_table(prompts, prompts_path)
@@ -141,70 +227,92 @@ def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_secon
     key_of = {s: request_key(mj, SAMPLING.seed) for s, mj in zip(sids, prompts.column("messages_json").to_pylist())}
     out, _ = out_dirs(tmp_path)
     options = {
-        "backend": {"concurrency": in_flight, "stream": False, "timeout_s": 60.0},
-        "commit_every_rows": 500,
-        "commit_every_s": 10.0,
+        "backend": {"concurrency": IN_FLIGHT, "stream": False, "timeout_s": 60.0},
+        "commit_every_rows": COMMIT_ROWS,
+        "commit_every_s": 600.0,
+        "answer_log_s": answer_log_s,
     }
-    durable: set[str] = set()  # request keys of the rows in shards or in the log after the latest kill
-    log_start = 0
-    in_log_only = 0
-    with SimulatedOpenRouterServer(latency_s=latency) as srv:
-        for attempt in range(4):
-            workers = min(in_flight, n - len(durable))
+    runs = _Runs([], None, out, key_of, None)
+    with ServerProcess(latency_s=2.0, latency_spread_s=4.0) as srv:
+        for attempt in range(kills + 1):
+            durable = {key_of[s] for s in durable_ids(out)}
+            answered_start, read_start, arrivals_start = len(srv.answered()), len(srv.read_by()), len(srv.arrivals())
             proc = _child(prompts_path, srv.url, tmp_path, options)
-            if attempt == 3:  # the last run finishes the job
-                stdout, stderr = proc.communicate(timeout=180)
+            if attempt < kills:
+                t_kill = _kill_inside_a_commit_window(proc, srv, answered_start, read_start, rng)
+            elif finish:
+                stdout, stderr = proc.communicate(timeout=240)
                 assert proc.returncode == 0, stderr[-3000:]
-                summary = json.loads(stdout.strip().splitlines()[-1])
+                runs.summary = json.loads(stdout.strip().splitlines()[-1])
             else:
-                answered_start = len(srv.answered_at())
-                # Late enough that the client has sent second requests (they prove answers read), inside a commit
-                # window most of the time.
-                wait_for = rng.randint(600, 1400)
-                deadline = time.monotonic() + 90
-                while len(srv.answered_at()) - answered_start < wait_for and time.monotonic() < deadline:
+                first_wave = min(IN_FLIGHT, n - len(durable))
+                deadline = time.monotonic() + 60
+                while len(srv.arrivals()) - arrivals_start < first_wave and time.monotonic() < deadline:
                     assert proc.poll() is None, proc.communicate()
                     time.sleep(0.02)
-                time.sleep(rng.uniform(0.0, 0.4))
-                t_kill = time.time()
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.communicate(timeout=30)
-                drained(srv)
-            arrivals = srv.arrivals()[log_start:]
-            log_start += len(arrivals)
-            # This run requested nothing that was durable when it started, and nothing twice.
-            requested = [key for key, _ in arrivals]
+            drained(srv)
+            requested = [key for key, _ in srv.arrivals()[arrivals_start:]]
             assert not (set(requested) & durable), f"run {attempt} re-bought answers committed or logged before it"
-            assert len(requested) == len(set(requested))
-            if attempt == 3:
+            assert len(requested) == len(set(requested)), f"run {attempt} requested a prompt twice"
+            if runs.kills:
+                runs.kills[-1].rebought = set(requested) & runs.kills[-1].old
+            if attempt == kills:
                 break
             ids, _ = committed_ids(out)
             assert len(ids) == len(set(ids)), "a sample was committed twice"
-            before, durable = durable, {key_of[s] for s in durable_ids(out)}
-            assert before <= durable and len(durable) < n
-            # Every answer read more than 0.1 s before the kill is durable (in a shard or the log).
-            read_early = processed_by(arrivals, t_kill - grace_s, workers)
-            sent_early = {k for (k, _), t in srv.answered_at().items() if t < t_kill - grace_s}
-            assert len(durable - before) >= read_early, (
-                f"kill {attempt}: {read_early} answers read by the client {grace_s} s before the kill, only "
-                f"{len(durable - before)} durable ({len(sent_early - durable)} sent by the server more than "
-                f"{grace_s} s before the kill are not)"
-            )
-            in_log_only += len(durable - {key_of[s] for s in ids})
-            if attempt == 1:  # as if the kill had cut the log in the middle of a frame, for a prompt not answered yet
-                torn_sid = next(s for s in sids if key_of[s] not in srv.request_counts())
-                _torn_copy(out, torn_sid)
-                assert {key_of[s] for s in durable_ids(out)} == durable  # the torn frame is no row
-    counts = srv.request_counts()
-    assert in_log_only > 0  # the kills fell inside commit windows: without the log these answers were lost
-    assert summary["failed"] == 0 and summary["already_done"] + summary["completed"] == n
+            now_durable = {key_of[s] for s in durable_ids(out)}
+            assert durable <= now_durable and len(now_durable) < n
+            reads = _reads(srv, read_start, {(k, a) for k, a, _ in srv.answered()[answered_start:]})
+            old = {k for k, t in reads if t <= t_kill - GRACE_S - READ_SLACK_S}
+            lost = [t_kill - t for k, t in reads if k not in now_durable]
+            runs.kills.append(_Kill(old, len(old - {key_of[s] for s in ids}), max(lost, default=0.0)))
+            if attempt == 0 and answer_log_s is not None:
+                # As if the kill had cut the log in the middle of a frame, for a prompt not requested yet.
+                requested_ever = srv.request_counts()
+                runs.torn_sid = next(s for s in sids if key_of[s] not in requested_ever)
+                _torn_copy(out, runs.torn_sid)
+                assert {key_of[s] for s in durable_ids(out)} == now_durable  # the torn frame is no row
+    return runs
+
+
+@pytest.mark.slow
+def test_kill_9_at_2000_in_flight_rebuys_no_answer_older_than_a_tenth_of_a_second(tmp_path):
+    """Kill -9 three 2,000-in-flight runs at random points inside their 1,000-row commit window (a frame cut mid-write
+    is added to the log after the first kill), then finish. From the server's own records (a process of its own): at
+    every kill the client had read at least 100 answers more than 0.1 s (+ READ_SLACK_S) before it, at least 100 of
+    them in no shard; every one of them is durable and none is requested again; no row is torn or duplicated; every
+    prompt is answered exactly once."""
+    runs = _kill_runs_at_2000_in_flight(tmp_path, answer_log_s=0.05, kills=3, finish=True, seed=15_0005)
+    for i, k in enumerate(runs.kills):
+        assert len(k.old) >= 100 and k.in_no_shard >= 100, (
+            f"kill {i}: {len(k.old)} old answers, {k.in_no_shard} in no shard"
+        )
+        assert k.lost_age_s <= GRACE_S + READ_SLACK_S, (
+            f"kill {i}: an answer the client read {k.lost_age_s:.3f} s before the kill is not durable"
+        )
+        assert not k.rebought, f"kill {i}: {len(k.rebought)} answers read before the bound were bought again"
+    summary, out = runs.summary, runs.out
+    assert summary is not None and summary["failed"] == 0
+    assert summary["already_done"] + summary["completed"] == len(runs.key_of)
     assert summary["recovered_from_log"] > 0
     ids, _ = committed_ids(out)
-    assert sorted(ids) == sorted(sids)  # every prompt exactly once
+    assert sorted(ids) == sorted(runs.key_of)  # every prompt exactly once
     assert segment_files(out) == [] and not list(out.glob(".*.tmp"))
     rows = read_responses(out).to_pylist()
     for r in rows:  # no torn row: each is the whole answer, its text equal to the body it came with
         message = json.loads(r["raw_response_json"])["choices"][0]["message"]
         assert (r["content"], r["reasoning"]) == (message["content"], message["reasoning"]), r["sample_id"]
-    assert counts[key_of[torn_sid]] >= 1 and torn_sid in ids
-    assert set(counts) == set(key_of.values())
+    assert runs.torn_sid in ids
+
+
+@pytest.mark.slow
+def test_without_the_answer_log_the_same_kill_rebuys_old_answers(tmp_path):
+    """The negative control of the test above: the same kill with the answer log off loses every answer of the commit
+    window, so the next run requests again at least 100 answers the client had read more than 0.1 s (+ READ_SLACK_S)
+    before the kill: the bound that test checks can fail."""
+    runs = _kill_runs_at_2000_in_flight(tmp_path, answer_log_s=None, kills=1, finish=False, seed=15_0006)
+    (k,) = runs.kills
+    assert k.in_no_shard >= 100 and len(k.rebought) >= 100, (len(k.old), k.in_no_shard, len(k.rebought))
+    assert k.lost_age_s > GRACE_S + READ_SLACK_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import random
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ class SimulatedOpenRouterServer(LoopbackServer):
 
     A request with `stream: true` is answered with server-sent events paced by `stream` (a `StreamStyle` or its
     keyword arguments: the silent thinking phase with keep-alives, delta size, delay between chunks); the stream
-    faults (`streaming.STREAM_FAULTS`) apply to streamed requests only.
+    faults (`streaming.STREAM_FAULTS`) apply to streamed requests only. Each request waits `latency_s` plus a share
+    of `latency_spread_s` fixed by its request key and attempt (answers of varied length), before it is answered.
     """
 
     base_path = "/api/v1"
@@ -45,6 +47,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         self,
         *,
         latency_s: float = 0.0,
+        latency_spread_s: float = 0.0,
         faults: dict[str, Any] | None = None,
         count_completion_tokens: CountCompletion | None = None,
         count_prompt_tokens: CountPrompt | None = None,
@@ -59,6 +62,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         port: int = 0,
     ) -> None:
         super().__init__(latency_s=latency_s, faults=faults, port=port)
+        self.latency_spread_s = float(latency_spread_s)
         self.served_model = model  # reported as `model` in responses; None echoes the requested model
         self.count_completion = count_completion_tokens or crude_completion_tokens
         self.count_prompt = count_prompt_tokens or crude_prompt_tokens
@@ -89,8 +93,11 @@ class SimulatedOpenRouterServer(LoopbackServer):
         streaming = body.get("stream") is True
         if fault in STREAM_FAULTS and not streaming:
             fault = None
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+        latency = self.latency_s
+        if self.latency_spread_s:
+            latency += self.latency_spread_s * random.Random(f"{key}:{attempt}").random()
+        if latency:
+            await asyncio.sleep(latency)
         ok = lambda: self._answer_bytes(body, attempt, n_seen)  # noqa: E731
         if fault is not None and fault not in STREAM_FAULTS:
             resp = await fault_response(self.plan, request, fault, ok, echo)

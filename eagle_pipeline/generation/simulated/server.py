@@ -27,6 +27,11 @@ class RequestRecord:
     status: int
 
 
+def _connection(request: web.Request) -> tuple[int, Any]:
+    """One client connection, for as long as it is open (its handler object and the client's address and port)."""
+    return id(request.protocol), request.transport.get_extra_info("peername") if request.transport else None
+
+
 class LoopbackServer(LoopbackHttpServer):
     """A chat double: its POST `routes` (under `base_path`) go to `handle`, with a request log for tests."""
 
@@ -40,6 +45,8 @@ class LoopbackServer(LoopbackHttpServer):
         self._log: list[RequestRecord] = []
         self._arrivals: list[tuple[str, float]] = []
         self._answered: dict[tuple[str, int], float] = {}
+        self._last_answer: dict[tuple[int, Any], tuple[str, int]] = {}  # connection -> its latest answer, unproven
+        self._read_by: dict[tuple[str, int], float] = {}
         self._bodies: dict[str, dict[str, Any]] = {}
         self._headers: deque[dict[str, str]] = deque(maxlen=1000)  # the latest requests' headers, bounded
 
@@ -67,6 +74,7 @@ class LoopbackServer(LoopbackHttpServer):
         await resp.write_eof()
         with self._lock:
             self._answered[(key, attempt)] = time.time()
+            self._last_answer[_connection(request)] = (key, attempt)
         return resp
 
     def arrivals(self) -> list[tuple[str, float]]:
@@ -80,6 +88,14 @@ class LoopbackServer(LoopbackHttpServer):
         socket: every successful answer, streamed or not; never a fault or a cut stream."""
         with self._lock:
             return dict(self._answered)
+
+    def read_by(self) -> dict[tuple[str, int], float]:
+        """(request key, attempt) -> server wall clock when the client had certainly read that whole answer: the
+        arrival of the next request on the connection that carried it (an HTTP/1.1 client sends one only after reading
+        the previous response). In the order of those arrivals; an answer whose connection carried no other request is
+        not here."""
+        with self._lock:
+            return dict(self._read_by)
 
     def request_log(self) -> list[RequestRecord]:
         with self._lock:
@@ -97,6 +113,10 @@ class LoopbackServer(LoopbackHttpServer):
 
     async def _entry(self, request: web.Request) -> web.StreamResponse:
         at = time.time()
+        with self._lock:
+            previous = self._last_answer.pop(_connection(request), None)
+            if previous is not None:
+                self._read_by[previous] = at
         raw = await request.read()
         try:
             body = json.loads(raw)
