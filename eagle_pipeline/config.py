@@ -29,6 +29,7 @@ from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
+from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import (
     DEFAULT_MAX_TOKENS,
     BackendKind,
@@ -161,13 +162,15 @@ class DatasetConfig(SpecBase):
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
 class GenerationSettings(SpecBase):
-    """Run-wide generation settings: commit cadence, progress, the budget of all datasets together."""
+    """Run-wide generation settings: commit cadence, answer-log interval, progress, the budget of all datasets."""
 
     label = "generation"
 
     budget_usd: Annotated[Float, Field(ge=0)] | None = None
     commit_every_rows: Annotated[Int, Field(ge=1)] = 500
     commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
+    # Durability only (what a kill -9 can lose), never the rows: not part of any sample id or fingerprint.
+    answer_log_s: Annotated[Float, Field(gt=0)] = DEFAULT_FLUSH_S
     progress_every_s: Annotated[Float, Field(ge=0)] = 30.0
 
 

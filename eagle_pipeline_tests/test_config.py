@@ -20,8 +20,9 @@ from eagle_pipeline.config import (
     VLLMEngineConfig,
     load_config,
 )
+from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
-from eagle_pipeline.prompts import load_prompt_file, prompts_table
+from eagle_pipeline.prompts import dataset_prompts_table, load_prompt_file, prompts_table
 
 
 def test_default_config_loads_with_eight_datasets():
@@ -169,6 +170,29 @@ def test_yaml_and_python_api_share_defaults_sample_ids_and_settings(tmp_path):
     assert prompts_table("B1", load_prompt_file(prompts, limit=5), other.to_dict())["sample_id"].to_pylist() != (
         via_api["sample_id"].to_pylist()
     )
+
+
+def test_answer_log_interval_is_checked_and_no_part_of_any_sample_id(tmp_path):
+    """generation.answer_log_s: > 0 (the file and the line named), 0.05 by default; it changes durability only, so
+    neither the sample ids nor the prompts tables (what decides which responses are current) depend on it."""
+    assert load_config(DEFAULT_CONFIG).generation.answer_log_s == DEFAULT_FLUSH_S == 0.05
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    p = tmp_path / "pipeline.yaml"
+    for bad, problem in ((0, "must be > 0.0"), (-1, "must be > 0.0"), ("fast", "expected int/float, got str 'fast'")):
+        raw["generation"]["answer_log_s"] = bad
+        p.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ConfigError) as exc:
+            load_config(p)
+        assert exc.value.problems == [f"generation.answer_log_s: {problem} (line {_line_of(p, 'answer_log_s:')})"]
+        assert str(exc.value).startswith(f"{p}: 1 problem(s)")
+    raw["generation"]["answer_log_s"] = 0.4
+    p.write_text(yaml.safe_dump(raw))
+    cfg, base = load_config(p), load_config(DEFAULT_CONFIG)
+    assert cfg.generation == dataclasses.replace(base.generation, answer_log_s=0.4)
+    for name in cfg.dataset_names:
+        assert dataset_prompts_table(cfg.datasets[name]).equals(dataset_prompts_table(base.datasets[name])), name
 
 
 def test_a_bad_gate_action_is_reported_once_at_its_path(tmp_path):

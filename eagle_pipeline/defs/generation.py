@@ -136,6 +136,7 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
             progress=lambda event: _report(context, event),
             progress_every_s=cfg.generation.progress_every_s,
             regenerate=ds.regenerate,
+            answer_log_s=cfg.generation.answer_log_s,
         )
     # Only the rows answering the current prompts describe this materialization; the others are counted.
     table, cov = current_responses(
@@ -184,6 +185,7 @@ def generation_metadata(
         "requested_this_run": summary.requested,
         "already_done": summary.already_done,
         "recovered_from_log": summary.recovered_from_log,  # a killed run's answers, committed from its answer log
+        "answer_log_s": summary.answer_log_s,  # the answer log's write interval (generation.answer_log_s); None: none
         "completed_this_run": summary.completed,
         "failed_this_run": summary.failed,
         "errors_by_class_this_run": dg.MetadataValue.json(dict(sorted(summary.errors_by_class.items()))),

@@ -238,6 +238,7 @@ async def agenerate_dataset(
         summary.elapsed_s = time.monotonic() - t_start
         summary.shards_written = sink.shards_written
         summary.recovered_from_log = recovered.responses
+        summary.answer_log_s = sink.log.flush_interval_s if sink.log is not None else None
         log.info("[%s] %s: %s", dataset, label, json.dumps(summary.to_dict()))
         return summary
 

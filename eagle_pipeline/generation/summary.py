@@ -105,6 +105,7 @@ class GenerationSummary:
     skipped_duplicates: int = 0  # prompts sharing a sample_id (requested once), or duplicate import records
     shards_written: int = 0
     recovered_from_log: int = 0  # answers of an interrupted run found in its answer log (counted in already_done)
+    answer_log_s: float | None = None  # the answer log's write interval in this run; None: no log (an import)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -101,6 +101,41 @@ def test_a_lower_limit_and_another_seed_never_bring_old_responses_into_token_sam
     assert read_responses(root.responses_dir("B1")).num_rows == 8
 
 
+def _responses_meta(instance):
+    rec = instance.fetch_materializations(dg.AssetKey("responses"), limit=1).records[0]
+    return {k: v.value for k, v in rec.asset_materialization.metadata.items()}
+
+
+def _data_version(instance, key: str) -> str:
+    rec = instance.get_latest_data_version_record(dg.AssetKey(key), partition_key="B1")
+    return rec.asset_materialization.tags["dagster/data_version"]
+
+
+def test_the_configured_answer_log_interval_reaches_the_runner_and_invalidates_nothing(pipeline_config, instance):
+    """generation.answer_log_s is the interval of the run's answer log; changing it changes what a kill can lose, not
+    the rows: the next run requests nothing, the prompts stay the same version and the token samples the same rows
+    (each token_samples file carries its run id, so its own version is new on every run)."""
+    path = pipeline_config(datasets=("B1",), limit=4)
+    raw = yaml.safe_load(path.read_text())
+    raw["generation"]["answer_log_s"] = 0.02
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    defs = build_defs()
+    assert _run(defs, instance).success
+    meta = _responses_meta(instance)
+    assert meta["answer_log_s"] == 0.02 and meta["completed_this_run"] == 4
+    prompts_version = _data_version(instance, "prompts")
+    tokens = pq.read_table(DataRoot(load_config(path).data_root).tokens("B1"))
+
+    raw["generation"]["answer_log_s"] = 0.5
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert _run(defs, instance).success
+    meta = _responses_meta(instance)
+    assert meta["answer_log_s"] == 0.5
+    assert (meta["requested_this_run"], meta["already_done"], meta["current_prompts_answered"]) == (0, 4, 4)
+    assert pq.read_table(DataRoot(load_config(path).data_root).tokens("B1")).equals(tokens)  # schema metadata aside
+    assert _data_version(instance, "prompts") == prompts_version
+
+
 def test_an_overbilling_providers_rows_under_an_old_seed_never_reach_the_audit(pipeline_config, instance, tmp_path):
     path = pipeline_config(datasets=("B1",), limit=4)
     _edit(path, backend="overbiller")
