@@ -1,0 +1,296 @@
+"""The sections of the pipeline configuration, one typed settings class each (the tables of docs/configuration.md).
+
+`eagle_pipeline.config` assembles them into `PipelineConfig` and loads the file; import them from there. Each is a
+`spec_model.SpecBase`: its fields' types and bounds are the checks, and `rule_problems` the rules across fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, PlainValidator, ValidationInfo
+from pydantic import field_validator as _field_validator
+from pydantic.dataclasses import dataclass
+
+from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
+from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
+from eagle_pipeline.merge.core import MergeSettings
+from eagle_pipeline.prompt_formats import PromptFormat
+from eagle_pipeline.spec_model import (
+    NULL_IS_DEFAULT,
+    SPEC_CONFIG,
+    Bool,
+    Float,
+    Int,
+    Problem,
+    RuleProblems,
+    SpecBase,
+    Str,
+    resolve_path,
+)
+from eagle_pipeline.tokens.profiles import PROFILES
+
+_MERGE_DEFAULTS = MergeSettings()
+
+
+def field_value(obj: Any, key: str) -> Any:
+    """A field of a validated settings object or a key of the raw mapping it was validated from."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+def _resolved(value: Any, info: ValidationInfo) -> Any:
+    return resolve_path(value, info) if isinstance(value, (str, os.PathLike)) else value
+
+
+ResolvedPath = Annotated[Path, BeforeValidator(_resolved)]
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class TargetConfig(SpecBase):
+    """The target model: its tokenizer, its response layout (profile) and its shape for the extraction plan."""
+
+    label = "target"
+
+    tokenizer: Str
+    profile: Str = "kimi-k2.5"
+    model_config: Str | None = None  # config.json of the target, for the extraction plan; None: built-in Kimi-K2.5
+
+    @_field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str, info: ValidationInfo) -> str:
+        if value == "demo" or value.startswith("env:"):
+            if value == "env:":
+                raise ValueError("'env:' needs a variable name, e.g. env:EAGLE_KIMI_TOKENIZER_DIR")
+            return value
+        path = resolve_path(value, info)
+        if path.exists():
+            return str(path)
+        if Path(os.path.expanduser(value)).is_absolute():
+            raise ValueError(f"directory not found: {path}")
+        return value  # a hub id
+
+    @_field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        if value not in PROFILES:
+            raise ValueError(f"unknown model profile {value!r}; known: {sorted(PROFILES)}")
+        return value
+
+    @_field_validator("model_config")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else str(resolve_path(value, info))
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class DatasetConfig(SpecBase):
+    """One prompt dataset (one Dagster partition) and how its responses are sampled."""
+
+    label = "dataset"
+
+    name: Str
+    prompts: ResolvedPath
+    domain: Str
+    backend: Str
+    prompts_format: PromptFormat = Field("auto", alias="format")  # how `prompts` is laid out (prompt_formats)
+    tools: Bool = False
+    limit: Annotated[Int, Field(ge=1)] | None = None  # None: every prompt
+    max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS
+    sampling_options: SamplingOptions = Field(default_factory=SamplingOptions, alias="sampling")
+    budget_usd: Annotated[Float, Field(ge=0)] | None = None
+    # last_turn: one new answer after the prompt's history; all_turns: every assistant turn regenerated on-policy
+    regenerate: Literal["last_turn", "all_turns"] = "last_turn"
+
+    @_field_validator("name")
+    @classmethod
+    def _name_chars(cls, value: str) -> str:
+        if not value.replace("_", "").replace("-", "").isalnum():
+            raise ValueError("use letters, digits, '-' and '_' only (it becomes a partition key and a file name)")
+        return value
+
+    @_field_validator("prompts")
+    @classmethod
+    def _prompts_exist(cls, value: Path) -> Path:
+        if not value.exists():  # a file, or a folder (Parquet files, a save_to_disk dataset)
+            raise ValueError(f"file not found: {value}")
+        return value
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        """The sampling sent with every request and hashed into the sample ids."""
+        return SamplingSpec(**dataclasses.asdict(self.sampling_options), max_tokens=self.max_tokens)
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class GenerationSettings(SpecBase):
+    """Run-wide generation settings: commit cadence, answer-log interval, progress, the budget of all datasets."""
+
+    label = "generation"
+
+    budget_usd: Annotated[Float, Field(ge=0)] | None = None
+    commit_every_rows: Annotated[Int, Field(ge=1)] = 500
+    commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
+    # Durability only (what a kill -9 can lose), never the rows: not part of any sample id or fingerprint.
+    answer_log_s: Annotated[Float, Field(gt=0)] = DEFAULT_FLUSH_S
+    progress_every_s: Annotated[Float, Field(ge=0)] = 30.0
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class MergeConfig(SpecBase):
+    """The merge (defaults: `eagle_pipeline.merge.MergeSettings`) and the draft vocabulary."""
+
+    label = "merge"
+
+    seed: Int = _MERGE_DEFAULTS.seed
+    weights: dict[Str, Float] = dataclasses.field(default_factory=dict)
+    caps: dict[Str, Int] = dataclasses.field(default_factory=dict)
+    dedup: Bool = _MERGE_DEFAULTS.dedup
+    eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = _MERGE_DEFAULTS.eval_fraction
+    rows_per_shard: Annotated[Int, Field(ge=1)] = _MERGE_DEFAULTS.rows_per_shard
+    loss_on: Literal["last_turn", "all_turns"] = "last_turn"
+    draft_vocab_size: Annotated[Int, Field(ge=1)] = 32_000
+
+    def settings(self) -> MergeSettings:
+        """The settings `merge_datasets` takes."""
+        return MergeSettings(
+            seed=self.seed,
+            weights=dict(self.weights),
+            caps=dict(self.caps),
+            dedup=self.dedup,
+            eval_fraction=self.eval_fraction,
+            rows_per_shard=self.rows_per_shard,
+            loss_on=self.loss_on,
+        )
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class VLLMEngineConfig(SpecBase):
+    """`hidden_states.vllm`: the running `vllm serve` servers the `vllm` engine sends shards to."""
+
+    label = "hidden_states.vllm"
+
+    endpoints: tuple[Str, ...] = ()  # base URLs, or 'simulated' (a loopback double serving tiny-random)
+    storage_path: Str = "/dev/shm/hidden_states"  # the connector's shared_storage_path, as this process sees it
+    concurrency: Annotated[Int, Field(ge=1)] = 8  # requests in flight per endpoint
+    timeout_s: Annotated[Float, Field(gt=0)] = 600.0
+    max_retries: Annotated[Int, Field(ge=0)] = 4
+    gpus_per_server: Annotated[Int, Field(ge=1)] = 8  # each server's TP size: the plan and `vllm-command`
+
+    @_field_validator("endpoints")
+    @classmethod
+    def _base_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for e in value:
+            if not (e == "simulated" or e.startswith(("http://", "https://"))):
+                raise ValueError(f"expected http(s):// base URLs or 'simulated', got {e!r}")
+        return value
+
+    @_field_validator("storage_path")
+    @classmethod
+    def _resolve_storage(cls, value: str, info: ValidationInfo) -> str:
+        return str(resolve_path(value, info))
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class TorchrunConfig(SpecBase):
+    """`hidden_states.torchrun`: one shard per torchrun world of `tp_size` processes (transformers' DistributedConfig)."""
+
+    label = "hidden_states.torchrun"
+
+    tp_size: Annotated[Int, Field(ge=1)] = 2
+    ep_size: Annotated[Int, Field(ge=1)] | None = None
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        tp, ep = data.get("tp_size", 2), data.get("ep_size")
+        if isinstance(tp, int) and isinstance(ep, int) and ep not in (1, tp):  # transformers: tp | ep | tp (no FSDP)
+            return [(("ep_size",), f"must be 1 or tp_size ({tp}): transformers splits the experts over the world")]
+        return []
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class HiddenStatesConfig(SpecBase):
+    """Hidden-state extraction: the model run, its shards, batching and disk budget."""
+
+    label = "hidden_states"
+
+    model: Str = "tiny-random"  # or a local transformers model directory
+    family: Literal["deepseek_v3", "llama"] = "deepseek_v3"
+    seed: Int = 0
+    shard_size: Annotated[Int, Field(ge=1)] = 256
+    aux_layers: tuple[Int, ...] | None = None  # None (or empty): low/mid/high
+    max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
+    progress_every_s: Annotated[Float, Field(ge=0)] = 30.0  # a shard's progress reports (log line + observation)
+    device: Str = "auto"
+    disk_budget_gb: Annotated[Float, Field(ge=0)] | None = None
+    # A finished shard extracted under other settings: refuse (naming what differs) or redo (old files kept aside).
+    on_settings_change: Literal["refuse", "redo"] = "refuse"
+    # Teacher-agreement audit: None = decide from provenance (no for tiny-random or simulated texts) / the audit's
+    # default threshold (hidden_states.audit.DEFAULT_MIN_TOP1).
+    texts_by_extraction_model: Bool | None = None
+    teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
+    # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
+    layout: Literal["shards", "specforge", "speculators"] = "shards"
+    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ("specforge", "speculators")  # derived copies
+    # in_process: the model loaded in the shard run; vllm: HTTP clients of vLLM extract_hidden_states servers;
+    # torchrun: one tensor-parallel transformers world per shard (docs/hidden_states.md §10-13).
+    engine: Literal["in_process", "vllm", "torchrun"] = "in_process"
+    vllm: VLLMEngineConfig = VLLMEngineConfig()
+    torchrun: TorchrunConfig = TorchrunConfig()
+
+    @classmethod
+    def rule_problems(cls, data: Mapping[str, Any]) -> list[Problem]:
+        problems: list[Problem] = []
+        if data.get("engine") == "vllm" and not field_value(data.get("vllm"), "endpoints"):
+            problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
+        if data.get("layout", "shards") != "shards" and data.get("engine", "in_process") != "in_process":
+            problems.append((("layout",), "a trainer layout is written by the in_process engine only (for now)"))
+        return problems
+
+    @_field_validator("model")
+    @classmethod
+    def _resolve_model(cls, value: str, info: ValidationInfo) -> str:
+        return value if value == "tiny-random" else str(resolve_path(value, info))
+
+    @_field_validator("aux_layers")
+    @classmethod
+    def _empty_is_default(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return value or None
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class PoolsConfig(SpecBase):
+    """Dagster concurrency pools and their limits: set on the instance when it has none (docs/operations.md)."""
+
+    label = "pools"
+
+    llm_api: Annotated[Int, Field(ge=1)] = 4  # dataset runs generating at once
+    gpu: Annotated[Int, Field(ge=1)] = 1  # hidden-state shards extracting at once (the GPUs of the host)
+
+    def limits(self) -> dict[str, int]:
+        return {"llm_api": self.llm_api, "gpu": self.gpu}
+
+
+def _audit_settings(value: Any, info: ValidationInfo) -> AuditSettings:
+    """The `audit` section is the audit's own AuditSettings: its one validation, each problem at its key."""
+    if value is None:
+        return AuditSettings()
+    if isinstance(value, AuditSettings):
+        return value
+    if isinstance(value, Mapping) and info.context and info.context.get(NULL_IS_DEFAULT):
+        value = {k: v for k, v in value.items() if v is not None}
+    problems = audit_settings_problems(value)
+    if problems:
+        # The path names the key already: "billing_aggregate_bound must be in ..." reads "must be in ..." there.
+        raise RuleProblems(
+            "audit", [(p.path, p.message.removeprefix(f"{p.path[-1]} ") if p.path else p.message) for p in problems]
+        )
+    return AuditSettings.from_dict(value)
+
+
+# The `audit` section: the audit's own settings class, checked by the audit's own validation.
+AuditSection = Annotated[AuditSettings, PlainValidator(_audit_settings)]
