@@ -16,7 +16,8 @@ bytes are requested again (never a wrong row: each kept frame passed its crc). O
 power loss mid-write) and dropped.
 
 Writing: the event loop only encodes a frame and appends it to a buffer; one writer thread writes the buffers every
-`flush_interval_s` and fsyncs them, so a worker never waits for the disk.
+`flush_interval_s` (`generation.answer_log_s` in the configuration) and fsyncs them, so a worker never waits for the
+disk.
 """
 
 from __future__ import annotations
