@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
-from eagle_pipeline.merge.core import MergeSettings
+from eagle_pipeline.merge.manifest import MergeSettings
 from eagle_pipeline.prompt_formats import PromptFormat
 from eagle_pipeline.spec_model import (
     NULL_IS_DEFAULT,

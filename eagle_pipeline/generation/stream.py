@@ -5,8 +5,9 @@ non-streaming body.
 are keep-alives (they reset nothing but prove liveness; a stream with only them for `keepalive_only_max_s` fails),
 `data:` events are `chat.completion.chunk` objects whose deltas are concatenated (`reasoning`, else the text of
 `reasoning_details`; `content`; `tool_calls` fragments by `index`; vLLM's `token_ids`, and `prompt_token_ids` from
-the first chunk), and the final empty-choices chunk carries `usage`. `body()` returns the chat completion a non-streaming request would have returned, which goes
-through the same parser (`backends.parse_chat_completion`), so a streamed and a non-streamed answer give the same row.
+the first chunk), and the final empty-choices chunk carries `usage`. `body()` returns the chat completion a
+non-streaming request would have returned, which goes through the same parser (`backends.parse_chat_completion`), so
+a streamed and a non-streamed answer give the same row.
 
 Every way a stream can fail is a RequestFailure of an existing class, so it is retried and recorded like any other
 failed attempt and never kept as a partial row: a mid-stream `error` chunk or `finish_reason: "error"`
@@ -367,19 +368,14 @@ class ChatStreamAssembler:
         if not self.done:
             # An error chunk before the cut says more than the cut; a chunk that is not JSON is part of the cut.
             self._apply_events()
-            raise RequestFailure(
-                F.CONNECTION,
-                f"stream ended without [DONE] after {self.chunks} chunks (connection cut)",
-                True,
-                self.status,
-            )
+            cut = f"stream ended without [DONE] after {self.chunks} chunks (connection cut)"
+            raise RequestFailure(F.CONNECTION, cut, True, self.status)
         self._apply_events()
         if self._malformed is not None:
             raise self._malformed
         if self._finish is None:
-            raise RequestFailure(
-                F.PROVIDER_ERROR, f"stream ended without a finish_reason after {self.chunks} chunks", True, self.status
-            )
+            unfinished = f"stream ended without a finish_reason after {self.chunks} chunks"
+            raise RequestFailure(F.PROVIDER_ERROR, unfinished, True, self.status)
         message: dict[str, Any] = {
             "role": self._role or "assistant",
             "content": "".join(self._content) if self._content is not None else None,

@@ -29,19 +29,6 @@ from eagle_pipeline.merge.selection import read_selected, select_rows
 from eagle_pipeline.merge.turns import apply_spans, fold_turns
 from eagle_pipeline.storage import clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
 
-# Importable from here as before the split (merge/manifest.py defines them): the merged table's files and types.
-__all__ = [
-    "MANIFEST_NAME",
-    "MERGED_SCHEMA",
-    "ROW_GROUP_ROWS",
-    "SHARD_GLOB",
-    "MergeInput",
-    "MergeManifest",
-    "MergeSettings",
-    "merge_datasets",
-    "shard_name",
-]
-
 
 def _assemble_shard(rows: pa.Table, split: np.ndarray, spans: list[list[tuple[int, int]]] | None = None) -> pa.Table:
     input_ids, loss_mask, n_prompt, n_tokens = concat_prompt_output(rows["prompt_ids"], rows["output_ids"])
