@@ -150,11 +150,6 @@ class DataRoot:
         return self.root / "hidden_states"
 
     @property
-    def head_cache_dir(self) -> Path:
-        """The target heads the vllm engine read from checkpoints, one file per checkpoint (hidden_states/head.py)."""
-        return self.root / "head_cache"
-
-    @property
     def exports_dir(self) -> Path:
         return self.root / "exports"
 

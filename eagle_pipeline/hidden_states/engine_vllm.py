@@ -7,9 +7,9 @@ project's shard (hidden_states/format.py: same file, index and checks as the in-
 file is deleted as soon as it is copied into the shard's temporary file, the rest when the shard ends; at most
 2 x concurrency x endpoints rows are fetched ahead of the copy. Layer ids: project aux layer k is vLLM id k + 1; the final state is
 vLLM id L (`num_hidden_layers`), the last layer's output **before** the final norm. The target's final norm and lm_head
-are read from the checkpoint's safetensors files (only those two tensors, once per checkpoint: later runs read the
-data root's head cache) and recorded beside the shards, as the in-process engine records them, so the audit's norm
-and teacher checks judge engine shards too.
+are read from the checkpoint's safetensors files (only those two tensors, and only while the head recorded beside
+the shards was not recorded from the checkpoint as it is now) and recorded beside the shards, as the in-process engine
+records them, so the audit's norm and teacher checks judge engine shards too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ..generation.client import HttpClient
 from ..generation.runner import run_coroutine
 from ..progress import ProgressCallback
-from ..storage import DataRoot, atomic_path
+from ..storage import atomic_path
 from .extract import IDS_DTYPE, MASK_DTYPE
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import (
@@ -73,7 +73,6 @@ def extract_shard_vllm(
     hidden_size: int | None = None,
     model_description: dict[str, Any] | None = None,
     head_checkpoint: str | Path | None = None,
-    head_cache_dir: str | Path | None = None,
     concurrency: int = 8,
     timeout_s: float = 600.0,
     max_retries: int = 4,
@@ -97,8 +96,8 @@ def extract_shard_vllm(
     target's checkpoint directory, whose final norm and lm_head (`head.checkpoint_head`) are recorded beside the
     shards once the shard is written; it is checked before the first request (a missing tensor stops the run
     then, naming the file). Without it no head is recorded and the audit's norm and teacher checks cannot judge.
-    The two tensors are read from the checkpoint once and then from the head cache in `head_cache_dir` (default:
-    the data root's, `head_cache/` beside `out_dir`; `head.cached_checkpoint_head`).
+    The two tensors are read from the checkpoint only when the recorded head does not carry the checkpoint's current
+    key (`head.save_target_head_from_checkpoint`): a later shard run only verifies the recorded file.
     """
     if not endpoints:
         raise ValueError("hidden_states.vllm.endpoints is empty")
@@ -255,8 +254,7 @@ def extract_shard_vllm(
                 "final_state": PRE_NORM,
             }
             if found_head is not None:  # recorded once the shard is complete: an aborted shard leaves nothing
-                cache_dir = head_cache_dir if head_cache_dir is not None else DataRoot(out_dir.parent).head_cache_dir
-                _, head_sha = save_target_head_from_checkpoint(found_head, out_dir, cache_dir=cache_dir, log=log)
+                _, head_sha = save_target_head_from_checkpoint(found_head, out_dir, log=log)
                 extra.update(final_norm_eps=found_head.eps, target_head_sha256=head_sha)
             nonfinite = np.zeros(len(rows), dtype=np.int64)  # refused above: a shard never holds NaN/Inf here
             model = model_description or {}

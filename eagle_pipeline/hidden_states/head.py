@@ -5,7 +5,8 @@ The project stores the final hidden state **pre-norm** (the last decoder layer's
 teacher check needs `lm_head(final_norm(pre))`; both need only these two weights and the norm's epsilon, never the
 model. Any engine records them with `save_target_head` (the transformers engine takes them from the loaded model;
 the vLLM engine, without the model in process, reads only those two tensors from the checkpoint's safetensors files:
-`checkpoint_head`, once per checkpoint into a head cache that later shard runs read: `cached_checkpoint_head`).
+`checkpoint_head`; a head recorded under the checkpoint's current key is only verified, the checkpoint not opened:
+`save_target_head_from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .fingerprint import FINAL_STATES
 from .layers import get_backbone
 
 TARGET_HEAD_FILE = "target_head.safetensors"
+NORM_TENSOR, HEAD_TENSOR = "final_norm.weight", "lm_head.weight"  # its two tensors
 POST_NORM, PRE_NORM = FINAL_STATES
 
 
@@ -70,32 +72,52 @@ class TargetHead:
 
 
 def save_target_head(
-    out_dir: str | Path, *, norm_weight: torch.Tensor, eps: float, lm_head: torch.Tensor, source: dict[str, Any]
+    out_dir: str | Path,
+    *,
+    norm_weight: torch.Tensor,
+    eps: float,
+    lm_head: torch.Tensor,
+    source: dict[str, Any],
+    checkpoint_key: str | None = None,
 ) -> tuple[Path, str]:
-    """Write `{out_dir}/target_head.safetensors` atomically; returns (path, sha256). Idempotent: an identical file
-    is left alone, a different one replaced (the shards' metadata records the sha256 of the one they were cut with)."""
-    from safetensors.torch import save_file
-
+    """Write `{out_dir}/target_head.safetensors` atomically; returns (path, sha256). Idempotent: a file holding the
+    same eps and tensors is left alone, even one recorded without `checkpoint_key` or under another (its bytes,
+    whose sha256 earlier shards recorded, are never rewritten only to change a key); a different one is replaced
+    (the shards' metadata records the sha256 of the one they were cut with). `checkpoint_key`: the
+    `checkpoint_head_key` of the checkpoint the tensors were read from, recorded in the file's metadata."""
     path = Path(out_dir) / TARGET_HEAD_FILE
-    tensors = {
-        "final_norm.weight": norm_weight.detach().cpu().contiguous(),
-        "lm_head.weight": lm_head.detach().cpu().contiguous(),
-    }
-    meta = {"final_norm_eps": repr(float(eps)), "source": json.dumps(source, sort_keys=True)}
+    norm, head = norm_weight.detach().cpu(), lm_head.detach().cpu()
     if path.exists():
         try:
             old = load_target_head(path.parent)
-            if (
-                old.eps == float(eps)
-                and torch.equal(old.norm_weight, tensors["final_norm.weight"])
-                and torch.equal(old.lm_head, tensors["lm_head.weight"])
-            ):
+            if old.eps == float(eps) and torch.equal(old.norm_weight, norm) and torch.equal(old.lm_head, head):
                 return path, file_sha256(path)
         except Exception:  # an unreadable file is simply rewritten
             pass
+    return _write_target_head(path, norm, float(eps), head, source, checkpoint_key)
+
+
+def _write_target_head(
+    path: Path, norm: torch.Tensor, eps: float, head: torch.Tensor, source: dict[str, Any], key: str | None
+) -> tuple[Path, str]:
+    """The file `save_target_head` describes, with each tensor's sha256 in its metadata (`verified_head_sha256`)."""
+    from safetensors.torch import save_file
+
+    tensors = {NORM_TENSOR: norm.contiguous(), HEAD_TENSOR: head.contiguous()}
+    meta = {
+        "final_norm_eps": repr(eps),
+        "source": json.dumps(source, sort_keys=True),
+        "tensors_sha256": json.dumps({name: _tensor_sha256(t) for name, t in tensors.items()}, sort_keys=True),
+        **({"checkpoint_head_key": key} if key is not None else {}),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return path, file_sha256(path)
+
+
+def _tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a contiguous CPU tensor's bytes, as safetensors stores them."""
+    return hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
 
 
 def save_target_head_from_model(
@@ -232,27 +254,10 @@ def checkpoint_head(model_dir: str | Path) -> CheckpointHead:
     return CheckpointHead(d, norm_key, keys[norm_key], head_key, keys[head_key], float(eps), hidden, vocab)
 
 
-def save_target_head_from_checkpoint(
-    found: CheckpointHead,
-    out_dir: str | Path,
-    *,
-    cache_dir: str | Path | None = None,
-    log: Callable[[str], None] | None = None,
-) -> tuple[Path, str]:
-    """Record the head `checkpoint_head` found: read straight from the checkpoint (never the whole model), or,
-    with `cache_dir`, from the head cache there (`cached_checkpoint_head`), which only the first run reads it into."""
-    norm, head = found.load() if cache_dir is None else cached_checkpoint_head(found, cache_dir, log=log)
-    return save_target_head(out_dir, norm_weight=norm, eps=found.eps, lm_head=head, source=found.source())
-
-
-class HeadCacheWarning(UserWarning):
-    """A head cache file was unreadable or damaged (it is rebuilt from the checkpoint)."""
-
-
 def checkpoint_head_key(found: CheckpointHead) -> str:
     """What identifies the head tensors of a checkpoint without reading them: its resolved directory, the sha256 of
-    its safetensors index, and each head tensor's name, shape and file (resolved path, size, mtime and ctime: a
-    file rewritten, replaced or copied over changes its ctime even when its mtime is restored)."""
+    its safetensors index, the norm's epsilon, and each head tensor's name, shape and file (resolved path, size,
+    mtime and ctime: a file rewritten, replaced or copied over changes its ctime even when its mtime is restored)."""
     index = found.model_dir / SAFETENSORS_INDEX
     files = {}
     for key, file in ((found.norm_key, found.norm_file), (found.head_key, found.head_file)):
@@ -262,77 +267,90 @@ def checkpoint_head_key(found: CheckpointHead) -> str:
         "checkpoint": str(found.model_dir.resolve()),
         "index_sha256": file_sha256(index) if index.is_file() else None,
         "tensors": files,
+        "eps": found.eps,
         "hidden_size": found.hidden_size,
         "vocab_size": found.vocab_size,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def head_cache_path(found: CheckpointHead, cache_dir: str | Path) -> Path:
-    """One cache file per checkpoint directory (a changed checkpoint replaces its entry, never adds one)."""
-    name = hashlib.sha256(str(found.model_dir.resolve()).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"{found.model_dir.name}-{name}.safetensors"
+_CHUNK = 16 << 20
 
 
-def _tensors_sha256(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
-def write_head_cache(path: str | Path, key: str, norm: torch.Tensor, head: torch.Tensor) -> None:
-    """Write a head cache file atomically: the two tensors, the checkpoint's `key` and their bytes' sha256."""
-    from safetensors.torch import save_file
-
-    meta = {"checkpoint_head_key": key, "tensors_sha256": _tensors_sha256(norm, head)}
-    with atomic_path(path) as tmp:
-        save_file(
-            {"final_norm.weight": norm.contiguous(), "lm_head.weight": head.contiguous()}, str(tmp), metadata=meta
-        )
-
-
-def read_head_cache(path: str | Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (norm, lm_head) a cache file holds for `key`; None when it holds another key (the checkpoint changed).
-    Raises ValueError naming the file when it is unreadable or its tensors do not match their recorded sha256."""
-    from safetensors import safe_open
-
+def verified_head_sha256(path: str | Path, key: str) -> str | None:
+    """The sha256 of the head file recorded at `path` when its metadata holds the checkpoint key `key`
+    (`checkpoint_head_key`), from one read of the file that also checks each tensor's bytes against the sha256
+    recorded with it. None when the file holds another key or none (recorded from the checkpoint as it was then, by
+    the in-process engine, or by a version before keys); only its header is read then. Raises ValueError naming
+    the file when it is unreadable, truncated or altered."""
+    file_hash = hashlib.sha256()
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            header_bytes = fh.read(int.from_bytes(prefix, "little"))
+            header = json.loads(header_bytes)
+            meta = header.get("__metadata__") or {}
             if meta.get("checkpoint_head_key") != key:
                 return None
-            norm, head = f.get_tensor("final_norm.weight"), f.get_tensor("lm_head.weight")
-    except Exception as exc:  # a truncated or overwritten file: safetensors' own errors do not name it
-        raise ValueError(f"{path}: unreadable head cache ({type(exc).__name__}: {exc})") from exc
-    if _tensors_sha256(norm, head) != meta.get("tensors_sha256"):
-        raise ValueError(f"{path}: head cache tensors do not match their recorded sha256 (damaged file)")
-    return norm, head
+            file_hash.update(prefix + header_bytes)
+            wanted = json.loads(meta["tensors_sha256"])
+            done = 0
+            for (begin, end), name in sorted(
+                (header[name]["data_offsets"], name) for name in (NORM_TENSOR, HEAD_TENSOR)
+            ):
+                if begin != done:
+                    raise ValueError(f"{name} starts at data offset {begin}, not {done}")
+                tensor_hash, left = hashlib.sha256(), end - begin
+                while left:
+                    block = fh.read(min(left, _CHUNK))
+                    if not block:
+                        raise ValueError(f"the file ends inside {name} (truncated)")
+                    file_hash.update(block)
+                    tensor_hash.update(block)
+                    left -= len(block)
+                if tensor_hash.hexdigest() != wanted[name]:
+                    raise ValueError(f"{name} does not match its recorded sha256")
+                done = end
+            if fh.read(1):
+                raise ValueError("bytes after the last tensor")
+    except Exception as exc:  # a truncated or overwritten file: the errors above or json's, none naming the file
+        raise ValueError(f"{path}: damaged recorded target head ({type(exc).__name__}: {exc})") from exc
+    return file_hash.hexdigest()
 
 
-def cached_checkpoint_head(
-    found: CheckpointHead, cache_dir: str | Path, *, log: Callable[[str], None] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final norm weight, lm_head) of `found`, from its cache file under `cache_dir` when that holds this
-    checkpoint's key (`checkpoint_head_key`), else read from the checkpoint once and cached. A damaged cache file
-    is rebuilt with a `HeadCacheWarning` naming it."""
-    path, key = head_cache_path(found, cache_dir), checkpoint_head_key(found)
+class DamagedHeadWarning(UserWarning):
+    """A recorded target head was unreadable or damaged (it is rewritten from the checkpoint)."""
+
+
+def save_target_head_from_checkpoint(
+    found: CheckpointHead, out_dir: str | Path, *, log: Callable[[str], None] | None = None
+) -> tuple[Path, str]:
+    """Record the head `checkpoint_head` found, under its `checkpoint_head_key`. A head already recorded in
+    `out_dir` under the checkpoint's current key is only verified (`verified_head_sha256`: one read of it; the
+    checkpoint's files are not opened). Otherwise the two tensors are read from the checkpoint (never the whole
+    model) and recorded as `save_target_head` records them; a damaged recorded head is named in a
+    `DamagedHeadWarning` (and a `warning:` log line) and rewritten from the checkpoint."""
+    path, key = Path(out_dir) / TARGET_HEAD_FILE, checkpoint_head_key(found)
+    damaged = False
     if path.exists():
         try:
-            cached = read_head_cache(path, key)
+            sha = verified_head_sha256(path, key)
         except ValueError as exc:
-            message = f"{exc}; rebuilding it from {found.model_dir}"
-            warnings.warn(message, HeadCacheWarning, stacklevel=2)
+            message = f"{exc}; rewriting it from {found.model_dir}"
+            warnings.warn(message, DamagedHeadWarning, stacklevel=2)
             if log is not None:
                 log(f"warning: {message}")
-            cached = None
-        if cached is not None:
-            return cached
+            damaged, sha = True, None
+        if sha is not None:
+            return path, sha
     norm, head = found.load()
-    write_head_cache(path, key, norm, head)
     if log is not None:
-        log(f"target head of {found.model_dir} cached in {path}")
-    return norm, head
+        log(f"target head read from {found.model_dir} for {path}")
+    if damaged:  # whatever it holds, it is not what this checkpoint gives
+        return _write_target_head(path, norm, found.eps, head, found.source(), key)
+    return save_target_head(
+        out_dir, norm_weight=norm, eps=found.eps, lm_head=head, source=found.source(), checkpoint_key=key
+    )
 
 
 def final_norm_eps(model: torch.nn.Module) -> float:
@@ -356,8 +374,8 @@ def load_target_head(out_dir: str | Path, *, device: str = "cpu") -> TargetHead:
     with safe_open(str(path), framework="pt", device=device) as f:
         meta = f.metadata() or {}
         return TargetHead(
-            norm_weight=f.get_tensor("final_norm.weight"),
+            norm_weight=f.get_tensor(NORM_TENSOR),
             eps=float(meta["final_norm_eps"]),
-            lm_head=f.get_tensor("lm_head.weight"),
+            lm_head=f.get_tensor(HEAD_TENSOR),
             meta={"source": json.loads(meta.get("source", "{}")), "path": str(path)},
         )

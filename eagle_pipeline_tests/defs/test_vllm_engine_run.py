@@ -8,6 +8,12 @@ from safetensors import safe_open
 
 from eagle_pipeline.hidden_states import shard_status, verify_shard
 from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.head import (
+    checkpoint_head,
+    checkpoint_head_key,
+    load_target_head,
+    verified_head_sha256,
+)
 
 from .test_scale_out import _config, _merged, _run_shard
 
@@ -39,8 +45,11 @@ def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, ins
     st, idx = shard_paths(root.hidden_states_dir, 1)
     meta = read_index_meta(idx)
     assert meta["engine"] == "vllm" and meta["final_state_is_post_norm"] is False and meta["target_head_sha256"]
-    assert (root.hidden_states_dir / "target_head.safetensors").exists()
-    assert len(list(root.head_cache_dir.iterdir())) == 1  # the checkpoint's head, cached in the data root
+    # The recorded head carries the key of the checkpoint it was read from, so later shard runs only verify it.
+    checkpoint = load_target_head(root.hidden_states_dir).meta["source"]["checkpoint"]
+    key = checkpoint_head_key(checkpoint_head(checkpoint))
+    assert verified_head_sha256(root.hidden_states_dir / "target_head.safetensors", key) == meta["target_head_sha256"]
+    assert not (root.root / "head_cache").exists()
     assert meta["vllm_layer_ids"] == [2, 4, 5, 8] and meta["aux_layers"] == [1, 3, 4]  # the tiny model: 8 layers
     with safe_open(str(st), "pt") as f:
         assert f.metadata()["engine"] == "vllm"

@@ -4,10 +4,13 @@ served by the loopback double over real HTTP passes every check JUDGED; a head f
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
+import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,17 +23,17 @@ from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.head import (
     SAFETENSORS_INDEX,
     TARGET_HEAD_FILE,
-    HeadCacheWarning,
+    DamagedHeadWarning,
     checkpoint_head,
     checkpoint_head_key,
-    head_cache_path,
     load_target_head,
-    read_head_cache,
+    save_target_head,
     save_target_head_from_checkpoint,
-    write_head_cache,
+    verified_head_sha256,
 )
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+from eagle_pipeline.storage import file_sha256
 
 from .conftest import VOCAB, greedy_rows
 
@@ -43,12 +46,13 @@ def texts(normed_model):
     return greedy_rows(normed_model, 8, seed=11)
 
 
-def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng"):
+def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng", shard_index=0):
+    """Shard `shard_index` of `n` rows through the double, its head recorded from `checkpoint`."""
     storage = tmp_path / "storage"
     with VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(AUX, L), storage_path=storage) as srv:
         return extract_shard_vllm(
             merged,
-            shard_index=0,
+            shard_index=shard_index,
             shard_size=n,
             out_dir=tmp_path / out,
             endpoints=[srv.url],
@@ -165,51 +169,129 @@ def test_a_missing_head_stops_the_run_before_any_request(normed_model, texts, me
     assert not (tmp_path / "storage").exists() or list((tmp_path / "storage").iterdir()) == []
 
 
-def test_later_shard_runs_read_the_head_cache_not_the_checkpoint(normed_model, texts, merged_factory, tmp_path):
+def _head_meta(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def test_later_shard_runs_verify_the_recorded_head_not_the_checkpoint(normed_model, texts, merged_factory, tmp_path):
     checkpoint = tmp_path / "ckpt"
     normed_model.save_pretrained(checkpoint)
     merged = merged_factory(texts)
-    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts))
+    n = len(texts) // 4  # four shards of one data root, recorded beside each other
+    first_shard = _engine_shard(normed_model, checkpoint, merged, tmp_path, n)
     found = checkpoint_head(checkpoint)
-    cache = head_cache_path(found, tmp_path / "head_cache")  # the data root's (`out_dir`'s parent) by default
-    assert list((tmp_path / "head_cache").iterdir()) == [cache]
-    first = cache.stat()
+    path = tmp_path / "eng" / TARGET_HEAD_FILE
+    assert _head_meta(path)["checkpoint_head_key"] == checkpoint_head_key(found)
+    assert not (tmp_path / "head_cache").exists()
+    first, sha = path.stat(), read_index_meta(first_shard.index_path)["target_head_sha256"]
     norm, head = found.load()
-    cached = read_head_cache(cache, checkpoint_head_key(found))
-    assert cached is not None and torch.equal(cached[0], norm) and torch.equal(cached[1], head)
 
-    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts), out="eng2")
-    again = cache.stat()
-    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # read, not rebuilt
-    recorded = load_target_head(tmp_path / "eng2")
+    later = _engine_shard(normed_model, checkpoint, merged, tmp_path, n, shard_index=1)
+    again = path.stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # verified, not rewritten
+    assert read_index_meta(later.index_path)["target_head_sha256"] == sha == file_sha256(path)
+    recorded = load_target_head(tmp_path / "eng")
     assert torch.equal(recorded.norm_weight, norm) and torch.equal(recorded.lm_head, head)
 
-    # A cache entry under this checkpoint's key holding other values is what the next run records: it reads the
-    # cache, not the checkpoint.
-    write_head_cache(cache, checkpoint_head_key(found), norm + 1, head)
-    _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts), out="eng3")
-    assert torch.equal(load_target_head(tmp_path / "eng3").norm_weight, norm + 1)
+    # A head recorded under this checkpoint's key holding other values is what the next run keeps: it verifies the
+    # recorded file, it does not compare it with the checkpoint.
+    _, planted = save_target_head(
+        tmp_path / "eng",
+        norm_weight=norm + 1,
+        eps=found.eps,
+        lm_head=head,
+        source={},
+        checkpoint_key=checkpoint_head_key(found),
+    )
+    third = _engine_shard(normed_model, checkpoint, merged, tmp_path, n, shard_index=2)
+    assert torch.equal(load_target_head(tmp_path / "eng").norm_weight, norm + 1)
+    assert read_index_meta(third.index_path)["target_head_sha256"] == planted != sha
 
 
-def _record(checkpoint, tmp_path, out):
-    return save_target_head_from_checkpoint(checkpoint_head(checkpoint), tmp_path / out, cache_dir=tmp_path / "cache")
+class _Opens:
+    """Which of the watched files any process opens (Linux inotify): safetensors opens and maps files in Rust, past
+    any Python hook, and a `chmod 000` would prove nothing here (it moves the ctime, so the key, and root reads
+    anyway)."""
+
+    IN_OPEN = 0x20
+
+    def __init__(self, *paths):
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK)
+        assert self._fd >= 0, os.strerror(ctypes.get_errno())
+        self._names = {}
+        for p in paths:
+            wd = self._libc.inotify_add_watch(self._fd, str(p).encode(), self.IN_OPEN)
+            assert wd >= 0, os.strerror(ctypes.get_errno())
+            self._names[wd] = Path(p).name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self._fd)
+
+    def opened(self) -> list[str]:
+        try:
+            data = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        names, i = [], 0
+        while i < len(data):
+            wd, mask, _, length = struct.unpack_from("iIII", data, i)
+            if mask & self.IN_OPEN:
+                names.append(self._names[wd])
+            i += 16 + length
+        return names
 
 
-def test_a_changed_checkpoint_invalidates_its_cache_entry(tmp_path):
-    ckpt = tmp_path / "kimi"
+def test_an_unchanged_checkpoint_has_none_of_its_head_files_opened(tmp_path):
+    ckpt, out = tmp_path / "kimi", tmp_path / "hs"
+    _, files = _kimi_style_checkpoint(ckpt)
+    head_files = sorted({ckpt / f for f in files.values()})
+    found = checkpoint_head(ckpt)  # reads the files' headers (before every shard run's first request)
+    with _Opens(*head_files) as opens:
+        _, sha = save_target_head_from_checkpoint(found, out)
+        assert set(opens.opened()) == {f.name for f in head_files}  # the first record reads both: the watch sees it
+    found = checkpoint_head(ckpt)
+    with _Opens(*head_files) as opens:
+        assert save_target_head_from_checkpoint(found, out) == (out / TARGET_HEAD_FILE, sha)
+        assert opens.opened() == []
+    assert sha == file_sha256(out / TARGET_HEAD_FILE)
+
+    # New bytes in place, size and mtime put back: the ctime moves, the key with it, and the checkpoint is read.
+    time.sleep(0.05)
+    before = {f: f.stat() for f in head_files}
+    newer, _ = _kimi_style_checkpoint(ckpt, seed=4)
+    for f, st in before.items():
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    found = checkpoint_head(ckpt)
+    with _Opens(*head_files) as opens:
+        _, changed = save_target_head_from_checkpoint(found, out)
+        assert opens.opened() != []
+    assert changed != sha
+    assert torch.equal(load_target_head(out).lm_head, newer["language_model.lm_head.weight"])
+
+
+def test_a_changed_checkpoint_is_read_again(tmp_path):
+    ckpt, out = tmp_path / "kimi", tmp_path / "hs"
     _kimi_style_checkpoint(ckpt)
-    _record(ckpt, tmp_path, "a")
-    cache = head_cache_path(checkpoint_head(ckpt), tmp_path / "cache")
+    save_target_head_from_checkpoint(checkpoint_head(ckpt), out)
+    path = out / TARGET_HEAD_FILE
 
     # New weights in the same files (same shapes, so the same sizes), written a second later.
     new, files = _kimi_style_checkpoint(ckpt, seed=2)
     for file in set(files.values()):
         st = (ckpt / file).stat()
         os.utime(ckpt / file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    _record(ckpt, tmp_path, "b")
-    recorded = load_target_head(tmp_path / "b")
+    save_target_head_from_checkpoint(checkpoint_head(ckpt), out)
+    recorded = load_target_head(out)
     assert torch.equal(recorded.lm_head, new["language_model.lm_head.weight"])
-    assert list((tmp_path / "cache").iterdir()) == [cache]  # the checkpoint's one entry, replaced
+    assert _head_meta(path)["checkpoint_head_key"] == checkpoint_head_key(checkpoint_head(ckpt))  # the new key
 
     # Rewritten in place with every mtime put back: the ctime still moves (timestamps tick at the kernel's coarse
     # clock, a few ms; the sleep makes sure one tick passed).
@@ -221,36 +303,59 @@ def test_a_changed_checkpoint_invalidates_its_cache_entry(tmp_path):
         after = (ckpt / f).stat()
         assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
         assert after.st_ctime_ns != st.st_ctime_ns
-    _record(ckpt, tmp_path, "c")
-    assert torch.equal(load_target_head(tmp_path / "c").norm_weight, newer["language_model.model.norm.weight"])
+    save_target_head_from_checkpoint(checkpoint_head(ckpt), out)
+    assert torch.equal(load_target_head(out).norm_weight, newer["language_model.model.norm.weight"])
 
-    # Another checkpoint directory with the same files (mtimes kept) gets its own entry.
+    # Another checkpoint directory with the same files (mtimes kept) has its own key; its head, equal tensor for
+    # tensor, leaves the recorded file as it is (bytes whose sha256 earlier shards recorded).
     other = tmp_path / "copy"
     other.mkdir()
     for f in ckpt.iterdir():
         (other / f.name).write_bytes(f.read_bytes())
         os.utime(other / f.name, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
-    _record(other, tmp_path, "d")
-    assert len(list((tmp_path / "cache").iterdir())) == 2
+    assert checkpoint_head_key(checkpoint_head(other)) != checkpoint_head_key(checkpoint_head(ckpt))
+    kept = (path.stat().st_ino, file_sha256(path))
+    save_target_head_from_checkpoint(checkpoint_head(other), out)
+    assert (path.stat().st_ino, file_sha256(path)) == kept
+
+
+def test_a_head_recorded_without_a_key_is_compared_with_the_checkpoint(tmp_path):
+    """A head recorded by a version before keys (or by the in-process engine) has the checkpoint read and compared:
+    equal, it is left as it is, key-less; different, it is replaced under the key."""
+    tensors, files = _kimi_style_checkpoint(tmp_path / "kimi")
+    found = checkpoint_head(tmp_path / "kimi")
+    norm, head = found.load()
+    path, sha = save_target_head(tmp_path / "hs", norm_weight=norm, eps=found.eps, lm_head=head, source={})
+    assert verified_head_sha256(path, checkpoint_head_key(found)) is None
+    with _Opens(*{tmp_path / "kimi" / f for f in files.values()}) as opens:
+        assert save_target_head_from_checkpoint(found, tmp_path / "hs") == (path, sha)
+        assert opens.opened() != []
+    assert "checkpoint_head_key" not in _head_meta(path)
+
+    save_target_head(tmp_path / "hs", norm_weight=norm + 1, eps=found.eps, lm_head=head, source={})
+    _, replaced = save_target_head_from_checkpoint(found, tmp_path / "hs")
+    assert replaced == verified_head_sha256(path, checkpoint_head_key(found)) != sha  # now under the key
+    assert torch.equal(load_target_head(tmp_path / "hs").norm_weight, tensors["language_model.model.norm.weight"])
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
-def test_a_damaged_cache_file_is_named_and_rebuilt(tmp_path, damage):
+def test_a_damaged_recorded_head_is_named_and_rewritten(tmp_path, damage):
     tensors, _ = _kimi_style_checkpoint(tmp_path / "kimi")
-    _record(tmp_path / "kimi", tmp_path, "a")
     found = checkpoint_head(tmp_path / "kimi")
-    cache = head_cache_path(found, tmp_path / "cache")
-    data = bytearray(cache.read_bytes())
+    path, _ = save_target_head_from_checkpoint(found, tmp_path / "a")
+    data = bytearray(path.read_bytes())
     if damage == "truncated":
         del data[len(data) // 2 :]
     else:
         data[-3] ^= 0x40  # inside the last tensor's data
-    cache.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": damaged recorded target head"):
+        verified_head_sha256(path, checkpoint_head_key(found))
     logged = []
-    with pytest.warns(HeadCacheWarning, match=re.escape(str(cache))):
-        save_target_head_from_checkpoint(found, tmp_path / "b", cache_dir=tmp_path / "cache", log=logged.append)
-    assert any(str(cache) in line and line.startswith("warning:") for line in logged)
-    recorded = load_target_head(tmp_path / "b")
+    with pytest.warns(DamagedHeadWarning, match=re.escape(str(path))):
+        _, rewritten = save_target_head_from_checkpoint(found, tmp_path / "a", log=logged.append)
+    assert any(str(path) in line and line.startswith("warning:") for line in logged)
+    recorded = load_target_head(tmp_path / "a")
     assert torch.equal(recorded.lm_head, tensors["language_model.lm_head.weight"])
-    rebuilt = read_head_cache(cache, checkpoint_head_key(found))
-    assert rebuilt is not None and torch.equal(rebuilt[1], tensors["language_model.lm_head.weight"])
+    # Sound again, under the key (not byte for byte the first file: safetensors orders its metadata at random).
+    assert verified_head_sha256(path, checkpoint_head_key(found)) == rewritten == file_sha256(path)
