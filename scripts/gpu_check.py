@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,12 +50,29 @@ from eagle_pipeline.hidden_states import (
 )
 from eagle_pipeline.hidden_states.shards import ShardSummary
 from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
+from eagle_pipeline.progress import ProgressCallback
 
 H200_BF16_PEAK_TFLOPS = 989.0
 
 
 class Deadline(Exception):
     pass
+
+
+class CheckRun(NamedTuple):
+    """What every engine's run of the check shares: the model, the synthetic merged data and the shard layout
+    (immutable; a NamedTuple, since the tests load this script without registering it as a module)."""
+
+    model: Any
+    desc: dict[str, Any]
+    aux: tuple[int, ...]
+    merged: Path
+    device: str
+    dtype: torch.dtype
+    workdir: Path
+    shard_size: int
+    shards: int
+    max_tpb: int
 
 
 def kimi_shallow_config(num_layers: int = 8, n_routed_experts: int = 32):
@@ -212,26 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     engines = resolve_engines(args.engine, device)
+    run = CheckRun(model, desc, aux, merged, device, dtype, workdir, shard_size, shards, max_tpb)
     rc = 0
     try:
         for engine in engines:
-            rc = max(
-                rc,
-                run_engine(
-                    engine,
-                    args,
-                    model=model,
-                    desc=desc,
-                    aux=aux,
-                    merged=merged,
-                    device=device,
-                    dtype=dtype,
-                    workdir=workdir,
-                    shard_size=shard_size,
-                    shards=shards,
-                    max_tpb=max_tpb,
-                ),
-            )
+            rc = max(rc, run_engine(engine, args, run))
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -247,22 +249,9 @@ def resolve_engines(engine: str, device: str) -> list[str]:
     return ["in_process", "torchrun"] if several else ["in_process"]
 
 
-def run_engine(
-    engine: str,
-    args: argparse.Namespace,
-    *,
-    model,
-    desc,
-    aux,
-    merged,
-    device,
-    dtype,
-    workdir,
-    shard_size,
-    shards,
-    max_tpb,
-) -> int:
+def run_engine(engine: str, args: argparse.Namespace, run: CheckRun) -> int:
     """Extract every shard through `engine`, verify each, print tokens/s and MFU; returns the exit code."""
+    device, workdir, max_tpb = run.device, run.workdir, run.max_tpb
     tp_size = args.tp_size or (torch.cuda.device_count() if device == "cuda" else 2)
     n_devices = tp_size if engine == "torchrun" else 1
     out_dir = workdir / ("hidden_states" if engine == "in_process" else f"hidden_states_{engine}")
@@ -281,24 +270,9 @@ def run_engine(
             raise Deadline(f"--max-seconds {args.max_seconds} reached at {done}/{total} rows of the current shard")
 
     with contextlib.ExitStack() as stack:
-        extract_one = engine_extractor(
-            engine,
-            stack,
-            model=model,
-            desc=desc,
-            aux=aux,
-            merged=merged,
-            device=device,
-            dtype=dtype,
-            workdir=workdir,
-            out_dir=out_dir,
-            shard_size=shard_size,
-            max_tpb=max_tpb,
-            tp_size=tp_size,
-            guard=guard,
-        )
+        extract_one = engine_extractor(engine, stack, run, out_dir=out_dir, tp_size=tp_size, guard=guard)
         summaries, failures = [], 0
-        for shard in range(shards):
+        for shard in range(run.shards):
             tw = time.perf_counter()
             try:
                 if tw > deadline:
@@ -314,33 +288,20 @@ def run_engine(
                 )
                 return 2
             summaries.append(s)
-            print_shard(shard, s, desc["matmul_active_params"], wall=time.perf_counter() - tw)
-            failures += 0 if verify_and_drop(out_dir, shard, merged, keep=args.keep) else 1
+            print_shard(shard, s, run.desc["matmul_active_params"], wall=time.perf_counter() - tw)
+            failures += 0 if verify_and_drop(out_dir, shard, run.merged, keep=args.keep) else 1
     if not summaries:
         print("no shard completed before the deadline")
         return 3
-    print_result(engine, summaries, shards, desc, device, n_devices, failures)
+    print_result(engine, summaries, run.shards, run.desc, device, n_devices, failures)
     return 1 if failures else 0
 
 
 def engine_extractor(
-    engine: str,
-    stack: contextlib.ExitStack,
-    *,
-    model,
-    desc,
-    aux,
-    merged,
-    device,
-    dtype,
-    workdir,
-    out_dir,
-    shard_size,
-    max_tpb,
-    tp_size,
-    guard,
+    engine: str, stack: contextlib.ExitStack, run: CheckRun, *, out_dir: Path, tp_size: int, guard: ProgressCallback
 ) -> Callable[[int], ShardSummary]:
     """One shard's extraction through `engine` (servers and saved models it needs live as long as `stack`)."""
+    model, aux, merged, shard_size = run.model, run.aux, run.merged, run.shard_size
     if engine == "in_process":
         return lambda shard: extract_shard(
             model,
@@ -349,15 +310,15 @@ def engine_extractor(
             shard_size=shard_size,
             out_dir=out_dir,
             aux_layers=aux,
-            max_tokens_per_batch=max_tpb,
-            device=device,
-            dtype=dtype,
+            max_tokens_per_batch=run.max_tpb,
+            device=run.device,
+            dtype=run.dtype,
             progress=guard,
         )
     if engine == "torchrun":
         from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
 
-        model_dir = workdir / "model"  # what every rank loads: the same seeded weights, saved once
+        model_dir = run.workdir / "model"  # what every rank loads: the same seeded weights, saved once
         if not (model_dir / "config.json").exists():
             t = time.perf_counter()
             model.save_pretrained(model_dir)
@@ -371,7 +332,7 @@ def engine_extractor(
                 out_dir=out_dir,
                 tp_size=tp_size,
                 aux_layers=aux,
-                max_tokens_per_batch=max_tpb,
+                max_tokens_per_batch=run.max_tpb,
                 final_state="pre_norm",  # as the in-process path stores it: the kept shards compare directly
             )
         )
@@ -380,8 +341,8 @@ def engine_extractor(
         from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
         from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 
-        n_layers = desc["num_layers"]
-        storage = workdir / "connector"
+        n_layers = run.desc["num_layers"]
+        storage = run.workdir / "connector"
         double = stack.enter_context(
             VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(aux, n_layers), storage_path=storage)
         )
@@ -395,8 +356,8 @@ def engine_extractor(
             storage_path=storage,
             num_layers=n_layers,
             aux_layers=aux,
-            hidden_size=desc["hidden_size"],
-            model_description=desc,
+            hidden_size=run.desc["hidden_size"],
+            model_description=run.desc,
             progress=guard,
         )
     raise ValueError(f"unknown engine {engine!r}")

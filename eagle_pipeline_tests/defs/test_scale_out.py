@@ -76,6 +76,19 @@ def _run_shard(instance, key, defs=None):
     )
 
 
+def _engine_shard_run(tmp_path: Path, monkeypatch, instance: dg.DagsterInstance, engine: str, settings: dict):
+    """Shard 00001 of the small merged table through `engine` (its `hidden_states.<engine>` section: `settings`) in a
+    real Dagster run, which must succeed with its 3 structural + 4 semantic checks passed. Returns the data root,
+    the run's result and each semantic check's verdict."""
+    _config(tmp_path, monkeypatch, engine=engine, **{engine: settings})
+    root = _merged(tmp_path, instance)
+    result = _run_shard(instance, "00001")
+    assert result.success
+    checks = result.get_asset_check_evaluations()
+    assert len(checks) == 7 and all(e.passed for e in checks)
+    return root, result, {e.check_name: e.metadata["verdict"].value for e in checks if "verdict" in e.metadata}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 1. Kubernetes: the Job dagster-k8s's step handler would create for each step of EAGLE_hidden_states_k8s
 

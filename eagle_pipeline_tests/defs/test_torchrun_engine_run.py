@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
 from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
 
-from .test_scale_out import SHARD_SIZE, _config, _merged, _run_shard
+from .test_scale_out import SHARD_SIZE, _engine_shard_run, _run_shard
 
 pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it (a dev dependency)
 pytestmark = pytest.mark.slow
@@ -21,18 +20,7 @@ def test_a_shard_materializes_through_the_torchrun_engine(tmp_path, monkeypatch,
     from eagle_pipeline.defs.resources import PipelineResource
     from eagle_pipeline.hidden_states.runtime import load_extraction_model
 
-    path = _config(tmp_path, monkeypatch)
-    raw = yaml.safe_load(path.read_text())
-    raw["hidden_states"]["engine"] = "torchrun"
-    raw["hidden_states"]["torchrun"] = {"tp_size": 2}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    root = _merged(tmp_path, instance)
-
-    result = _run_shard(instance, "00001")
-    assert result.success
-    checks = result.get_asset_check_evaluations()
-    assert len(checks) == 7 and all(e.passed for e in checks)  # 3 structural + 4 semantic
-    verdicts = {e.check_name: e.metadata["verdict"].value for e in checks if "verdict" in e.metadata}
+    root, result, verdicts = _engine_shard_run(tmp_path, monkeypatch, instance, "torchrun", {"tp_size": 2})
     assert verdicts["norm_convention_matches_states"] == "pass"  # rank 0 recorded the gathered head
     (mat,) = result.asset_materializations_for_node("hidden_states")
     assert mat.metadata["engine"].value == "torchrun" and mat.metadata["device"].value == "torchrun: tp_size 2"

@@ -15,25 +15,15 @@ from eagle_pipeline.hidden_states.head import (
     verified_head_sha256,
 )
 
-from .test_scale_out import _config, _merged, _run_shard
+from .test_scale_out import _config, _engine_shard_run, _merged
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, instance):
-    path = _config(tmp_path, monkeypatch)
-    raw = yaml.safe_load(path.read_text())
     storage = tmp_path / "connector"
-    raw["hidden_states"]["engine"] = "vllm"
-    raw["hidden_states"]["vllm"] = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    root = _merged(tmp_path, instance)
-
-    result = _run_shard(instance, "00001")
-    assert result.success
-    checks = result.get_asset_check_evaluations()
-    assert len(checks) == 7 and all(e.passed for e in checks)  # 3 structural + 4 semantic
-    verdicts = {e.check_name: e.metadata["verdict"].value for e in checks if "verdict" in e.metadata}
+    settings = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
+    root, result, verdicts = _engine_shard_run(tmp_path, monkeypatch, instance, "vllm", settings)
     # The head is read from the checkpoint of the model the double serves, so the norm check judges engine shards;
     # the teacher check cannot judge a tiny random stand-in on simulated texts, and says so.
     assert verdicts["norm_convention_matches_states"] == "pass" and verdicts["teacher_agreement"] == "not_judged"
