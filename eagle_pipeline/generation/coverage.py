@@ -92,15 +92,12 @@ def current_responses(dataset: str, responses: pa.Table, prompt_ids: Iterable[st
     return selected, cov
 
 
-def current_row_count(responses_dir: str | os.PathLike, prompt_ids: Iterable[str]) -> int:
-    """The committed rows under `responses_dir` answering one of `prompt_ids` (every committed turn of a current
-    conversation): what `current_responses` selects, counted from two columns."""
+def current_row_count(rows: pa.Table, prompt_ids: Iterable[str]) -> int:
+    """How many of the committed rows `rows` (their `sample_id` and, where shards have it, `conversation_id`: a
+    `store.CommittedState`'s) answer one of `prompt_ids` (every committed turn of a current conversation): what
+    `current_responses` selects, counted from two columns."""
     current = pa.array(sorted(set(prompt_ids)), pa.string())
-    n = 0
-    for p in store.part_files(responses_dir):
-        rows = store.read_shard_columns(p, ["sample_id", "conversation_id"])
-        n += int(pc.sum(pc.is_in(_prompt_of_row(rows), value_set=current)).as_py() or 0)
-    return n
+    return int(pc.sum(pc.is_in(_prompt_of_row(rows), value_set=current)).as_py() or 0)
 
 
 def resume_reason(

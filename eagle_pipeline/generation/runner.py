@@ -1,12 +1,12 @@
 """The generation runner: `generate_dataset`, exactly-once resume, and the set-up and tear-down of a run.
 
-A run first folds the answer log a killed run left into shards (`store.recover_answer_log`), reads the sample ids of
-the committed shards, requests only the missing prompts through a fixed pool of worker coroutines (bounded memory:
-one prompt per worker in flight), and commits rows in atomically written `part-NNNNN.parquet` shards every N rows or
-T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the last
-~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen
-by `pending`, the request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an
-'import' backend is handed to `importer`.
+A run first folds the answer log a killed run left into shards (`store.recover_answer_log`), reads the committed shards
+once (`store.read_committed`), requests only the missing prompts through a fixed pool of worker coroutines (bounded
+memory: one prompt per worker in flight), and commits rows in atomically written `part-NNNNN.parquet` shards every N
+rows or T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the
+last ~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen
+by `pending`, the request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an 'import'
+backend is handed to `importer`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
 from eagle_pipeline.generation.client import HttpClient
-from eagle_pipeline.generation.coverage import current_row_count
 from eagle_pipeline.generation.failures import Redactor
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
@@ -132,8 +131,6 @@ async def _generate_live(
 async def _import(
     *,
     dataset: str,
-    prompts: pa.Table,
-    limit: int | None,
     plan: RequestPlan,
     backend: BackendSpec,
     sampling: SamplingSpec,
@@ -141,7 +138,7 @@ async def _import(
     commit_every_rows: int,
 ) -> GenerationSummary:
     """Fill the plan's prompts from the backend's import files."""
-    all_items, source_ids = prompt_items(prompts, limit)
+    all_items, source_ids = prompt_items(plan.prompts)
     try:
         summary = import_responses(
             dataset=dataset,
@@ -191,28 +188,14 @@ async def agenerate_dataset(
         storage.clean_stale_tmp(errors_dir)
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
         recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
-        done, committed_usd = store.committed_sample_ids(out_dir)
-        plan = plan_requests(
-            prompts,
-            done,
-            limit,
-            regenerate=regenerate,
-            open_conversations=(
-                store.open_conversations(out_dir, set(prompts.column("sample_id").to_pylist()) - done)
-                if regenerate == ALL_TURNS
-                else None
-            ),
-        )
-        if backend.kind.is_http:  # what progress reports count from (an import reports none)
-            ids = (prompts if limit is None else prompts.slice(0, limit)).column("sample_id").to_pylist()
-            plan = replace(plan, rows_done=current_row_count(out_dir, ids))
+        # One read of the shards serves the plan, its progress counts and the spend ledger.
+        committed = store.read_committed(out_dir)
+        plan = plan_requests(prompts, committed, limit, regenerate=regenerate)
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
             summary = await _import(
                 dataset=dataset,
-                prompts=prompts,
-                limit=limit,
                 plan=plan,
                 backend=backend,
                 sampling=sampling,
@@ -228,7 +211,7 @@ async def agenerate_dataset(
                 sampling=sampling,
                 sink=sink,
                 render_prompt_ids=render_prompt_ids,
-                ledger=SpendLedger(committed_usd=committed_usd, budget_usd=budget_usd, run_budget=run_budget),
+                ledger=SpendLedger(committed_usd=committed.spend_usd, budget_usd=budget_usd, run_budget=run_budget),
                 commit_every_rows=commit_every_rows,
                 commit_every_s=commit_every_s,
                 progress=progress,

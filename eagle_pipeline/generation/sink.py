@@ -3,7 +3,7 @@
 Every row added through `add_response` / `add_error` is also appended to the answer log (`answer_log`), durable
 within ~0.1 s, so a kill -9 loses no answered work; the shards are still written only at the commit window. Writes
 run on one writer thread (the log on its own) so that they never block the event loop; a rerun folds the log into
-shards and finds the committed ones through `store.committed_sample_ids`, then requests only what they lack.
+shards and finds the committed ones through `store.read_committed`, then requests only what they lack.
 """
 
 from __future__ import annotations

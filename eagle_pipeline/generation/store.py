@@ -51,10 +51,11 @@ _CONVERSATION_COLUMNS = ("conversation_id", "turn_index", "conversation_end")
 
 
 def read_shard_columns(p: Path, columns: list[str]) -> pa.Table:
-    """Columns of a committed shard; optional columns an older shard lacks are left out."""
+    """Columns of a committed shard, from one open of the file; optional columns an older shard lacks are left out."""
     try:
-        names = set(pq.read_schema(p).names)
-        return pq.read_table(p, columns=[c for c in columns if c in names])
+        with pq.ParquetFile(p) as f:
+            names = set(f.schema_arrow.names)
+            return f.read(columns=[c for c in columns if c in names])
     except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
         raise RuntimeError(f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows") from exc
 
@@ -77,21 +78,86 @@ def answered_ids(table: pa.Table) -> set[str]:
     return {s for s, c in zip(sids, conv) if c is None} | whole
 
 
-def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
-    """The prompts answered by committed rows (`answered_ids`), and the dataset's committed spend (for its budgets
-    across resumes).
+# What a run's start needs of every committed row: the prompts answered, the spend, the conversations to continue.
+COMMITTED_COLUMNS = ("sample_id", "cost_usd", *_CONVERSATION_COLUMNS)
+
+
+@dataclass(frozen=True)
+class CommittedState:
+    """A dataset's committed rows as a run's start needs them, from one read of each shard (`read_committed`): the
+    prompts they answer, the dataset's spend, the conversations to continue, and the rows themselves (counted by
+    `coverage.current_row_count`)."""
+
+    out_dir: Path
+    shards: tuple[tuple[Path, pa.Table], ...]  # each committed shard and its COMMITTED_COLUMNS, in commit order
+    rows: pa.Table  # every committed row's COMMITTED_COLUMNS, in commit order (those an older shard lacks: null)
+    answered: set[str]  # `answered_ids` of the rows
+    spend_usd: float  # the dataset's committed spend (`read_committed`)
+
+    def open_conversations(self, wanted: set[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+        """The regenerated conversations of `wanted` (not answered: `answered_ids`) with committed turns: conversation
+        id -> (index of its last committed turn, that row's messages and answer), what a resumed run continues from.
+        Reads the wide columns of those last turns only, from the shards that hold them.
+
+        Raises when one has committed turns after a missing one (a retired turn): those turns answer a history that
+        no longer exists, and regenerating the missing turn would give a second row for them.
+        """
+        cols = ["conversation_id", "turn_index"]
+        wide = ["messages_json", "reasoning", "content", "tool_calls_json", "finish_reason"]
+        turns: dict[str, dict[int, tuple[Path, int]]] = {}
+        for p, t in self.shards:
+            if "conversation_id" not in t.column_names:
+                continue
+            for i, (c, k) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
+                if c in wanted:
+                    turns.setdefault(c, {})[int(k)] = (p, i)
+        wanted_rows: dict[Path, list[tuple[str, int, int]]] = {}  # shard -> (conversation, last turn, row), read once
+        for c, by_turn in turns.items():
+            last = max(by_turn)
+            if sorted(by_turn) != list(range(last + 1)):
+                missing = sorted(set(range(last + 1)) - set(by_turn))
+                raise RuntimeError(
+                    f"{self.out_dir}: conversation {c} has committed turns {sorted(by_turn)} but not {missing} "
+                    "(retired?); its later turns answer a history that no longer exists: retire the whole conversation"
+                )
+            path, row = by_turn[last]
+            wanted_rows.setdefault(path, []).append((c, last, row))
+        out: dict[str, tuple[int, dict[str, Any]]] = {}
+        for path, picks in wanted_rows.items():
+            rows = read_shard_columns(path, wide).take(pa.array([r for _, _, r in picks], pa.int64())).to_pylist()
+            for (c, last, _), values in zip(picks, rows):
+                out[c] = (last, values)
+        return out
+
+
+def read_committed(out_dir: str | os.PathLike) -> CommittedState:
+    """The committed rows of `out_dir` (their COMMITTED_COLUMNS, each shard read once), what they answer
+    (`answered_ids`), and the dataset's committed spend (for its budgets across resumes).
 
     The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived; and the
     answers in an answer log a killed run left that no shard holds yet (the next run of the dataset commits them),
     so a pipeline-wide budget read before that run counts them.
     """
-    parts = [read_shard_columns(p, ["sample_id", "cost_usd", *_CONVERSATION_COLUMNS]) for p in part_files(out_dir)]
-    if not parts:
-        return set(), _logged_spend(out_dir, set()) + retired_spend(out_dir)
-    t = pa.concat_tables(parts, promote_options="default")
-    spend = float(pc.sum(t.column("cost_usd")).as_py() or 0.0)
-    rows = set(t.column("sample_id").to_pylist())
-    return answered_ids(t), spend + _logged_spend(out_dir, rows) + retired_spend(out_dir)
+    shards = tuple((p, read_shard_columns(p, list(COMMITTED_COLUMNS))) for p in part_files(out_dir))
+    if shards:
+        rows = pa.concat_tables([t for _, t in shards], promote_options="default")
+    else:
+        rows = pa.schema([RESPONSES_SCHEMA.field(c) for c in COMMITTED_COLUMNS]).empty_table()
+    spend = float(pc.sum(rows.column("cost_usd")).as_py() or 0.0)
+    logged = _logged_spend(out_dir, set(rows.column("sample_id").to_pylist()))
+    return CommittedState(
+        out_dir=Path(out_dir),
+        shards=shards,
+        rows=rows,
+        answered=answered_ids(rows),
+        spend_usd=spend + logged + retired_spend(out_dir),
+    )
+
+
+def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
+    """The prompts answered by committed rows and the dataset's committed spend (`read_committed`)."""
+    state = read_committed(out_dir)
+    return state.answered, state.spend_usd
 
 
 def _shard_row_ids(out_dir: str | os.PathLike) -> set[str]:
@@ -114,42 +180,6 @@ def _logged_spend(out_dir: str | os.PathLike, rows: set[str]) -> float:
             seen.add(sid)
             total += float(row.get("cost_usd") or 0.0)
     return total
-
-
-def open_conversations(out_dir: str | os.PathLike, wanted: set[str]) -> dict[str, tuple[int, dict[str, Any]]]:
-    """The regenerated conversations of `wanted` (not answered: `answered_ids`) with committed turns: conversation id
-    -> (index of its last committed turn, that row's messages and answer), what a resumed run continues from.
-
-    Raises when one has committed turns after a missing one (a retired turn): those turns answer a history that no
-    longer exists, and regenerating the missing turn would give a second row for them.
-    """
-    cols = ["conversation_id", "turn_index"]
-    wide = ["messages_json", "reasoning", "content", "tool_calls_json", "finish_reason"]
-    turns: dict[str, dict[int, tuple[Path, int]]] = {}
-    for p in part_files(out_dir):
-        t = read_shard_columns(p, cols)
-        if "conversation_id" not in t.column_names:
-            continue
-        for i, (c, k) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
-            if c in wanted:
-                turns.setdefault(c, {})[int(k)] = (p, i)
-    wanted_rows: dict[Path, list[tuple[str, int, int]]] = {}  # shard -> (conversation, last turn, row), read once
-    for c, by_turn in turns.items():
-        last = max(by_turn)
-        if sorted(by_turn) != list(range(last + 1)):
-            missing = sorted(set(range(last + 1)) - set(by_turn))
-            raise RuntimeError(
-                f"{out_dir}: conversation {c} has committed turns {sorted(by_turn)} but not {missing} (retired?); "
-                "its later turns answer a history that no longer exists: retire the whole conversation"
-            )
-        path, row = by_turn[last]
-        wanted_rows.setdefault(path, []).append((c, last, row))
-    out: dict[str, tuple[int, dict[str, Any]]] = {}
-    for path, picks in wanted_rows.items():
-        rows = pq.read_table(path, columns=wide).take(pa.array([r for _, _, r in picks], pa.int64())).to_pylist()
-        for (c, last, _), values in zip(picks, rows):
-            out[c] = (last, values)
-    return out
 
 
 def retirement_archives(out_dir: str | os.PathLike) -> list[Path]:

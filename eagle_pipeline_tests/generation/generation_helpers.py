@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Self
 
@@ -210,3 +214,51 @@ def drained(srv: LoopbackServer | ServerProcess) -> None:
     while srv.open_connections() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not srv.open_connections(), "the server still holds the killed client's connections"
+
+
+class FileOpens:
+    """The opens of the files directly under a directory, by name, as the kernel reports them (Linux inotify): every
+    open by this process or another, through whatever library. `counts()` returns those since the watch began.
+
+    The kernel merges an event into the previous one when both are the same and unread; closes are watched too so
+    that a file opened, closed and opened again counts two opens (only a second open of a file while it is still open,
+    with no other event between, would count one).
+    """
+
+    _IN_OPEN = 0x20
+    _IN_CLOSE = 0x08 | 0x10  # IN_CLOSE_WRITE | IN_CLOSE_NOWRITE: events between two opens of a file
+    _IN_Q_OVERFLOW = 0x4000
+    _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name, NUL-padded)
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._fd = -1
+        self._counts: Counter[str] = Counter()
+
+    def __enter__(self) -> Self:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK)
+        if (
+            self._fd < 0
+            or libc.inotify_add_watch(self._fd, os.fsencode(self.directory), self._IN_OPEN | self._IN_CLOSE) < 0
+        ):
+            raise OSError(ctypes.get_errno(), f"inotify on {self.directory}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def counts(self) -> Counter[str]:
+        while True:
+            try:
+                buf = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                return Counter(self._counts)
+            i = 0
+            while i < len(buf):
+                _, mask, _, length = self._EVENT.unpack_from(buf, i)
+                assert not mask & self._IN_Q_OVERFLOW, "inotify dropped events: the counts would be low"
+                name = buf[i + self._EVENT.size : i + self._EVENT.size + length].rstrip(b"\0").decode()
+                if name and mask & self._IN_OPEN:  # an open of the directory itself has no name
+                    self._counts[name] += 1
+                i += self._EVENT.size + length

@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import json
 import logging
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,9 +23,9 @@ from eagle_pipeline.generation import (
     read_responses,
     request_key,
 )
-from eagle_pipeline.generation.store import DirLock
+from eagle_pipeline.generation.store import DirLock, part_files
 
-from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
+from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sim_backend
 
 
 def _keys(prompts) -> dict[str, str]:
@@ -107,6 +108,27 @@ def test_rerun_after_success_makes_zero_requests_and_limit(tmp_path):
         assert srv.total_requests == 30
         assert all(n == 1 for n in srv.request_counts().values())
     assert read_responses(out_dirs(tmp_path)[0]).num_rows == 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts file opens with inotify")
+def test_a_run_start_reads_each_committed_shard_once(tmp_path):
+    """The done set, the spend ledger and the progress counts of a resumed run come from one read of the committed
+    shards: the kernel sees each opened once in the whole run (the run then only writes new shards)."""
+    prompts = make_prompts(30)
+    out, _ = out_dirs(tmp_path)
+    with SimulatedOpenRouterServer() as srv:
+        first = run(prompts, sim_backend(srv.url), tmp_path, limit=12, commit_every_rows=4)
+        committed = {p.name for p in part_files(out)}
+        assert len(committed) == 3
+        events: list = []
+        with FileOpens(out) as opens:
+            s = run(prompts, sim_backend(srv.url), tmp_path, progress=events.append, progress_every_s=0.0)
+            counts = opens.counts()
+    assert {name: counts[name] for name in committed} == {name: 1 for name in committed}
+    assert (s.already_done, s.requested, s.completed) == (12, 18, 18)
+    last = events[-1]
+    assert (last.response_rows, last.rows_this_run) == (30, 18)  # counted from the 12 committed rows
+    assert first.spend_usd > 0 and last.spend_total_usd == pytest.approx(first.spend_usd + s.spend_usd)  # the ledger
 
 
 def test_429_storm_waits_for_retry_after(tmp_path):

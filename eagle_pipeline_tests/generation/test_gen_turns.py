@@ -33,7 +33,7 @@ from eagle_pipeline.generation.turns import (
 )
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
 
-from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, out_dirs, run, sim_backend
+from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, FileOpens, out_dirs, run, sim_backend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +56,22 @@ def _source(result_name: str | None = None, rounds: int = 2) -> list[dict]:
             result["name"] = result_name
         msgs.append(result)
     return msgs
+
+
+def _trip(i: int) -> list[dict]:
+    """`_source()` with the user's message made the i-th of its kind: another conversation id."""
+    msgs = _source()
+    msgs[1] = {**msgs[1], "content": f"{msgs[1]['content']} (trip {i})"}
+    return msgs
+
+
+def _shard_of_turn(out: Path) -> dict[tuple[str, int], Path]:
+    """(conversation id, turn index) -> the shard holding that turn, for shards of one row each."""
+    return {
+        (t.column("conversation_id")[0].as_py(), t.column("turn_index")[0].as_py()): p
+        for p in part_files(out)
+        for t in [pq.read_table(p)]
+    }
 
 
 def _prompts(messages: list[dict], tools: list[dict] | None = None, regenerate: str = "all_turns"):
@@ -313,6 +329,45 @@ def test_a_conversation_missing_a_turn_is_reopened(tmp_path):
             run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts file opens with inotify")
+def test_an_all_turns_run_start_reads_each_committed_shard_once(tmp_path):
+    """Resuming two open conversations, the done set, the ledger, the open conversations and the progress counts
+    come from one read of the committed shards; only the shards holding an open conversation's last committed turn
+    are opened a second time, for that row's history (the kernel's count of opens over the whole run)."""
+    prompts = prompts_table(
+        "B5", [Prompt(f"conv-{i}", _trip(i), [WEATHER_TOOL]) for i in range(3)], SAMPLING.to_dict(), "all_turns"
+    )
+    first_conv, second_conv = prompts.column("sample_id").to_pylist()[:2]
+    out, _ = out_dirs(tmp_path, "B5")
+    with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        shard_of = _shard_of_turn(out)
+        assert len(shard_of) == 9
+        # The first conversation reopens after its turn 1, the second after its turn 0.
+        for i, key in enumerate([(first_conv, 2), (second_conv, 1), (second_conv, 2)]):
+            shard_of.pop(key).rename(tmp_path / f"aside-{i}.parquet")
+        events: list = []
+        with FileOpens(out) as opens:
+            s = run(
+                prompts,
+                sim_backend(srv.url),
+                tmp_path,
+                dataset="B5",
+                regenerate="all_turns",
+                progress=events.append,
+                progress_every_s=0.0,
+            )
+            counts = opens.counts()
+    continued = {shard_of[(first_conv, 1)].name, shard_of[(second_conv, 0)].name}
+    assert {p.name: counts[p.name] for p in shard_of.values()} == {
+        p.name: 2 if p.name in continued else 1 for p in shard_of.values()
+    }
+    assert (s.already_done, s.requested, s.completed) == (1, 3, 3)
+    assert (events[-1].response_rows, events[-1].rows_this_run) == (9, 3)
+    second_turns = [r["turn_index"] for r in read_responses(out).to_pylist() if r["conversation_id"] == second_conv]
+    assert second_turns == [0, 1, 2]
+
+
 def test_all_turns_over_the_vllm_wire_format(tmp_path):
     """vLLM returns reasoning in `reasoning_content` (older releases) and ids with every turn; the history sent back
     carries the target's reasoning and calls, and each turn keeps the ids the server returned."""
@@ -383,26 +438,17 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
     from eagle_pipeline.generation import read_errors
     from eagle_pipeline.generation.coverage import current_responses
 
-    def source(i: int) -> list[dict]:
-        msgs = _source()
-        msgs[1] = {**msgs[1], "content": f"{msgs[1]['content']} (trip {i})"}
-        return msgs
-
     prompts = prompts_table(
         "B5",
-        [Prompt(f"conv-{i}", source(i), [WEATHER_TOOL]) for i in range(3)]
-        + [Prompt("plain", source(3)[:2], [WEATHER_TOOL])],  # no assistant turn: one turn to generate
+        [Prompt(f"conv-{i}", _trip(i), [WEATHER_TOOL]) for i in range(3)]
+        + [Prompt("plain", _trip(3)[:2], [WEATHER_TOOL])],  # no assistant turn: one turn to generate
         SAMPLING.to_dict(),
         "all_turns",
     )
     out, errors_dir = out_dirs(tmp_path, "B5")
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
         run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
-        shards = {
-            (t.column("conversation_id")[0].as_py(), t.column("turn_index")[0].as_py()): p
-            for p in part_files(out)
-            for t in [pq.read_table(p)]
-        }
+        shards = _shard_of_turn(out)
         assert len(shards) == 3 * 3 + 1
         first, second = prompts.column("sample_id").to_pylist()[:2]
         # Conversations reopened at their last turn and at their second: 3 turns to request for 2 conversations.
