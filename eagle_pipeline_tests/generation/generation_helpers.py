@@ -1,10 +1,13 @@
-"""Helpers for the generation tests: prompt tables, backend specs against loopback servers, a run wrapper."""
+"""Helpers for the generation tests: prompt tables, backend specs against loopback servers, a run wrapper, the kill
+tests' pieces (a server in a process of its own, a run in a child process, the proofs of the client's reads), and a
+count of file opens."""
 
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -22,6 +25,7 @@ from eagle_pipeline.generation.simulated.server import LoopbackServer
 from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
 
+REPO = Path(__file__).resolve().parents[2]
 SAMPLING = SamplingSpec(temperature=1.0, top_p=0.95, seed=7, max_tokens=2048, thinking=True)
 
 WEATHER_TOOL = {
@@ -137,17 +141,6 @@ def durable_ids(out: Path) -> set[str]:
     return set(committed_ids(out)[0]) | {r["sample_id"] for r in read_log(out).responses}
 
 
-def processed_by(arrivals: list[tuple[str, float]], t: float, workers: int) -> int:
-    """How many answers the client had certainly read and logged by time `t`, from the server's arrivals alone.
-
-    A worker sends its next request only after the answer to its previous one is in the log buffer, so every request
-    beyond the first `workers` (no faults: each answer ends one request) proves one more answer logged. This counts
-    answers the client has *read*: an answer the server sent but the client had not yet read (on a CPU-starved
-    machine, up to hundreds of milliseconds) is in no log of any design.
-    """
-    return max(0, sum(1 for _, at in arrivals if at <= t) - workers)
-
-
 class ServerProcess:
     """A simulated OpenRouter server in a child process of its own (`server_child`), with the request-log reads the
     kill tests need. Its stamps of when an answer's last byte was written come from a clock and an event loop that
@@ -164,7 +157,7 @@ class ServerProcess:
     def __enter__(self) -> Self:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "eagle_pipeline_tests.generation.server_child", json.dumps(self._kwargs)],
-            cwd=Path(__file__).resolve().parents[2],
+            cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -214,6 +207,68 @@ def drained(srv: LoopbackServer | ServerProcess) -> None:
     while srv.open_connections() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not srv.open_connections(), "the server still holds the killed client's connections"
+
+
+# The answer log's promise: an answer the client has read is durable (written to the log) within ~0.1 s.
+GRACE_S = 0.1
+# When the client read an answer is proven by the server (`LoopbackServer.read_by`): the next request on the
+# connection that carried it. The client appends the row to the log before it yields to its event loop, but the
+# connection is back in the pool a moment earlier, so another task may send that next request first: one pass of a
+# busy event loop (tens of milliseconds on a loaded 2-core machine). An answer read more than GRACE_S + READ_SLACK_S
+# before a kill must be durable after it.
+READ_SLACK_S = 0.05
+
+
+def run_child(prompts_path: Path, url: str, root: Path, options: dict[str, Any] | None = None) -> subprocess.Popen:
+    """One generate_dataset run in a child process (`resume_child`), for a test to kill."""
+    extra = [json.dumps(options)] if options else []
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), url, str(root)]
+        + extra,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def proven_reads(srv: ServerProcess, read_start: int, answered: set[tuple[str, int]]) -> list[tuple[str, float]]:
+    """(key, when the client had read it) of the answers `answered` (one run's: (key, attempt)) proven read so far,
+    from the `read_start`-th proof on."""
+    return [(k, t) for k, a, t in srv.read_by()[read_start:] if (k, a) in answered]
+
+
+def kill_once_read(
+    proc: subprocess.Popen,
+    srv: ServerProcess,
+    *,
+    reads: int,
+    max_written: int,
+    answered_start: int = 0,
+    read_start: int = 0,
+    deadline_s: float = 150.0,
+) -> float:
+    """Kill -9 the run `proc` once `reads` of its answers (those the server wrote from the `answered_start`-th on)
+    were read by the client more than GRACE_S + READ_SLACK_S ago, while the server had written fewer than
+    `max_written` of them (asserted: past that, the moment the test wants is gone). Returns the kill's time."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert proc.poll() is None, f"the run ended before its kill: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the run was never killed"
+        t_kill = time.time()
+        written = {(k, a) for k, a, _ in srv.answered()[answered_start:]}
+        proven = proven_reads(srv, read_start, written)
+        old = sum(1 for _, t in proven if t <= t_kill - GRACE_S - READ_SLACK_S)
+        assert len(written) < max_written, (
+            f"no moment to kill the run with fewer than {max_written} answers written: {len(written)} written, "
+            f"{len(proven)} proven read, {old} of them more than {GRACE_S + READ_SLACK_S} s ago"
+            + ("" if proven else " (none: does the client still reuse its connections?)")
+        )
+        if old >= reads:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+            return t_kill
+        time.sleep(0.01)
 
 
 class FileOpens:

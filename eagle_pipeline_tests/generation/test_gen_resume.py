@@ -6,8 +6,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,30 +18,21 @@ from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServe
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
 
 from .generation_helpers import (
+    GRACE_S,
+    READ_SLACK_S,
     SAMPLING,
     ServerProcess,
     committed_ids,
     drained,
     durable_ids,
+    kill_once_read,
     make_prompts,
     out_dirs,
+    proven_reads,
     run,
+    run_child,
     sim_backend,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _child(prompts_path: Path, url: str, root: Path, options: dict | None = None) -> subprocess.Popen:
-    extra = [json.dumps(options)] if options else []
-    return subprocess.Popen(
-        [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), url, str(root)]
-        + extra,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 @pytest.mark.slow
@@ -66,7 +55,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
             log_start = len(srv.request_log())
             seen_start = srv.total_requests
             kill_after = rng.randint(15, 60)
-            proc = _child(prompts_path, srv.url, tmp_path)
+            proc = run_child(prompts_path, srv.url, tmp_path)
             deadline = time.monotonic() + 45
             while srv.total_requests - seen_start < kill_after and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.002)
@@ -87,7 +76,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
         before_ids = durable_ids(out)
         before_keys = {key_of[s] for s in before_ids}
         log_start = len(srv.request_log())
-        proc = _child(prompts_path, srv.url, tmp_path)
+        proc = run_child(prompts_path, srv.url, tmp_path)
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-3000:]
         summary = json.loads(stdout.strip().splitlines()[-1])
@@ -137,14 +126,6 @@ def _torn_copy(out: Path, sample_id: str) -> int:
     return cut
 
 
-# The answer log's promise: an answer the client has read is durable (written to the log) within ~0.1 s.
-GRACE_S = 0.1
-# When the client read an answer is proven by the server (`LoopbackServer.read_by`): the next request on the
-# connection that carried it. The client appends the row to the log before it yields to its event loop, but the
-# connection is back in the pool a moment earlier, so another task may send that next request first: one pass of a
-# busy event loop (tens of milliseconds on a loaded 2-core machine). An answer read more than GRACE_S + READ_SLACK_S
-# before a kill must be durable after it.
-READ_SLACK_S = 0.05
 COMMIT_ROWS = 1000  # the commit window of the 2,000-in-flight runs (commit_every_s is out of reach)
 IN_FLIGHT = 2000
 
@@ -171,38 +152,6 @@ class _Kill:
     in_no_shard: int  # how many of them no committed shard held after the kill (only the log could keep them)
     lost_age_s: float  # how long before the kill the client had read the oldest answer that is not durable (0: none)
     rebought: set[str] = field(default_factory=set)  # the old answers the next run requested again
-
-
-def _reads(srv: ServerProcess, read_start: int, answered: set[tuple[str, int]]) -> list[tuple[str, float]]:
-    """(key, when the client had read it) of this run's answers proven read so far (`answered`: this run's)."""
-    return [(k, t) for k, a, t in srv.read_by()[read_start:] if (k, a) in answered]
-
-
-def _kill_inside_a_commit_window(
-    proc: subprocess.Popen, srv: ServerProcess, answered_start: int, read_start: int, rng: random.Random
-) -> float:
-    """Kill -9 the run once r of its answers (random, 100..400) were read by the client more than GRACE_S +
-    READ_SLACK_S ago while the server had written fewer than COMMIT_ROWS - 50 in all: the client holds too few rows for
-    its first commit, so only the answer log can keep those old answers. Returns the kill's time."""
-    r = rng.randint(100, 400)
-    deadline = time.monotonic() + 150
-    while True:
-        assert proc.poll() is None, f"the run ended before its kill: {proc.communicate()}"
-        assert time.monotonic() < deadline, "the run was never killed"
-        t_kill = time.time()
-        written = {(k, a) for k, a, _ in srv.answered()[answered_start:]}
-        reads = _reads(srv, read_start, written)
-        old = sum(1 for _, t in reads if t <= t_kill - GRACE_S - READ_SLACK_S)
-        assert len(written) < COMMIT_ROWS - 50, (
-            f"no moment to kill the run inside its first commit window: {len(written)} answers written, "
-            f"{len(reads)} proven read, {old} of them more than {GRACE_S + READ_SLACK_S} s ago"
-            + ("" if reads else " (none: does the client still reuse its connections?)")
-        )
-        if old >= r:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
-            return t_kill
-        time.sleep(0.01)
 
 
 @dataclass
@@ -241,9 +190,18 @@ def _kill_runs_at_2000_in_flight(
         for attempt in range(kills + 1):
             durable = {key_of[s] for s in durable_ids(out)}
             answered_start, read_start, arrivals_start = len(srv.answered()), len(srv.read_by()), len(srv.arrivals())
-            proc = _child(prompts_path, srv.url, tmp_path, options)
+            proc = run_child(prompts_path, srv.url, tmp_path, options)
             if attempt < kills:
-                t_kill = _kill_inside_a_commit_window(proc, srv, answered_start, read_start, rng)
+                # Fewer than COMMIT_ROWS - 50 written: the client holds too few rows for its first commit, so only
+                # the answer log can keep the old answers.
+                t_kill = kill_once_read(
+                    proc,
+                    srv,
+                    reads=rng.randint(100, 400),
+                    max_written=COMMIT_ROWS - 50,
+                    answered_start=answered_start,
+                    read_start=read_start,
+                )
             elif finish:
                 stdout, stderr = proc.communicate(timeout=240)
                 assert proc.returncode == 0, stderr[-3000:]
@@ -268,7 +226,7 @@ def _kill_runs_at_2000_in_flight(
             assert len(ids) == len(set(ids)), "a sample was committed twice"
             now_durable = {key_of[s] for s in durable_ids(out)}
             assert durable <= now_durable and len(now_durable) < n
-            reads = _reads(srv, read_start, {(k, a) for k, a, _ in srv.answered()[answered_start:]})
+            reads = proven_reads(srv, read_start, {(k, a) for k, a, _ in srv.answered()[answered_start:]})
             old = {k for k, t in reads if t <= t_kill - GRACE_S - READ_SLACK_S}
             lost = [t_kill - t for k, t in reads if k not in now_durable]
             runs.kills.append(_Kill(old, len(old - {key_of[s] for s in ids}), max(lost, default=0.0)))

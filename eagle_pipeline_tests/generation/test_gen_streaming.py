@@ -4,11 +4,8 @@ stream failure retried or recorded and never kept, keep-alives keeping long gene
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -28,18 +25,21 @@ from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 
 from .generation_helpers import (
+    GRACE_S,
+    READ_SLACK_S,
     SAMPLING,
+    ServerProcess,
     committed_ids,
     drained,
     durable_ids,
+    kill_once_read,
     make_prompts,
     out_dirs,
-    processed_by,
+    proven_reads,
     run,
+    run_child,
     sim_backend,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Columns that differ between two answers to the same request for reasons other than the answer itself.
 VOLATILE = {"latency_s", "started_at", "finished_at", "raw_response_json", "generation_id"}
@@ -190,9 +190,29 @@ def test_keepalives_keep_a_long_generation_alive(tmp_path):
     assert (s.completed, s.failed) == (0, 3) and s.errors_by_class == {"timeout": 3}
 
 
-@pytest.mark.slow
-def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
-    n, workers, grace_s = 40, 8, 0.1
+# ~0.5 s per streamed answer (about 25 chunks, 20 ms apart): a kill always finds 8 streams mid-way.
+KILL_STREAM = {"chunk_chars": 24, "chunk_delay_s": 0.02}
+OLD_S = GRACE_S + READ_SLACK_S
+
+
+@dataclass
+class _StreamKill:
+    """A streamed run of 40 prompts killed -9 inside its commit window, seen from the server's records and the files."""
+
+    prompts_path: Path
+    options: dict
+    key_of: dict[str, str]  # sample id -> request key
+    durable: set[str]  # request keys of the answers durable after the kill
+    old: set[str]  # request keys of the answers the client had read more than OLD_S before the kill
+    lost_age_s: float  # how long before the kill the client had read the oldest answer that is not durable (0: none)
+    first_run: set[str]  # request keys the killed run sent
+
+
+def _kill_a_streamed_run(tmp_path: Path, srv: ServerProcess, answer_log_s: float | None) -> _StreamKill:
+    """Run 40 streamed prompts at 8 in flight and kill -9 the run once the client had read 10 answers more than OLD_S
+    before (the server's proofs), far inside its commit window: no shard is written, only the answer log can keep
+    them."""
+    n = 40
     prompts = make_prompts(n)
     prompts_path = tmp_path / "prompts.parquet"
     pq.write_table(prompts, prompts_path)
@@ -201,61 +221,65 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
         for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
     }
     out, _ = out_dirs(tmp_path)
-    # A commit window the kill always falls inside: the answers it keeps are in the answer log only.
-    options = json.dumps({"backend": {"stream": True}, "commit_every_rows": 1000, "commit_every_s": 60.0})
+    options = {
+        "backend": {"stream": True},
+        "commit_every_rows": 1000,
+        "commit_every_s": 60.0,
+        "answer_log_s": answer_log_s,
+    }
+    proc = run_child(prompts_path, srv.url, tmp_path, options)
+    t_kill = kill_once_read(proc, srv, reads=10, max_written=n - 8, deadline_s=60)
+    drained(srv)
+    assert committed_ids(out)[0] == []  # nothing reached a shard: what survives is the log's
+    durable = {key_of[s] for s in durable_ids(out)}
+    reads = proven_reads(srv, 0, {(k, a) for k, a, _ in srv.answered()})
+    old = {k for k, t in reads if t <= t_kill - OLD_S}
+    lost = [t_kill - t for k, t in reads if k not in durable]
+    first_run = {key for key, _ in srv.arrivals()}
+    return _StreamKill(prompts_path, options, key_of, durable, old, max(lost, default=0.0), first_run)
 
-    def child() -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "eagle_pipeline_tests.generation.resume_child",
-                str(prompts_path),
-                srv.url,
-                str(tmp_path),
-                options,
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
+    """Kill -9 a streamed run (8 streams of ~0.5 s in flight) inside its commit window once at least 10 answers were
+    read by the client more than GRACE_S + READ_SLACK_S before, by the server's own records (a process of its own):
+    every answer read before that bound is durable (in the answer log) and never requested again; the rerun
+    requests exactly the prompts not durable, each once; the only prompts requested twice are the streams in flight
+    and answers read after the bound."""
+    out, _ = out_dirs(tmp_path)
+    with ServerProcess(stream=KILL_STREAM) as srv:
+        k = _kill_a_streamed_run(tmp_path, srv, answer_log_s=0.05)
+        assert 10 <= len(k.durable) < len(k.key_of)
+        assert len(k.old) >= 10 and k.old <= k.durable, (
+            f"{len(k.old)} answers read more than {OLD_S} s before the kill; one read {k.lost_age_s:.3f} s before it "
+            "is not durable"
         )
-
-    # ~0.5 s per streamed answer (about 25 chunks, 20 ms apart): a kill always finds 8 streams mid-way.
-    with SimulatedOpenRouterServer(stream={"chunk_chars": 24, "chunk_delay_s": 0.02}) as srv:
-        proc = child()
-        deadline = time.monotonic() + 60
-        while len(durable_ids(out)) < 10 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proc.poll() is None, proc.communicate()
-        t_kill = time.time()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-        drained(srv)
-        assert committed_ids(out)[0] == []  # nothing reached a shard: what survives is the log's
-        at_kill = durable_ids(out)
-        assert 10 <= len(at_kill) < n
-        arrivals = srv.arrivals()
-        first_run = {key for key, _ in arrivals}
-        committed_keys = {key_of[s] for s in at_kill}
-        in_flight = first_run - committed_keys
-        # Re-bought: the workers' streams, and answers read in the last 0.1 s (each later request proves one more
-        # answer read and logged before it was sent).
-        late = len(arrivals) - workers - processed_by(arrivals, t_kill - grace_s, workers)
-        assert 0 < len(in_flight) <= workers + late
-        log_start = len(arrivals)
-        proc = child()
+        in_flight = k.first_run - k.durable
+        assert in_flight  # the streams mid-way, requested again
+        log_start = len(srv.arrivals())
+        proc = run_child(k.prompts_path, srv.url, tmp_path, k.options)
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-3000:]
         second = [key for key, _ in srv.arrivals()[log_start:]]
     # The rerun requested exactly the prompts not durable at the kill, each once: nothing answered and logged was
-    # re-bought, and the only re-requests are the streams that were in flight (or answered in the last 0.1 s).
-    assert sorted(second) == sorted(set(key_of.values()) - committed_keys)
-    assert set(second) & first_run == in_flight
-    assert json.loads(stdout.strip().splitlines()[-1])["recovered_from_log"] == len(at_kill)
-    assert sorted(committed_ids(out)[0]) == sorted(key_of)
+    # re-bought, none of the answers read before the bound, and the only re-requests are those in flight.
+    assert sorted(second) == sorted(set(k.key_of.values()) - k.durable)
+    assert not (set(second) & k.old)
+    assert set(second) & k.first_run == in_flight
+    assert json.loads(stdout.strip().splitlines()[-1])["recovered_from_log"] == len(k.durable)
+    assert sorted(committed_ids(out)[0]) == sorted(k.key_of)
     rows = read_responses(out).to_pylist()
-    assert len(rows) == n and all(r["stream_chunks"] > 10 for r in rows)
+    assert len(rows) == len(k.key_of) and all(r["stream_chunks"] > 10 for r in rows)
+
+
+@pytest.mark.slow
+def test_without_the_answer_log_the_same_streamed_kill_loses_old_answers(tmp_path):
+    """The negative control of the test above: with the answer log off the same kill keeps none of the answers the
+    client had read more than GRACE_S + READ_SLACK_S before it, so that test's bound can fail."""
+    with ServerProcess(stream=KILL_STREAM) as srv:
+        k = _kill_a_streamed_run(tmp_path, srv, answer_log_s=None)
+    assert len(k.old) >= 10 and not (k.old & k.durable), (len(k.old), len(k.durable))
+    assert k.lost_age_s > OLD_S
 
 
 def _feed(lines: list[bytes], *, bytewise: bool = False, **kw) -> ChatStreamAssembler:

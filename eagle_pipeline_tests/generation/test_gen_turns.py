@@ -33,9 +33,7 @@ from eagle_pipeline.generation.turns import (
 )
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
 
-from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, FileOpens, out_dirs, run, sim_backend
-
-REPO = Path(__file__).resolve().parents[2]
+from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, FileOpens, out_dirs, run, run_child, sim_backend
 
 
 def _source(result_name: str | None = None, rounds: int = 2) -> list[dict]:
@@ -203,14 +201,7 @@ def test_simulated_server_rejects_a_tool_result_for_no_open_call(tmp_path):
 
 def _child(prompts_path: Path, url: str, root: Path) -> subprocess.Popen:
     options = {"regenerate": "all_turns", "dataset": "B5", "commit_every_rows": 1, "backend": {"concurrency": 1}}
-    return subprocess.Popen(
-        [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), url, str(root)]
-        + [json.dumps(options)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return run_child(prompts_path, url, root, options)
 
 
 def _committed_turns(out: Path) -> list[int]:
