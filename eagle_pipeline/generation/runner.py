@@ -191,6 +191,8 @@ async def agenerate_dataset(
         # One read of the shards serves the plan, its progress counts and the spend ledger.
         committed = store.read_committed(out_dir)
         plan = plan_requests(prompts, committed, limit, regenerate=regenerate)
+        committed_usd = committed.spend_usd
+        del committed  # its rows and done set are not needed past the plan: not held for the whole run
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
@@ -211,7 +213,7 @@ async def agenerate_dataset(
                 sampling=sampling,
                 sink=sink,
                 render_prompt_ids=render_prompt_ids,
-                ledger=SpendLedger(committed_usd=committed.spend_usd, budget_usd=budget_usd, run_budget=run_budget),
+                ledger=SpendLedger(committed_usd=committed_usd, budget_usd=budget_usd, run_budget=run_budget),
                 commit_every_rows=commit_every_rows,
                 commit_every_s=commit_every_s,
                 progress=progress,
