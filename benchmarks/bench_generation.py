@@ -14,7 +14,10 @@ half of the latency, so the client reads and parses them as they arrive.
 
 Clients:
   pipeline  eagle_pipeline.generation.generate_dataset (aiohttp, parsing, rows, Parquet commits): the real thing,
-            non-streaming (`stream: false`) and streaming (`stream: true`) in the same run
+            non-streaming (`stream: false`) and streaming (`stream: true`) in the same run; streaming with its
+            default worker processes (`stream_processes` unset: one per 500 in flight, at most one per CPU) and in
+            one event loop (`stream_processes: 0`). CPU counts every process of the client; peak RSS is the
+            client's plus, per worker process, the largest worker's peak
   aiohttp   a bare aiohttp ClientSession loop (one session, connector sized to the in-flight count)
   httpx     a bare httpx.AsyncClient loop (one pool sized to the in-flight count)
 
@@ -176,6 +179,12 @@ def _usage() -> tuple[float, int]:
     return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
 
 
+def _children_usage() -> tuple[float, int]:
+    """CPU seconds of this process's exited children (the stream worker processes) and the largest one's peak RSS."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+
+
 def bench_prompts(n: int):
     """`n` single-turn prompts of ~400 characters (the `prompts` table `generate_dataset` takes)."""
     import pyarrow as pa
@@ -204,7 +213,9 @@ def steady_of_responses(table, in_flight: int, latency: float) -> dict:
     return _steady(spans, in_flight, latency, min(starts) + 2 * latency, ordered[int(len(ordered) * 0.9)])
 
 
-def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bool = False) -> dict:
+def client_pipeline(
+    url: str, in_flight: int, n: int, latency: float, stream: bool = False, stream_processes: int | None = None
+) -> dict:
     from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
 
     sampling = SamplingSpec(seed=1, max_tokens=4096)
@@ -217,9 +228,12 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bo
         concurrency=in_flight,
         timeout_s=120,
         stream=stream,
+        stream_processes=stream_processes,
     )
+    workers = backend.stream_processes_for(in_flight)
     with tempfile.TemporaryDirectory() as d:
         cpu0, _ = _usage()
+        child0, _ = _children_usage()
         t0 = time.monotonic()
         s = generate_dataset(
             dataset="B1",
@@ -232,6 +246,11 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bo
         )
         wall = time.monotonic() - t0
         cpu1, rss = _usage()
+        child1, child_rss = _children_usage()
+        # Every process's CPU; RSS: this process's peak plus each worker's at most the largest worker's peak.
+        parent_cpu = cpu1 - cpu0
+        cpu1 += child1 - child0
+        rss += workers * child_rss
         t = read_responses(Path(d) / "r")
         chunks = t.column("stream_chunks").to_pylist()
         steady = steady_of_responses(t, in_flight, latency)
@@ -242,6 +261,8 @@ def client_pipeline(url: str, in_flight: int, n: int, latency: float, stream: bo
         "cpu_ms_per_response": 1000 * (cpu1 - cpu0) / max(1, s.completed),
         "peak_rss_mib": rss / 2**20,
         "mean_stream_chunks": sum(c or 0 for c in chunks) / max(1, len(chunks)),
+        "stream_processes": workers,
+        "parent_cpu_ms_per_response": 1000 * parent_cpu / max(1, s.completed),
         **steady,
     }
 
@@ -387,11 +408,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only-stream", action="store_true", help="only the non-streaming and streaming pipeline rows")
+    ap.add_argument("--stream-processes", type=int, help="worker processes of the streaming row (default: unset)")
     args = ap.parse_args()
+    procs = "" if args.stream_processes is None else f":{args.stream_processes}"
     q = args.quick
     runs = [
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline (uvloop)"),
-        ("pipeline-stream", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline, streaming"),
+        ("pipeline-stream" + procs, 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline, streaming"),
+        ("pipeline-stream:0", 2000, 2.0, 8000 if q else 20000, 600.0, None, "streaming, one loop"),
         ("pipeline", 2000, 5.0, 6000 if q else 10000, 600.0, None, "pipeline (uvloop)"),
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, {"EAGLE_NO_UVLOOP": "1"}, "pipeline (asyncio loop)"),
         ("aiohttp", 2000, 2.0, 0, 10.0 if q else 16.0, None, "bare aiohttp"),
@@ -408,9 +432,12 @@ def main() -> None:
     )
     print(header)
     if args.only_stream:
-        runs = runs[:2]
+        runs = runs[:3]
+    steady: dict[str, float] = {}
     for client, inflight, latency, n, duration, env, label in runs:
         r = scenario(client, inflight, latency, n, duration, env)
+        if r.get("stream_processes"):
+            label = f"{label}, {r['stream_processes']} procs"
         if "error" in r:
             print(
                 f"{label:<24} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
@@ -422,6 +449,13 @@ def main() -> None:
             f"{(r['server_cpu_s'] or 0):>9.1f}",
             flush=True,
         )
+        if r.get("stream_processes"):
+            print(f"#   of which the run's own process: {r['parent_cpu_ms_per_response']:.2f} ms/resp", flush=True)
+        if client.startswith("pipeline") and latency == 2.0 and not env:
+            steady[label] = r["steady_per_s"]
+    base = next(iter(steady.values()), 0.0)
+    for label, rate in list(steady.items())[1:]:
+        print(f"# {label} / non-streaming steady throughput: {rate / base if base else float('nan'):.2f}")
 
 
 if __name__ == "__main__":
@@ -437,7 +471,9 @@ if __name__ == "__main__":
             float(sys.argv[7]),
         )
         if kind.startswith("pipeline"):
-            res = client_pipeline(url, inflight, n, latency, stream=kind == "pipeline-stream")
+            kind, _, procs = kind.partition(":")  # pipeline-stream:N: N worker processes
+            stream, n_procs = kind == "pipeline-stream", int(procs) if procs else None
+            res = client_pipeline(url, inflight, n, latency, stream=stream, stream_processes=n_procs)
         else:
             res = client_bare(kind, url, inflight, n, latency, duration)
         print(json.dumps(res))

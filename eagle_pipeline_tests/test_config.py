@@ -195,6 +195,29 @@ def test_answer_log_interval_is_checked_and_no_part_of_any_sample_id(tmp_path):
         assert dataset_prompts_table(cfg.datasets[name]).equals(dataset_prompts_table(base.datasets[name])), name
 
 
+def test_stream_processes_is_checked_where_it_is_written(tmp_path):
+    """backends.<name>.stream_processes: an integer >= 0, only where the backend streams; the file and line named."""
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in raw["datasets"]:
+        d["prompts"] = str(DEFAULT_CONFIG.parent / d["prompts"])
+    p = tmp_path / "pipeline.yaml"
+    for backend, value, problem in (
+        ("openrouter", -1, "must be >= 0"),
+        ("vllm", 2, "carries streamed answers only; set `stream: true`"),  # vLLM does not stream by default
+    ):
+        bad = yaml.safe_load(yaml.safe_dump(raw))
+        bad["backends"][backend]["stream_processes"] = value
+        p.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError) as exc:
+            load_config(p)
+        assert exc.value.problems == [
+            f"backends.{backend}.stream_processes: {problem} (line {_line_of(p, 'stream_processes:')})"
+        ]
+    raw["backends"]["vllm"].update(stream=True, stream_processes=2)
+    p.write_text(yaml.safe_dump(raw))
+    assert load_config(p).backends["vllm"].stream_processes_for(8) == 2
+
+
 def test_a_bad_gate_action_is_reported_once_at_its_path(tmp_path):
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
     for d in raw["datasets"]:

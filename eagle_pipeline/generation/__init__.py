@@ -1,20 +1,52 @@
 """Response generation: backends (OpenRouter, vLLM, SGLang, import, simulated), the exactly-once runner, and the
 loopback servers that stand in for the real endpoints. See docs/generation.md (module map in docs/architecture.md)."""
 
-from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
-from eagle_pipeline.generation.failures import RequestFailure
-from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
-from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
-from eagle_pipeline.generation.simulated import (
-    SimulatedOpenRouterServer,
-    SimulatedSGLangServer,
-    SimulatedVLLMServer,
-    ids_key,
-    request_key,
-)
-from eagle_pipeline.generation.spec import BackendKind, BackendSpec, SamplingSpec
-from eagle_pipeline.generation.store import read_errors, read_responses
-from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
+    from eagle_pipeline.generation.failures import RequestFailure
+    from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
+    from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
+    from eagle_pipeline.generation.simulated import (
+        SimulatedOpenRouterServer,
+        SimulatedSGLangServer,
+        SimulatedVLLMServer,
+        ids_key,
+        request_key,
+    )
+    from eagle_pipeline.generation.spec import BackendKind, BackendSpec, SamplingSpec
+    from eagle_pipeline.generation.store import read_errors, read_responses
+    from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
+
+# Imported on first use: a stream worker process (`stream_workers`) imports only the modules it runs, not the
+# runner's Parquet and configuration stack (~0.3 s and 35 MiB per process instead of ~1.4 s and 104 MiB).
+_EXPORTS = {
+    "BackendKind": "eagle_pipeline.generation.spec",
+    "BackendSpec": "eagle_pipeline.generation.spec",
+    "ERRORS_SCHEMA": "eagle_pipeline.generation.rows",
+    "GenerationSummary": "eagle_pipeline.generation.summary",
+    "ProgressEvent": "eagle_pipeline.generation.summary",
+    "RESPONSES_SCHEMA": "eagle_pipeline.generation.rows",
+    "RequestFailure": "eagle_pipeline.generation.failures",
+    "SamplingSpec": "eagle_pipeline.generation.spec",
+    "SimulatedOpenRouterServer": "eagle_pipeline.generation.simulated",
+    "SimulatedSGLangServer": "eagle_pipeline.generation.simulated",
+    "SimulatedVLLMServer": "eagle_pipeline.generation.simulated",
+    "SpendTracker": "eagle_pipeline.generation.budget",
+    "agenerate_dataset": "eagle_pipeline.generation.runner",
+    "committed_totals": "eagle_pipeline.generation.summary",
+    "generate_dataset": "eagle_pipeline.generation.runner",
+    "ids_key": "eagle_pipeline.generation.simulated",
+    "pipeline_budget": "eagle_pipeline.generation.budget",
+    "read_errors": "eagle_pipeline.generation.store",
+    "read_responses": "eagle_pipeline.generation.store",
+    "request_key": "eagle_pipeline.generation.simulated",
+}
+
 
 __all__ = [
     "ERRORS_SCHEMA",
@@ -38,3 +70,10 @@ __all__ = [
     "read_responses",
     "request_key",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

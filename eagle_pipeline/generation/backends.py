@@ -16,7 +16,6 @@ from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.client import HttpClient
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
-from eagle_pipeline.generation.stream import ChatStreamAssembler
 
 RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], "list[int]"]
 
@@ -258,15 +257,14 @@ class _ChatBackend(HttpBackend):
     async def exchange(self, client: HttpClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
         if not self.stream:
             return await super().exchange(client, item, attempt)
-        events = ChatStreamAssembler(keepalive_only_max_s=self.spec.max_keepalive_only_s)
-        status, raw, retry_after = await client.post(self.url, self.build_body(item, attempt), events)
-        if raw is not None:  # an error status, or a server that answered with a plain JSON body
-            return self.parse(status, raw, retry_after, item)
-        body = events.body()
-        parsed = parse_chat_completion(body, status, want_ids=self.want_ids, spec=self.spec)
-        parsed.stream_chunks, parsed.stream_keepalives = events.chunks, events.keepalives
+        s = await client.post_streamed(self.url, self.build_body(item, attempt), self.spec.max_keepalive_only_s)
+        if s.raw is not None:  # an error status, or a server that answered with a plain JSON body
+            return self.parse(s.status, s.raw, s.retry_after_s, item)
+        assert s.text is not None and s.body is not None
+        parsed = parse_chat_completion(s.body, s.status, want_ids=self.want_ids, spec=self.spec)
+        parsed.stream_chunks, parsed.stream_keepalives = s.chunks, s.keepalives
         # The stored body is the assembled equivalent of the non-streaming answer.
-        return events.body_json(body), parsed
+        return s.text, parsed
 
     def static_body(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -7,17 +7,23 @@ does work proportional to its size (measurements in docs/generation.md).
 Timeouts: `timeout_s` bounds connecting and each read (no byte from the server for that long fails the attempt),
 not the whole request: a streamed answer that keeps sending data or keep-alive comments may run as long as it needs.
 `max_request_s` is an optional overall cap.
+
+Streamed answers (`post_streamed`) are read and assembled in this event loop, or by a `Streamer` the run hands in
+(`stream_workers`: child processes): a streamed answer costs ~2.5x the client CPU of a plain one, and at thousands of
+streams in flight one loop is the limit.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 
 from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.failures import RequestFailure
+from eagle_pipeline.generation.stream import ChatStreamAssembler
 
 
 class StreamSink(Protocol):
@@ -26,8 +32,31 @@ class StreamSink(Protocol):
     def feed(self, data: bytes) -> None: ...
 
 
+@dataclass(slots=True)
+class Streamed:
+    """One streamed exchange: the assembled chat completion, or the whole body of an answer that was not a stream."""
+
+    status: int
+    retry_after_s: float | None
+    raw: bytes | None  # an error status or a plain JSON body, whole (then `text` and `body` are None)
+    text: str | None = None  # the assembled chat completion as compact JSON: the stored `raw_response_json`
+    body: dict[str, Any] | None = None  # `text` decoded
+    chunks: int = 0  # data chunks received
+    keepalives: int = 0  # keep-alive comments received
+
+
+class Streamer(Protocol):
+    """Carries streamed exchanges elsewhere (`stream_workers.StreamWorkers`: in child processes)."""
+
+    async def post_streamed(self, url: str, body: bytes, keepalive_only_max_s: float | None) -> Streamed: ...
+
+
 class HttpClient:
-    """POSTs JSON bytes and returns (status, raw body, Retry-After seconds); transport failures become RequestFailure."""
+    """POSTs JSON bytes and returns (status, raw body, Retry-After seconds); transport failures become RequestFailure.
+
+    With a `streamer`, streamed answers (`post_streamed`) are read and assembled by it instead of this event loop;
+    everything else (retries, rows, the log, the budget) stays with the caller.
+    """
 
     def __init__(
         self,
@@ -36,7 +65,9 @@ class HttpClient:
         timeout_s: float,
         headers: dict[str, str] | None = None,
         max_request_s: float | None = None,
+        streamer: Streamer | None = None,
     ) -> None:
+        self._streamer = streamer
         self._concurrency = concurrency
         self._timeout = aiohttp.ClientTimeout(
             total=max_request_s, connect=None, sock_connect=timeout_s, sock_read=timeout_s
@@ -67,6 +98,13 @@ class HttpClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def post_streamed(self, url: str, body: bytes, keepalive_only_max_s: float | None) -> Streamed:
+        """POST a `stream: true` request and return the assembled answer (`Streamed`), through the streamer when
+        the client has one; a failed stream raises RequestFailure (stream.ChatStreamAssembler's classes)."""
+        if self._streamer is not None:
+            return await self._streamer.post_streamed(url, body, keepalive_only_max_s)
+        return await assemble_streamed(self, url, body, keepalive_only_max_s)
 
     async def post(
         self, url: str, body: bytes, events: StreamSink | None = None
@@ -103,3 +141,13 @@ class HttpClient:
             ) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise RequestFailure(F.CONNECTION, F.truncate(f"{type(exc).__name__}: {exc}"), True) from None
+
+
+async def assemble_streamed(client: HttpClient, url: str, body: bytes, keepalive_only_max_s: float | None) -> Streamed:
+    """One streamed exchange through `client`, assembled in this event loop (what every worker process runs too)."""
+    events = ChatStreamAssembler(keepalive_only_max_s=keepalive_only_max_s)
+    status, raw, retry_after = await client.post(url, body, events)
+    if raw is not None:  # an error status, or a server that answered with a plain JSON body
+        return Streamed(status, retry_after, raw)
+    obj = events.body()
+    return Streamed(status, retry_after, None, events.body_json(obj), obj, events.chunks, events.keepalives)

@@ -37,6 +37,7 @@ from eagle_pipeline.generation.retire import complete_pending_retirements
 from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.stream_workers import stream_workers
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
 
@@ -114,13 +115,24 @@ async def _generate_live(
                 run.n_workers,
             )
             if plan.items:
+                headers = _request_headers(spec, key)
                 with gc_tuned():
-                    async with HttpClient(
-                        concurrency=run.n_workers,
-                        timeout_s=spec.timeout_s,
-                        max_request_s=spec.max_request_s,
-                        headers=_request_headers(spec, key),
-                    ) as client:
+                    async with (
+                        stream_workers(  # the same connection settings in every worker process
+                            spec.stream_processes_for(run.n_workers),
+                            concurrency=run.n_workers,
+                            timeout_s=spec.timeout_s,
+                            max_request_s=spec.max_request_s,
+                            headers=headers,
+                        ) as streamer,
+                        HttpClient(
+                            concurrency=run.n_workers,
+                            timeout_s=spec.timeout_s,
+                            max_request_s=spec.max_request_s,
+                            headers=headers,
+                            streamer=streamer,
+                        ) as client,
+                    ):
                         await run.run(client)
     finally:
         # Whatever happened (a stop, cancellation, a bug), commit every row and error in hand.

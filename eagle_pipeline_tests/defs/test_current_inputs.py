@@ -112,12 +112,14 @@ def _data_version(instance, key: str) -> str:
 
 
 def test_the_configured_answer_log_interval_reaches_the_runner_and_invalidates_nothing(pipeline_config, instance):
-    """generation.answer_log_s is the interval of the run's answer log; changing it changes what a kill can lose, not
-    the rows: the next run requests nothing, the prompts stay the same version and the token samples the same rows
-    (each token_samples file carries its run id, so its own version is new on every run)."""
+    """generation.answer_log_s is the interval of the run's answer log, and a backend's stream_processes the number
+    of worker processes its streams are read in; changing them changes what a kill can lose and where the CPU is
+    spent, not the rows: the next run requests nothing, the prompts stay the same version and the token samples the
+    same rows (each token_samples file carries its run id, so its own version is new on every run)."""
     path = pipeline_config(datasets=("B1",), limit=4)
     raw = yaml.safe_load(path.read_text())
     raw["generation"]["answer_log_s"] = 0.02
+    raw["backends"]["simulated"].update(stream=True, stream_processes=1)  # streamed, through a worker process
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     defs = build_defs()
     assert _run(defs, instance).success
@@ -125,8 +127,11 @@ def test_the_configured_answer_log_interval_reaches_the_runner_and_invalidates_n
     assert meta["answer_log_s"] == 0.02 and meta["completed_this_run"] == 4
     prompts_version = _data_version(instance, "prompts")
     tokens = pq.read_table(DataRoot(load_config(path).data_root).tokens("B1"))
+    responses = read_responses(DataRoot(load_config(path).data_root).responses_dir("B1"))
+    assert all(n and n > 1 for n in responses.column("stream_chunks").to_pylist())
 
     raw["generation"]["answer_log_s"] = 0.5
+    raw["backends"]["simulated"]["stream_processes"] = 0
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     assert _run(defs, instance).success
     meta = _responses_meta(instance)

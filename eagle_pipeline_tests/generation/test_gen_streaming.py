@@ -55,12 +55,17 @@ def _answer_cols(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in VOLATILE | STREAM_COLS}
 
 
-def test_streamed_rows_equal_non_streamed_rows_and_token_samples(tmp_path, kimi_dir):
+# Streamed answers are read in the run's event loop (0) or in worker processes (stream_workers.py): the same rows.
+PROCESSES = pytest.mark.parametrize("procs", [0, 2], ids=["one-loop", "2-workers"])
+
+
+@PROCESSES
+def test_streamed_rows_equal_non_streamed_rows_and_token_samples(tmp_path, kimi_dir, procs):
     kimi = load_tokenizer(kimi_dir)
     prompts = make_prompts(24, tools_every=2)
     # Small deltas: many chunks per answer, tool-call arguments cut every 2 characters.
     with SimulatedOpenRouterServer(stream={"chunk_chars": 9}) as srv:
-        s1 = run(prompts, sim_backend(srv.url, stream=True), tmp_path / "streamed")
+        s1 = run(prompts, sim_backend(srv.url, stream=True, stream_processes=procs), tmp_path / "streamed")
         s2 = run(prompts, sim_backend(srv.url, stream=False), tmp_path / "plain")
         bodies = [srv.body_for(request_key(mj, SAMPLING.seed)) for mj in prompts.column("messages_json").to_pylist()]
     assert s1.completed == s2.completed == 24 and s1.failed == s2.failed == 0
@@ -97,13 +102,14 @@ def encode(text: str) -> list[int]:
     return [b + 10 for b in text.encode("utf-8")]
 
 
-def test_vllm_streamed_ids_equal_non_streamed(tmp_path):
+@PROCESSES
+def test_vllm_streamed_ids_equal_non_streamed(tmp_path, procs):
     prompts = make_prompts(10, tools_every=3)
     kw = dict(encode=encode, think_start_id=3, think_end_id=4, eos_id=2)
     with SimulatedVLLMServer(stream={"chunk_chars": 11}, **kw) as srv:
         base = dict(name="vllm-local", kind="vllm", endpoint=srv.url, model="m", concurrency=4, max_retries=1)
         assert BackendSpec(**base).effective_stream is False  # off by default for vLLM
-        s1 = run(prompts, BackendSpec(**base, stream=True), tmp_path / "streamed")
+        s1 = run(prompts, BackendSpec(**base, stream=True, stream_processes=procs), tmp_path / "streamed")
         key = request_key(prompts.column("messages_json").to_pylist()[0], SAMPLING.seed)
         body = srv.body_for(key)
         s2 = run(prompts, BackendSpec(**base), tmp_path / "plain")
@@ -126,14 +132,15 @@ FAULT_CLASS = {
 }
 
 
+@PROCESSES
 @pytest.mark.parametrize("fault", STREAM_FAULTS)
-def test_stream_failures_are_recorded_then_retried_never_kept(tmp_path, fault):
+def test_stream_failures_are_recorded_then_retried_never_kept(tmp_path, fault, procs):
     assert set(FAULT_CLASS) == set(STREAM_FAULTS)
     prompts = make_prompts(4, tools_every=2)
     keys = {request_key(mj, SAMPLING.seed) for mj in prompts.column("messages_json").to_pylist()}
     with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}) as clean:
         run(prompts, sim_backend(clean.url, stream=True), tmp_path / "clean")
-    spec = dict(stream=True, timeout_s=0.5, max_keepalive_only_s=0.6)
+    spec = dict(stream=True, timeout_s=0.5, max_keepalive_only_s=0.6, stream_processes=procs)
     faults = {fault: 1.0, "timeout_sleep_s": 5.0}  # every request's first attempt fails
     with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}, faults=faults) as srv:
         # No retries: every first attempt fails, is recorded, and no partial row is kept.
@@ -176,12 +183,14 @@ def test_overall_cap_ends_a_never_ending_trickle(tmp_path):
     assert elapsed < 10
 
 
-def test_keepalives_keep_a_long_generation_alive(tmp_path):
+@PROCESSES
+def test_keepalives_keep_a_long_generation_alive(tmp_path, procs):
     """2 s of silent thinking with keep-alives every 0.1 s completes under a 0.5 s idle timeout, which would have cut
     the same wait on a silent (non-streaming) connection."""
     prompts = make_prompts(3)
     with SimulatedOpenRouterServer(stream={"thinking_s": 2.0, "keepalive_s": 0.1}) as srv:
-        s = run(prompts, sim_backend(srv.url, stream=True, timeout_s=0.5, max_retries=0), tmp_path / "streamed")
+        spec = sim_backend(srv.url, stream=True, timeout_s=0.5, max_retries=0, stream_processes=procs)
+        s = run(prompts, spec, tmp_path / "streamed")
     assert (s.completed, s.failed) == (3, 0)
     rows = _rows(tmp_path / "streamed").values()
     assert all(r["stream_keepalives"] >= 15 and r["attempts"] == 1 and r["latency_s"] >= 2.0 for r in rows)
