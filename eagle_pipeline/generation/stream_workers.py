@@ -191,7 +191,9 @@ class StreamWorkers:
         ).encode()
         self._children: list[_Child] = []
         self._restarts = [0] * n
-        self._restarting: dict[int, asyncio.Task[None]] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._restarting = 0  # restarts in progress
+        self._changed: asyncio.Event | None = None  # set when a restart ends (a process is back, or given up)
         self._next_id = 0
         self.stats: list[dict[str, Any]] = []
         self._closed = False
@@ -204,8 +206,9 @@ class StreamWorkers:
         if failed:
             await self.close()
             raise failed[0]
+        self._changed = asyncio.Event()
         for child in self._children:
-            asyncio.get_running_loop().create_task(self._watch(child))
+            self._watchers.add(asyncio.get_running_loop().create_task(self._watch(child)))
 
     async def _spawn(self, slot: int) -> _Child:
         loop = asyncio.get_running_loop()
@@ -237,31 +240,39 @@ class StreamWorkers:
         if self._closed or child.closing:
             return
         await self._stop(child)  # reap it, keep its figures
-        if self._restarts[child.slot] >= MAX_RESTARTS_PER_PROCESS:
-            return
-        self._restarts[child.slot] += 1
-        try:
-            fresh = await self._spawn(child.slot)
-        except Exception:
-            return  # `_pick` reports that no process is left, if none is
-        if self._closed:
-            await self._stop(fresh)
-            return
-        self._children[self._children.index(child)] = fresh
-        asyncio.get_running_loop().create_task(self._watch(fresh))
+        if self._restarts[child.slot] < MAX_RESTARTS_PER_PROCESS:
+            self._restarts[child.slot] += 1
+            self._restarting += 1
+            try:
+                fresh: _Child | None = await self._spawn(child.slot)
+            except Exception:
+                fresh = None  # `_pick` reports it if no process is left; the start's error went to stderr
+            self._restarting -= 1
+            if fresh is not None and self._closed:
+                await self._stop(fresh)
+            elif fresh is not None:
+                self._children[self._children.index(child)] = fresh
+                self._watchers.add(asyncio.get_running_loop().create_task(self._watch(fresh)))
+        assert self._changed is not None
+        self._changed.set()
 
-    def _pick(self) -> _Child:
-        alive = [c for c in self._children if c.alive]
-        if not alive:
-            raise RuntimeError(
-                f"all {self.n} stream worker processes stopped "
-                f"(restarted {sum(self._restarts)} times; their errors: stderr above)"
-            )
-        return min(alive, key=lambda c: len(c.pending))
+    async def _pick(self) -> _Child:
+        """The live process with the fewest requests in flight; waits while the only ones left are restarting."""
+        while True:
+            alive = [c for c in self._children if c.alive]
+            if alive:
+                return min(alive, key=lambda c: len(c.pending))
+            if not self._restarting or self._changed is None:
+                raise RuntimeError(
+                    f"all {self.n} stream worker processes stopped "
+                    f"(restarted {sum(self._restarts)} times; their errors: stderr above)"
+                )
+            self._changed.clear()
+            await self._changed.wait()
 
     async def post_streamed(self, url: str, body: bytes, keepalive_only_max_s: float | None) -> Streamed:
         """`client.assemble_streamed` in the least busy worker process."""
-        child = self._pick()
+        child = await self._pick()
         self._next_id = rid = (self._next_id + 1) & 0xFFFFFFFF
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         if not child.send(frame(REQUEST, rid, json.dumps([url, keepalive_only_max_s]).encode() + b"\n" + body)):
@@ -294,6 +305,7 @@ class StreamWorkers:
         """Close every process's stdin (it cancels its exchanges and exits) and wait for it; kill a stuck one."""
         self._closed = True
         await asyncio.gather(*(self._stop(c) for c in self._children))
+        await asyncio.gather(*self._watchers)  # a restart under way stops what it started
 
     async def _stop(self, child: _Child) -> None:
         child.closing = True
