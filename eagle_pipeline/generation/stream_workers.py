@@ -192,7 +192,7 @@ class StreamWorkers:
         self._children: list[_Child] = []
         self._restarts = [0] * n
         self._watchers: set[asyncio.Task[None]] = set()
-        self._restarting = 0  # restarts in progress
+        self._given_up = [False] * n  # a slot whose process died and will not be started again
         self._changed: asyncio.Event | None = None  # set when a restart ends (a process is back, or given up)
         self._next_id = 0
         self.stats: list[dict[str, Any]] = []
@@ -240,19 +240,18 @@ class StreamWorkers:
         if self._closed or child.closing:
             return
         await self._stop(child)  # reap it, keep its figures
+        fresh: _Child | None = None
         if self._restarts[child.slot] < MAX_RESTARTS_PER_PROCESS:
             self._restarts[child.slot] += 1
-            self._restarting += 1
-            try:
-                fresh: _Child | None = await self._spawn(child.slot)
-            except Exception:
-                fresh = None  # `_pick` reports it if no process is left; the start's error went to stderr
-            self._restarting -= 1
-            if fresh is not None and self._closed:
-                await self._stop(fresh)
-            elif fresh is not None:
-                self._children[self._children.index(child)] = fresh
-                self._watchers.add(asyncio.get_running_loop().create_task(self._watch(fresh)))
+            with contextlib.suppress(Exception):  # a failed start's error went to stderr; `_pick` reports the end
+                fresh = await self._spawn(child.slot)
+        if fresh is not None and self._closed:
+            await self._stop(fresh)
+        elif fresh is not None:
+            self._children[self._children.index(child)] = fresh
+            self._watchers.add(asyncio.get_running_loop().create_task(self._watch(fresh)))
+        else:
+            self._given_up[child.slot] = True
         assert self._changed is not None
         self._changed.set()
 
@@ -262,7 +261,7 @@ class StreamWorkers:
             alive = [c for c in self._children if c.alive]
             if alive:
                 return min(alive, key=lambda c: len(c.pending))
-            if not self._restarting or self._changed is None:
+            if all(self._given_up) or self._changed is None:
                 raise RuntimeError(
                     f"all {self.n} stream worker processes stopped "
                     f"(restarted {sum(self._restarts)} times; their errors: stderr above)"
