@@ -14,10 +14,10 @@ half of the latency, so the client reads and parses them as they arrive.
 
 Clients:
   pipeline  eagle_pipeline.generation.generate_dataset (aiohttp, parsing, rows, Parquet commits): the real thing,
-            non-streaming (`stream: false`) and streaming (`stream: true`) in the same run; streaming with its
-            default worker processes (`stream_processes` unset: one per 500 in flight, at most one per CPU) and in
-            one event loop (`stream_processes: 0`). CPU counts every process of the client; peak RSS is the
-            client's plus, per worker process, the largest worker's peak
+            non-streaming (`stream: false`) and streaming (`stream: true`) in the same run; streaming as configured
+            by default (`stream_processes` unset: one worker process per 500 in flight, at most one per CPU) and
+            with `--stream-processes` workers (default 0: in the run's own event loop). CPU counts every process of
+            the client; peak RSS is the client's plus, per worker, the largest worker's peak
   aiohttp   a bare aiohttp ClientSession loop (one session, connector sized to the in-flight count)
   httpx     a bare httpx.AsyncClient loop (one pool sized to the in-flight count)
 
@@ -408,14 +408,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only-stream", action="store_true", help="only the non-streaming and streaming pipeline rows")
-    ap.add_argument("--stream-processes", type=int, help="worker processes of the streaming row (default: unset)")
+    ap.add_argument(
+        "--stream-processes", type=int, default=0, help="worker processes of the second streaming row (0: one loop)"
+    )
     args = ap.parse_args()
-    procs = "" if args.stream_processes is None else f":{args.stream_processes}"
+    procs = str(args.stream_processes)
     q = args.quick
     runs = [
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline (uvloop)"),
-        ("pipeline-stream" + procs, 2000, 2.0, 8000 if q else 20000, 600.0, None, "pipeline, streaming"),
-        ("pipeline-stream:0", 2000, 2.0, 8000 if q else 20000, 600.0, None, "streaming, one loop"),
+        ("pipeline-stream", 2000, 2.0, 8000 if q else 20000, 600.0, None, "streaming (default)"),
+        ("pipeline-stream:" + procs, 2000, 2.0, 8000 if q else 20000, 600.0, None, "streaming"),
         ("pipeline", 2000, 5.0, 6000 if q else 10000, 600.0, None, "pipeline (uvloop)"),
         ("pipeline", 2000, 2.0, 8000 if q else 20000, 600.0, {"EAGLE_NO_UVLOOP": "1"}, "pipeline (asyncio loop)"),
         ("aiohttp", 2000, 2.0, 0, 10.0 if q else 16.0, None, "bare aiohttp"),
@@ -427,24 +429,25 @@ def main() -> None:
         f"# generation client benchmark: {cores} cores, python {sys.version.split()[0]}, loopback server in a separate process"
     )
     header = (
-        f"{'client':<24} {'in flight':>9} {'latency':>7} {'done':>7} {'fail':>5} {'steady/s':>9} {'ideal/s':>8} {'share':>6} "
+        f"{'client':<30} {'in flight':>9} {'latency':>7} {'done':>7} {'fail':>5} {'steady/s':>9} {'ideal/s':>8} {'share':>6} "
         f"{'overall/s':>9} {'cpu ms/resp':>11} {'peak RSS':>9} {'wall s':>7} {'srv cpu s':>9}"
     )
     print(header)
     if args.only_stream:
-        runs = runs[:3]
+        runs = runs[:3]  # non-streaming, streaming by default, streaming with --stream-processes workers
     steady: dict[str, float] = {}
     for client, inflight, latency, n, duration, env, label in runs:
         r = scenario(client, inflight, latency, n, duration, env)
-        if r.get("stream_processes"):
-            label = f"{label}, {r['stream_processes']} procs"
+        if client.startswith("pipeline-stream"):
+            n_procs = r.get("stream_processes", 0)
+            label = f"{label}, {n_procs} workers" if n_procs else f"{label}, one loop"
         if "error" in r:
             print(
-                f"{label:<24} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
+                f"{label:<30} {inflight:>9} {latency:>6.0f}s  ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
             )
             continue
         print(
-            f"{label:<24} {inflight:>9} {latency:>6.0f}s {r['completed']:>7} {r['failed']:>5} {r['steady_per_s']:>9.0f} {inflight / latency:>8.0f} "
+            f"{label:<30} {inflight:>9} {latency:>6.0f}s {r['completed']:>7} {r['failed']:>5} {r['steady_per_s']:>9.0f} {inflight / latency:>8.0f} "
             f"{100 * r['share_of_ideal']:>5.0f}% {r['completed'] / r['wall_s']:>9.0f} {r['cpu_ms_per_response']:>11.2f} {r['peak_rss_mib']:>6.0f} MiB {r['wall_s']:>7.1f} "
             f"{(r['server_cpu_s'] or 0):>9.1f}",
             flush=True,

@@ -163,15 +163,16 @@ class BackendSpec(SpecBase):
         """Worker processes that read and assemble streamed answers at `in_flight` requests (0: the run's own event
         loop; always 0 without streaming; never more than the requests in flight).
 
-        Unset: one per `STREAMS_PER_PROCESS` in flight, leaving one usable CPU to the run's own process. A streamed
-        answer costs ~1 ms of client CPU in one event loop, which therefore keeps up with ~1,000 answers/s at most,
-        and real streams arrive a token or a few per chunk (docs/generation.md, Streaming).
+        Unset: one per `STREAMS_PER_PROCESS` in flight, at most one per usable CPU (the run's own process then needs
+        ~0.2 ms of CPU per streamed answer). A streamed answer costs ~1 ms of client CPU in one event loop, which
+        therefore keeps up with ~1,000 answers/s at most, and real streams arrive a token or a few per chunk
+        (docs/generation.md, Worker processes for streams).
         """
         if not self.effective_stream:
             return 0
         n = self.stream_processes
         if n is None:
-            n = min(_usable_cpus() - 1, in_flight // STREAMS_PER_PROCESS)
+            n = min(_usable_cpus(), in_flight // STREAMS_PER_PROCESS)
         return max(0, min(n, in_flight))
 
     @property

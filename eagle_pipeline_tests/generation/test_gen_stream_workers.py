@@ -262,7 +262,8 @@ def test_frames_cut_anywhere_read_whole():
 def test_stream_processes_setting():
     base = dict(name="o", kind="openrouter", endpoint="http://x")
     cpus = len(os.sched_getaffinity(0))
-    assert BackendSpec(**base).stream_processes_for(2000) == min(cpus - 1, 4)
+    assert BackendSpec(**base).stream_processes_for(2000) == min(cpus, 4)
+    assert BackendSpec(**base).stream_processes_for(1000) == min(cpus, 2)
     assert BackendSpec(**base).stream_processes_for(499) == 0
     assert BackendSpec(**base, stream_processes=3).stream_processes_for(2000) == 3
     assert BackendSpec(**base, stream_processes=3).stream_processes_for(2) == 2  # never more than in flight
