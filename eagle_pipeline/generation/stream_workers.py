@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import resource
 import struct
@@ -48,6 +49,8 @@ from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.aio import gc_tuned, run_coroutine
 from eagle_pipeline.generation.client import HttpClient, Streamed, assemble_streamed
 from eagle_pipeline.generation.failures import RequestFailure
+
+log = logging.getLogger("eagle_pipeline.generation")
 
 INIT, READY, REQUEST, CANCEL, ANSWER, FAILURE, CRASH, STATS = range(8)
 _HEAD = struct.Struct("<BII")
@@ -301,10 +304,19 @@ class StreamWorkers:
         )
 
     async def close(self) -> None:
-        """Close every process's stdin (it cancels its exchanges and exits) and wait for it; kill a stuck one."""
+        """Close every process's stdin (it cancels its exchanges and exits) and wait for it; kill a stuck one.
+        Logs what the processes cost (their CPU time and peak RSS, each process's own figures at its exit)."""
         self._closed = True
         await asyncio.gather(*(self._stop(c) for c in self._children))
         await asyncio.gather(*self._watchers)  # a restart under way stops what it started
+        if self.stats:
+            log.info(
+                "stream worker processes: %d, %d restarted; %.1f s of CPU in all; peak RSS %d MiB at most each",
+                self.n,
+                sum(self._restarts),
+                sum(st["user_s"] + st["system_s"] for st in self.stats),
+                max(st["max_rss_kib"] for st in self.stats) // 1024,
+            )
 
     async def _stop(self, child: _Child) -> None:
         child.closing = True
@@ -370,18 +382,22 @@ async def _serve(out_fd: int) -> None:
     tasks: dict[int, asyncio.Task[None]] = {}
     client: HttpClient | None = None
 
+    def send(data: bytes) -> None:
+        if not out.is_closing():  # the run is gone (killed): what is left to say has no reader
+            out.write(data)
+
     async def exchange(rid: int, url: str, keepalive_only_max_s: float | None, body: bytes) -> None:
         assert client is not None
         try:
             s = await assemble_streamed(client, url, body, keepalive_only_max_s)
             head = json.dumps([s.status, s.retry_after_s, s.chunks, s.keepalives, s.raw is not None]).encode()
             data = s.raw if s.raw is not None else (s.text or "").encode()
-            out.write(frame(ANSWER, rid, head + b"\n" + data))
+            send(frame(ANSWER, rid, head + b"\n" + data))
         except RequestFailure as f:
             fields = [f.error_class, f.message, f.retryable, f.http_status, f.retry_after_s, f.stop_reason]
-            out.write(frame(FAILURE, rid, json.dumps(fields).encode()))
+            send(frame(FAILURE, rid, json.dumps(fields).encode()))
         except Exception:
-            out.write(frame(CRASH, rid, traceback.format_exc().encode()))
+            send(frame(CRASH, rid, traceback.format_exc().encode()))
         finally:
             tasks.pop(rid, None)
 
@@ -408,14 +424,14 @@ async def _serve(out_fd: int) -> None:
             max_request_s=settings["max_request_s"],
             headers=settings["headers"],
         ) as client:
-            out.write(frame(READY))
+            send(frame(READY))
             await eof
             for task in list(tasks.values()):
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     stats = {"user_s": usage.ru_utime, "system_s": usage.ru_stime, "max_rss_kib": usage.ru_maxrss}
-    out.write(frame(STATS, 0, json.dumps(stats).encode()))
+    send(frame(STATS, 0, json.dumps(stats).encode()))
     while out.get_write_buffer_size():  # flushed before the loop (and the process) ends
         await asyncio.sleep(0.005)
     out.close()

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -67,8 +68,9 @@ def _rows(root: Path) -> dict[str, dict]:
 
 
 def test_rows_through_worker_processes_equal_one_loop_rows_and_the_key_stays_off_the_command_line(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
+    caplog.set_level("INFO", logger="eagle_pipeline.generation")
     monkeypatch.setenv("SIM_KEY", "sk-or-v1-test-secret-0123456789")
     prompts = make_prompts(40, tools_every=2)
     with SimulatedOpenRouterServer(stream={"chunk_chars": 9}) as srv:
@@ -107,6 +109,11 @@ def test_rows_through_worker_processes_equal_one_loop_rows_and_the_key_stays_off
     assert sum(bool(r["tool_calls_json"]) for r in got.values()) >= 10
     assert all(r["stream_chunks"] > 10 for r in got.values())
     assert worker_pids(os.getpid()) == set()  # the run's end stopped them
+    # What they cost, from each worker's own figures at its exit.
+    costs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stream worker processes:")]
+    assert len(costs) == 1 and re.fullmatch(
+        r"stream worker processes: 2, 0 restarted; [\d.]+ s of CPU .* \d+ MiB .*", costs[0]
+    )
 
 
 @pytest.mark.parametrize("procs", [1, 2])
