@@ -1,6 +1,7 @@
-"""The requests of one vLLM shard run: rows spread over the endpoints from one heap (a dead server's rows move to the
-others), at most `concurrency` in flight per endpoint, transient failures retried with generation's failure classes,
-each returned file waited for (its lock), validated and handed on in row order."""
+"""The requests of one vLLM shard run: rows spread over the endpoints from one heap, at most `concurrency` in flight
+per endpoint, transient failures retried with generation's failure classes (on another endpoint while one has not
+failed the row: a dead server's rows move to the others instead of spending their retries on it), each returned file
+waited for (its lock), validated and handed on in row order."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class ShardRequests:
         self.journal, self.write_row, self.log, self.progress = journal, write_row, log, progress
         self.results: list[RowFile] = [RowFile() for _ in range(len(rows))]
         self.attempts = [0] * len(rows)
+        self.failed_on: dict[int, set[str]] = {}  # row -> the endpoints a transient failure of it came from
         self.received: list[Path] = []
         # Rows fetched ahead of the writer are files on the connector's storage (often /dev/shm, i.e. RAM): a slow
         # row must not let the rest of the shard pile up behind it. Copied rows' files are deleted at once.
@@ -87,7 +89,8 @@ class ShardRequests:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        self.pending = list(range(len(self.rows)))  # a heap: the lowest row first, retries included
+        self.pending = list(range(len(self.rows)))  # a heap of the rows not yet requested: the lowest first
+        self.retry: list[int] = []  # a heap of the rows to request again (always inside the window)
         self.ready = [loop.create_future() for _ in range(len(self.rows))]
         self.fatal: asyncio.Future[None] = loop.create_future()
         self._advanced = asyncio.Condition()
@@ -124,10 +127,33 @@ class ShardRequests:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
 
+    def _may_retry_on(self, i: int, endpoint: str) -> bool:
+        """A row goes back to an endpoint that failed it only once every endpoint has (or there is one)."""
+        failed = self.failed_on.get(i, ())
+        return endpoint not in failed or len(failed) >= len(self.endpoints)
+
+    def _next_row(self, endpoint: str) -> int | None:
+        """The row `endpoint` requests next: the lowest retry it may take, else the lowest new row in the window."""
+        for i in sorted(self.retry):  # a handful at most: the failures of the rows in flight
+            if self._may_retry_on(i, endpoint):
+                return i
+        if self.pending and self.pending[0] < self.written + self.window:
+            return self.pending[0]
+        return None
+
+    def _take(self, endpoint: str) -> int:
+        i = self._next_row(endpoint)
+        assert i is not None
+        if self.pending and self.pending[0] == i:
+            return heapq.heappop(self.pending)
+        self.retry.remove(i)
+        heapq.heapify(self.retry)
+        return i
+
     def _requeue(self, i: int) -> None:
         async def push() -> None:
             async with self._advanced:
-                heapq.heappush(self.pending, i)
+                heapq.heappush(self.retry, i)
                 self._advanced.notify_all()
 
         self._pushes.add(task := asyncio.ensure_future(push()))
@@ -137,10 +163,8 @@ class ShardRequests:
         consecutive = 0
         while True:
             async with self._advanced:
-                await self._advanced.wait_for(
-                    lambda: bool(self.pending) and self.pending[0] < self.written + self.window
-                )
-                i = heapq.heappop(self.pending)
+                await self._advanced.wait_for(lambda: self._next_row(endpoint) is not None)
+                i = self._take(endpoint)
             self.attempts[i] += 1
             attempt = self.attempts[i]
             try:
@@ -154,6 +178,7 @@ class ShardRequests:
                         self.fatal.set_exception(EngineShardError(where))
                     return
                 self.retries += 1
+                self.failed_on.setdefault(i, set()).add(endpoint)
                 if self.log is not None:
                     self.log(f"retrying {where}")
                 asyncio.get_running_loop().call_later(self._backoff(attempt, f), self._requeue, i)

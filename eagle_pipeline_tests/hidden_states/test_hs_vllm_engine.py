@@ -216,13 +216,16 @@ def test_rows_spread_over_endpoints_within_the_concurrency_bound(tiny_ds, merged
 
 def test_a_server_that_dies_mid_shard(tiny_ds, merged, tmp_path, clean_sha):
     storage = tmp_path / "s"
-    # Two endpoints: the survivor takes the dead one's rows.
+    # Two endpoints: the survivor takes the dead one's rows. It is slow (0.4 s a row): a failed row waits for it
+    # rather than spend its retries on the dead one, whose refusals come back within milliseconds.
     with (
         VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, faults={"die_after_requests": 2}) as a,
-        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage) as b,
+        VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.4) as b,
     ):
-        s = _engine(merged, tmp_path / "two", [a.url, b.url], storage, concurrency=1)
+        s = _engine(merged, tmp_path / "two", [a.url, b.url], storage, concurrency=1, max_retries=2)
         assert a.died and s.sha256 == clean_sha
+        # Each row failed on the dead server at most once: no more retries than rows.
+        assert 1 <= read_index_meta(s.index_path)["retries"] <= 8
     # One endpoint: a clear error after the retries; a rerun against a restarted server resumes the shard.
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, faults={"die_after_requests": 3}) as c:
         with pytest.raises(EngineShardError, match=r"shard 00000, merged row \d .*connection"):
