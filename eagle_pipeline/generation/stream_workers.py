@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import struct
 import sys
 import traceback
@@ -441,6 +442,9 @@ def main() -> None:
     """Entry point of a worker process (`python -m eagle_pipeline.generation.stream_workers`)."""
     out_fd = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
+    # Ctrl-C reaches the whole process group: the run commits what it has and closes the workers' stdin, which is
+    # when they stop; dying first would only fail its streams in flight.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with gc_tuned():
         run_coroutine(lambda: _serve(out_fd))
 

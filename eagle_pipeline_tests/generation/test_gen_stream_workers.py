@@ -209,14 +209,18 @@ def test_run_killed_9_leaves_no_worker_and_no_open_stream_and_resumes_exactly_on
 
 def test_a_cancelled_request_closes_its_stream_in_the_worker():
     """The run stopped waiting for a stream (cancelled): the worker cancels the exchange, which closes the
-    connection (a provider stops generating when the stream closes), and serves on."""
+    connection (a provider stops generating when the stream closes), and serves on; a SIGINT does not stop it."""
     body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
     async def scenario(slow: SimulatedOpenRouterServer, fast: SimulatedOpenRouterServer) -> tuple[int, int, int]:
         async with stream_workers(1, concurrency=4, timeout_s=5.0, max_request_s=None, headers={}) as workers:
             assert workers is not None
+            # Ctrl-C goes to the whole process group; a worker leaves the stopping to the run (its stdin closing).
+            os.kill(workers._children[0].pid, signal.SIGINT)
             task = asyncio.create_task(workers.post_streamed(slow.url + "/chat/completions", body, None))
+            t0 = time.monotonic()
             while slow.open_connections() == 0:
+                assert time.monotonic() - t0 < 20, "the stream never reached the server"
                 await asyncio.sleep(0.02)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -226,6 +230,7 @@ def test_a_cancelled_request_closes_its_stream_in_the_worker():
                 await asyncio.sleep(0.02)
             pending = len(workers._children[0].pending)
             answer = await asyncio.wait_for(workers.post_streamed(fast.url + "/chat/completions", body, None), 30)
+            assert workers._restarts == [0]  # the same process served both
             return slow.open_connections(), pending, answer.status
 
     # The slow stream sends a delta every 0.5 s: minutes for the whole answer.
