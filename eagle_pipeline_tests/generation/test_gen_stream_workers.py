@@ -152,7 +152,9 @@ def test_a_killed_worker_fails_only_its_streams_which_are_retried(tmp_path, proc
     retried = [r for r in rows.values() if r["attempts"] == 2]
     # Only the killed worker's streams in flight (about 12 / procs) were requested again.
     assert 1 <= len(retried) <= 12
-    assert set(counts) == keys and sum(counts.values()) == n + len(retried)
+    # A retried stream reached the server once or twice (the worker may die before it sent the request on).
+    assert set(counts) == keys and max(counts.values()) <= 2
+    assert n <= sum(counts.values()) <= n + len(retried)
 
 
 def test_run_killed_9_leaves_no_worker_and_no_open_stream_and_resumes_exactly_once(tmp_path):
