@@ -19,7 +19,7 @@ from typing import Any, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset
+from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, request_key
 from eagle_pipeline.generation.answer_log import read_log
 from eagle_pipeline.generation.simulated.server import LoopbackServer
 from eagle_pipeline.generation.store import part_files
@@ -121,6 +121,15 @@ def run(
         errors_dir=root / "responses" / dataset / "errors",
         **kw,
     )
+
+
+def prompts_on_disk(prompts: pa.Table, root: Path) -> tuple[Path, dict[str, str]]:
+    """`prompts` written to `root/prompts.parquet` for a run in a child process (`run_child`), and each prompt's
+    request key as the simulated servers log it (sample id -> key)."""
+    path = root / "prompts.parquet"
+    pq.write_table(prompts, path)
+    sids, messages = prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist()
+    return path, {sid: request_key(mj, SAMPLING.seed) for sid, mj in zip(sids, messages)}
 
 
 def out_dirs(root: Path, dataset: str = "B1") -> tuple[Path, Path]:

@@ -11,16 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServer, read_responses, request_key
+from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServer, read_responses
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
 
 from .generation_helpers import (
     GRACE_S,
     READ_SLACK_S,
-    SAMPLING,
     ServerProcess,
     committed_ids,
     drained,
@@ -28,6 +26,7 @@ from .generation_helpers import (
     kill_once_read,
     make_prompts,
     out_dirs,
+    prompts_on_disk,
     proven_reads,
     run,
     run_child,
@@ -40,12 +39,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
     rng = random.Random(20240611)
     n = 300
     prompts = make_prompts(n)
-    prompts_path = tmp_path / "prompts.parquet"
-    pq.write_table(prompts, prompts_path)
-    key_of = {
-        sid: request_key(mj, SAMPLING.seed)
-        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
-    }
+    prompts_path, key_of = prompts_on_disk(prompts, tmp_path)
     out, _ = out_dirs(tmp_path)
     committed_after_kill = []
     with SimulatedOpenRouterServer(latency_s=0.03, faults={"http_500": 0.1, "cut_body": 0.05}) as srv:
@@ -174,10 +168,8 @@ def _kill_runs_at_2000_in_flight(
     rng = random.Random(seed)
     n = 5000
     prompts = make_prompts(n)
-    prompts_path = tmp_path / "prompts.parquet"
-    pq.write_table(prompts, prompts_path)
+    prompts_path, key_of = prompts_on_disk(prompts, tmp_path)
     sids = prompts.column("sample_id").to_pylist()
-    key_of = {s: request_key(mj, SAMPLING.seed) for s, mj in zip(sids, prompts.column("messages_json").to_pylist())}
     out, _ = out_dirs(tmp_path)
     options = {
         "backend": {"concurrency": IN_FLIGHT, "stream": False, "timeout_s": 60.0},

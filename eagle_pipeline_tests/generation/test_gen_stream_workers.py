@@ -16,15 +16,24 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer, read_errors, read_responses, request_key
 from eagle_pipeline.generation.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
 
-from .generation_helpers import SAMPLING, committed_ids, drained, durable_ids, make_prompts, out_dirs, run, sim_backend
+from .generation_helpers import (
+    SAMPLING,
+    committed_ids,
+    drained,
+    durable_ids,
+    make_prompts,
+    out_dirs,
+    prompts_on_disk,
+    run,
+    run_child,
+    sim_backend,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 VOLATILE = {"latency_s", "started_at", "finished_at", "raw_response_json", "generation_id", "endpoint"}
 
 
@@ -160,26 +169,12 @@ def test_a_killed_worker_fails_only_its_streams_which_are_retried(tmp_path, proc
 def test_run_killed_9_leaves_no_worker_and_no_open_stream_and_resumes_exactly_once(tmp_path):
     n = 40
     prompts = make_prompts(n)
-    prompts_path = tmp_path / "prompts.parquet"
-    pq.write_table(prompts, prompts_path)
-    key_of = {
-        sid: request_key(mj, SAMPLING.seed)
-        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
-    }
+    prompts_path, key_of = prompts_on_disk(prompts, tmp_path)
     out, _ = out_dirs(tmp_path)
-    options = json.dumps(
-        {"backend": {"stream": True, "stream_processes": 2}, "commit_every_rows": 1000, "commit_every_s": 60.0}
-    )
+    options = {"backend": {"stream": True, "stream_processes": 2}, "commit_every_rows": 1000, "commit_every_s": 60.0}
 
     def child() -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "eagle_pipeline_tests.generation.resume_child", str(prompts_path), srv.url]
-            + [str(tmp_path), options],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return run_child(prompts_path, srv.url, tmp_path, options)
 
     with SimulatedOpenRouterServer(stream={"chunk_chars": 24, "chunk_delay_s": 0.02}) as srv:
         proc = child()

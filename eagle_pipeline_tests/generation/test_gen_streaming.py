@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.generation import (
@@ -35,6 +34,7 @@ from .generation_helpers import (
     kill_once_read,
     make_prompts,
     out_dirs,
+    prompts_on_disk,
     proven_reads,
     run,
     run_child,
@@ -223,12 +223,7 @@ def _kill_a_streamed_run(tmp_path: Path, srv: ServerProcess, answer_log_s: float
     them."""
     n = 40
     prompts = make_prompts(n)
-    prompts_path = tmp_path / "prompts.parquet"
-    pq.write_table(prompts, prompts_path)
-    key_of = {
-        sid: request_key(mj, SAMPLING.seed)
-        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
-    }
+    prompts_path, key_of = prompts_on_disk(prompts, tmp_path)
     out, _ = out_dirs(tmp_path)
     options = {
         "backend": {"stream": True},
