@@ -26,6 +26,9 @@ Frames on the child's stdin and stdout: a header `<kind u8><request id u32><payl
 A child that dies (killed, out of memory) fails its requests in flight as `connection` failures, retried like a cut
 connection, and is started again, at most `MAX_RESTARTS_PER_PROCESS` times per process and run. A child whose stdin
 closes (the run ended, or was killed with -9) cancels its exchanges and exits: no orphan keeps a paid stream open.
+
+Why this module is long: it holds both ends of one pipe protocol (the run's `StreamWorkers` and the worker's
+`_serve`), so that the frames are defined once and read by one `FrameReader`.
 """
 
 from __future__ import annotations
