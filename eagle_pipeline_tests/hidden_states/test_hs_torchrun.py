@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
 from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun, torchrun_argv
 
+from ..tolerances import assert_forwards_close
 from .conftest import make_rows
 
 pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it (a dev dependency)
@@ -58,12 +59,12 @@ def test_the_world_gets_exactly_the_shard_run_s_parameters(tmp_path):
     assert back == shard and back.merged_dir == tmp_path / "merged" and back.aux_layers == (1, 3, 4)
 
 
-def _assert_same_shard(path, ref_path):
+def _assert_same_shard(path, ref_path, config):
     tp, one = load_file(path), load_file(ref_path)
     assert tp.keys() == one.keys()
     for key, want in one.items():
         if want.is_floating_point():
-            torch.testing.assert_close(tp[key], want, atol=1e-5, rtol=1e-5)
+            assert_forwards_close(tp[key], want, config, what=key)
         else:
             assert torch.equal(tp[key], want)
 
@@ -77,7 +78,7 @@ def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     assert shard_status(tmp_path / "tp", 0) == "done"
     assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
-    _assert_same_shard(s.path, ref.path)
+    _assert_same_shard(s.path, ref.path, tiny_ds.config)
     again = extract_shard_torchrun(
         TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
     )
@@ -90,7 +91,7 @@ def test_tp2_ep2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     n_experts = tiny_ds.config.n_routed_experts
     assert parallel["global_shape"][0] == n_experts and parallel["local_shape"][0] == n_experts // 2  # EP: 4 + 4
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
-    _assert_same_shard(s.path, ref.path)
+    _assert_same_shard(s.path, ref.path, tiny_ds.config)
 
 
 def test_tp2_world_equals_one_process_on_llama(tiny_llama, merged_factory, tmp_path):
@@ -100,7 +101,7 @@ def test_tp2_world_equals_one_process_on_llama(tiny_llama, merged_factory, tmp_p
     ref = extract_shard(
         tiny_llama, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm"
     )
-    _assert_same_shard(s.path, ref.path)
+    _assert_same_shard(s.path, ref.path, tiny_llama.config)
 
 
 def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):

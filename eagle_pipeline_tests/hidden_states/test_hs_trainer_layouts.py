@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
 from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
 
+from ..tolerances import assert_forwards_close
 from .conftest import VOCAB, make_rows
 
 H = 64
@@ -68,7 +69,12 @@ def test_specforge_offline_files_follow_its_contract(extracted, normed_model, tm
         # Post-norm: the model's own final norm of the stored pre-norm state, and the backbone's output.
         with torch.no_grad():
             assert torch.equal(rec["hidden_state"][0], get_backbone(normed_model).norm(shard["final_hidden_state"]))
-        torch.testing.assert_close(rec["hidden_state"][0], _post_norm_forward(normed_model, r["input_ids"]))
+        assert_forwards_close(
+            rec["hidden_state"][0],
+            _post_norm_forward(normed_model, r["input_ids"]),
+            normed_model.config,
+            what=r["sample_id"],
+        )
     assert torch.load(out / "draft_vocab.pt")["d2t"].tolist() == [0, 1, 2, 3]
 
 
@@ -105,7 +111,9 @@ def test_speculators_offline_files_follow_its_contract(extracted, normed_model, 
         # Pre-norm: speculators applies the verifier norm itself; that must give the model's post-norm state.
         with torch.no_grad():
             renormed = get_backbone(normed_model).norm(states[:, -1])
-        torch.testing.assert_close(renormed, _post_norm_forward(normed_model, r["input_ids"]))
+        assert_forwards_close(
+            renormed, _post_norm_forward(normed_model, r["input_ids"]), normed_model.config, what=r["sample_id"]
+        )
     assert np.array_equal(np.load(out / "d2t.npy"), np.arange(4)) and np.load(out / "t2d.npy").sum() == 4
     assert f"--train-data-ratio {ratio!r}" in (out / "README.md").read_text()
 

@@ -23,6 +23,7 @@ from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble, ids_key
 from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
 
+from ..tolerances import assert_forwards_close
 from .conftest import make_rows
 
 L = 8  # tiny models' layers
@@ -81,7 +82,7 @@ def test_engine_path_equals_in_process_path(family, tiny_ds, tiny_llama, merged,
     assert eng.keys() == inp.keys()
     for key, want in inp.items():
         if want.is_floating_point():
-            torch.testing.assert_close(eng[key], want, atol=1e-5, rtol=1e-5)
+            assert_forwards_close(eng[key], want, model.config, what=key)
         else:
             assert torch.equal(eng[key], want)
     meta = read_index_meta(s.index_path)
@@ -113,11 +114,11 @@ def test_double_speaks_vllm_and_follows_its_layer_convention(tiny_ds, tmp_path):
     with torch.no_grad():
         out = backbone(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     for k in range(L):  # id k = transformers hidden_states[k] = output of decoder layer k - 1
-        torch.testing.assert_close(hs[:, k], out.hidden_states[k][0], atol=1e-6, rtol=1e-6)
+        assert_forwards_close(hs[:, k], out.hidden_states[k][0], tiny_ds.config, what=f"id {k}")
     # id L = the last layer's output before the final norm; transformers' last entry is after it
     assert not torch.allclose(hs[:, L], out.hidden_states[L][0], atol=1e-3)
     with torch.no_grad():
-        torch.testing.assert_close(backbone.norm(hs[:, L]), out.hidden_states[L][0], atol=1e-5, rtol=1e-5)
+        assert_forwards_close(backbone.norm(hs[:, L]), out.hidden_states[L][0], tiny_ds.config, what="post-norm")
 
 
 @pytest.fixture(scope="module")
