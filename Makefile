@@ -6,7 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.eagle-installed
-# CPU machines get this torch (a CPU build where the index offers one). GPU users: install your own CUDA torch
+# Installed only when no torch is importable; pip takes whatever build the index serves for this pin (a CUDA build
+# from the package index on Linux x86-64, unless a CPU wheel is found first). GPU users: install your own CUDA torch
 # into $(VENV) first, or run `make TORCH_SPEC= venv`; an importable torch is never replaced.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
