@@ -21,8 +21,9 @@ import json, eagle_pipeline
 from eagle_pipeline.definitions import defs
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.config import load_config
+from eagle_pipeline.tokens.demo import build_demo_tokenizer
 defs.resolve_all_job_defs()
-print(json.dumps({"module": eagle_pipeline.__file__, "datasets": dataset_partitions.get_partition_keys(),
+print(json.dumps({"module": eagle_pipeline.__file__, "demo_ids": build_demo_tokenizer().encode_with_specials("The answer, step by step: def main(): return 42"), "datasets": dataset_partitions.get_partition_keys(),
                   "prompts": str(load_config().datasets["B1"].prompts), "assets": sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())}))
 """
 
@@ -49,6 +50,7 @@ def test_wheel_ships_no_tests_and_loads_the_code_location_from_a_fresh_venv(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith("eagle_pipeline_tests")]
     assert "eagle_pipeline/defs/partitions.py" in names
+    assert "eagle_pipeline/tokens/demo_words.txt" in names  # the demo tokenizer's corpus, package data
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
     assert "share/eagle-pipeline/pipeline.yaml" in data
     assert "share/eagle-pipeline/data/prompts/B1_coding.jsonl" in data
@@ -67,6 +69,12 @@ def test_wheel_ships_no_tests_and_loads_the_code_location_from_a_fresh_venv(tmp_
     elsewhere.mkdir()
     loaded = json.loads(_run([str(py), "-c", LOAD], cwd=elsewhere, env=env).stdout.strip().splitlines()[-1])
     assert Path(loaded["module"]).is_relative_to(venv)
+    from eagle_pipeline.tokens.demo import build_demo_tokenizer
+
+    # The demo tokenizer built from the wheel's own corpus words encodes exactly as the source tree's.
+    assert loaded["demo_ids"] == build_demo_tokenizer().encode_with_specials(
+        "The answer, step by step: def main(): return 42"
+    )
     assert loaded["datasets"] == [f"B{i}" for i in range(1, 9)]
     assert Path(loaded["prompts"]).is_relative_to(venv) and Path(loaded["prompts"]).is_file()
     # The wheel's code location holds exactly the assets of the source tree's.
