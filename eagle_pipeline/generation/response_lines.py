@@ -13,13 +13,83 @@ import pyarrow as pa
 
 from ..storage import iter_jsonl_objects
 from ..tokens.samples import RECONSTRUCTION_COLUMNS
-from .backends import PromptItem, parse_chat_completion
+from .backends import ParsedResponse, PromptItem, parse_chat_completion
 from .failures import RequestFailure
 from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
 
 
 class ResponseLinesError(ValueError):
     """A line of a responses file that cannot be used; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Line:
+    """One line's fields, validated."""
+
+    body: dict[str, Any]
+    dataset: str
+    tools: list | bool | None
+    thinking: bool
+    messages: list | None
+
+
+def _line_fields(where: str, rec: dict[str, Any], default_dataset: str) -> _Line:
+    body = rec.get("response")
+    if isinstance(body, str):  # the body exactly as returned, as text
+        try:
+            body = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise ResponseLinesError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
+    if not isinstance(body, dict):
+        raise ResponseLinesError(f"{where}: 'response' must be the chat-completion body (an object)")
+    dataset = rec.get("dataset", default_dataset)
+    if not isinstance(dataset, str) or not dataset:
+        raise ResponseLinesError(f"{where}: 'dataset' must be a non-empty string")
+    tools = rec.get("tools")
+    if not (tools is None or isinstance(tools, (bool, list))):
+        raise ResponseLinesError(f"{where}: 'tools' must be a list of tool definitions, true or false")
+    thinking = rec.get("thinking", True)
+    if not isinstance(thinking, bool):
+        raise ResponseLinesError(f"{where}: 'thinking' must be true or false")
+    messages = rec.get("messages")
+    if messages is not None and not isinstance(messages, list):
+        raise ResponseLinesError(f"{where}: 'messages' must be a list of chat messages")
+    return _Line(body, dataset, tools, thinking, messages)
+
+
+def _response_row(path: Path, sid: str, line: _Line, parsed: ParsedResponse) -> dict[str, Any]:
+    prompt_ids = parsed.prompt_token_ids
+    if prompt_ids is None and line.messages is None:
+        prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
+    item = PromptItem(
+        sid,
+        json.dumps(line.messages if line.messages is not None else [], ensure_ascii=False),
+        json.dumps(line.tools, ensure_ascii=False) if isinstance(line.tools, list) else None,
+    )
+    prov = RowProvenance(
+        dataset=line.dataset,
+        source="import",
+        backend="import",
+        endpoint=str(path),
+        model=None,
+        quantization=None,
+        sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
+        thinking=line.thinking,
+    )
+    values = response_values(
+        prov,
+        item,
+        dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
+        latency_s=0.0,
+        attempts=0,
+        started_us=0,
+        finished_us=0,
+        raw_response_json=None,
+    )
+    row = dict(zip(RESPONSE_COLUMNS, values))
+    row["has_tools"] = bool(line.tools)
+    row["has_prompt"] = line.messages is not None or parsed.prompt_token_ids is not None
+    return row
 
 
 def read_response_lines(
@@ -43,26 +113,8 @@ def read_response_lines(
         if sid in first_line:
             raise ResponseLinesError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
         first_line[sid] = lineno
-        body = rec.get("response")
-        if isinstance(body, str):  # the body exactly as returned, as text
-            try:
-                body = json.loads(body)
-            except json.JSONDecodeError as exc:
-                raise ResponseLinesError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
-        if not isinstance(body, dict):
-            raise ResponseLinesError(f"{where}: 'response' must be the chat-completion body (an object)")
-        dataset = rec.get("dataset", default_dataset)
-        if not isinstance(dataset, str) or not dataset:
-            raise ResponseLinesError(f"{where}: 'dataset' must be a non-empty string")
-        tools = rec.get("tools")
-        if not (tools is None or isinstance(tools, (bool, list))):
-            raise ResponseLinesError(f"{where}: 'tools' must be a list of tool definitions, true or false")
-        thinking = rec.get("thinking", True)
-        if not isinstance(thinking, bool):
-            raise ResponseLinesError(f"{where}: 'thinking' must be true or false")
-        messages = rec.get("messages")
-        if messages is not None and not isinstance(messages, list):
-            raise ResponseLinesError(f"{where}: 'messages' must be a list of chat messages")
+        line = _line_fields(where, rec, default_dataset)
+        body = line.body
         choices = body.get("choices")
         want_ids = (
             bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
@@ -76,38 +128,7 @@ def read_response_lines(
             raise ResponseLinesError(
                 f"{where}: unusable response ({exc}); pass --skip-unusable to skip such lines"
             ) from None
-        prompt_ids = parsed.prompt_token_ids
-        if prompt_ids is None and messages is None:
-            prompt_ids = []  # no prompt given: empty prompt ids rather than a rendered empty conversation
-        item = PromptItem(
-            sid,
-            json.dumps(messages if messages is not None else [], ensure_ascii=False),
-            json.dumps(tools, ensure_ascii=False) if isinstance(tools, list) else None,
-        )
-        prov = RowProvenance(
-            dataset=dataset,
-            source="import",
-            backend="import",
-            endpoint=str(path),
-            model=None,
-            quantization=None,
-            sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
-            thinking=thinking,
-        )
-        values = response_values(
-            prov,
-            item,
-            dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
-            latency_s=0.0,
-            attempts=0,
-            started_us=0,
-            finished_us=0,
-            raw_response_json=None,
-        )
-        row = dict(zip(RESPONSE_COLUMNS, values))
-        row["has_tools"] = bool(tools)
-        row["has_prompt"] = messages is not None or parsed.prompt_token_ids is not None
-        rows.append(row)
+        rows.append(_response_row(path, sid, line, parsed))
         lines.append(lineno)
     return rows, lines, skipped
 

@@ -127,6 +127,42 @@ def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None
     storage.write_json_atomic({**manifest, "applied": True}, archive / store.RETIREMENT_MANIFEST)
 
 
+def _stage_matching_rows(
+    d: Path, staging: Path, backend: str | None, provider: str | None, from_turn: dict[str, int]
+) -> tuple[list[dict[str, Any]], int, int, dict[str, int]]:
+    """Each shard's rows that the selection retires: a shard's manifest entry, and its retired rows written to
+    `staging` when the shard is split (a wholly retired shard is moved by rename after the commit point).
+    Returns (entries, rows kept, rows retired, retired rows by backend/provider)."""
+    entries: list[dict[str, Any]] = []
+    kept = retired = 0
+    by_source: dict[str, int] = {}
+    for part in store.part_files(d):
+        table = pq.read_table(part)
+        mask = _match(table, backend, provider, from_turn)
+        n_match = int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
+        kept += table.num_rows - n_match
+        if n_match == 0:
+            continue
+        gone = table.filter(mask)
+        retired += n_match
+        for b, p in zip(gone.column("backend").to_pylist(), gone.column("provider").to_pylist()):
+            key = f"{b}/{p or 'unknown'}"
+            by_source[key] = by_source.get(key, 0) + 1
+        moved = n_match == table.num_rows
+        if not moved:
+            storage.write_parquet_atomic(gone, staging / part.name)
+        entries.append(
+            {
+                "shard": part.name,
+                "sha256_before": storage.file_sha256(part),
+                "action": "moved" if moved else "split",
+                "rows": n_match,
+                "spend_usd": _spend(gone),
+            }
+        )
+    return entries, kept, retired, by_source
+
+
 def retire_responses(
     responses_dir: str | os.PathLike,
     *,
@@ -159,34 +195,8 @@ def retire_responses(
                     shutil.rmtree(p)
         stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%S%fZ")
         staging = retired_root / f"{STAGING_PREFIX}{stamp}"
-        entries: list[dict[str, Any]] = []
-        kept = retired = 0
-        by_source: dict[str, int] = {}
         from_turn = _first_turns_selected(d, backend, provider)
-        for part in store.part_files(d):
-            table = pq.read_table(part)
-            mask = _match(table, backend, provider, from_turn)
-            n_match = int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
-            kept += table.num_rows - n_match
-            if n_match == 0:
-                continue
-            gone = table.filter(mask)
-            retired += n_match
-            for b, p in zip(gone.column("backend").to_pylist(), gone.column("provider").to_pylist()):
-                key = f"{b}/{p or 'unknown'}"
-                by_source[key] = by_source.get(key, 0) + 1
-            moved = n_match == table.num_rows
-            if not moved:  # a whole shard is moved by rename after the commit point; a mixed one is split now
-                storage.write_parquet_atomic(gone, staging / part.name)
-            entries.append(
-                {
-                    "shard": part.name,
-                    "sha256_before": storage.file_sha256(part),
-                    "action": "moved" if moved else "split",
-                    "rows": n_match,
-                    "spend_usd": _spend(gone),
-                }
-            )
+        entries, kept, retired, by_source = _stage_matching_rows(d, staging, backend, provider, from_turn)
         if not entries:
             return RetirementSummary(dataset, None, selection, 0, kept, 0.0, 0, 0, {}, completed)
         manifest = {
