@@ -296,6 +296,9 @@ def _render_difference(ctx: AuditContext, row: int, at: int, width: int) -> tupl
     def token(ids: list[int]) -> str:
         return f"{ctx.render(ids[at : at + 1])!r} (id {ids[at]})" if at < len(ids) else "the end of the prompt"
 
+    if not ours:
+        reason = "the project's chat template cannot render this row's messages (the reconstruction logged why)"
+        return reason, f"server: {ctx.window(served, 0, width)}"
     reason = (
         f"prompt_ids differ from the project's render at position {at}: the server has {token(served)}, "
         f"the project {token(ours)} ({len(served)} vs {len(ours)} ids)"

@@ -8,6 +8,7 @@ one batch. See docs/tokens.md and the table contract in docs/architecture.md.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ from .reconstruct import (
 from .render import render_prompt
 from .text_hash import as_int64, text_hash
 from .tokenizer import TargetTokenizer
+
+logger = logging.getLogger(__name__)
 
 TOKEN_SAMPLES_SCHEMA = pa.schema(
     [
@@ -62,7 +65,7 @@ TURN_FIELDS = (pa.field("conversation_id", pa.string()), pa.field("turn_index", 
 # sent), so the prompt_agreement gate can compare them with the project's render of the same messages:
 # `prompt_render_diff` is -1 where they are equal, else the first position where they differ (the shorter length when
 # one is a prefix of the other), null on rows whose prompt ids are the project's render; `rendered_prompt_ids` holds
-# the project's render on the rows where it differs (null elsewhere).
+# the project's render on the rows where it differs (null elsewhere; empty where the project cannot render it).
 RENDER_FIELDS = (pa.field("prompt_render_diff", pa.int32()), pa.field("rendered_prompt_ids", pa.list_(pa.int32())))
 
 IDS_RECONSTRUCTED = "reconstructed"
@@ -174,7 +177,13 @@ def reconstruct_table(
             # Compared with the project's render, unless the row names no prompt (empty ids, a CLI line without
             # messages).
             if len(given_prompt) and messages:
-                ours = render(sid, mj, tj, messages, thinking[i])
+                try:
+                    ours = render(sid, mj, tj, messages, thinking[i])
+                except ValueError as exc:
+                    # The server's ids stand; that the project cannot render this prompt is a difference (an
+                    # empty render) for the gate to report, not a reason to refuse the dataset.
+                    logger.warning("%s; prompt_agreement reports it", exc)
+                    ours = np.zeros(0, dtype=np.int32)
                 diff = first_difference(given_prompt, ours)
         render_diff.append(diff)
         render_ids.append(ours if diff is not None and diff >= 0 else None)

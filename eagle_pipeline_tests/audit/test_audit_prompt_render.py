@@ -3,6 +3,7 @@ project's render of the same messages. Comparing them with the server's own toke
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -89,6 +90,22 @@ def test_a_server_rendering_as_the_project_does_passes_every_row(tmp_path, kimi_
     assert samples.column("rendered_prompt_ids").to_pylist() == [None] * 8  # stored only where they differ
     res = run_gate("prompt_agreement", samples, kimi_tok, kimi_ids)
     assert (res.checked, res.failing, res.details["render_differing_rows"]) == (8, 0, 0)
+
+
+def test_a_prompt_the_project_cannot_render_is_reported_not_fatal(tmp_path, kimi_tok, kimi_ids, caplog):
+    """The server's ids stand; a project template that cannot render the messages (here: none at all) is a
+    difference the gate names per row, and the reconstruction logs why, rather than a refused dataset."""
+    responses = _generate(tmp_path, kimi_tok)
+    no_template = copy.copy(kimi_tok)
+    no_template.chat_template = None
+    samples = reconstruct_table(responses, no_template, "kimi-k2.5", dataset_has_tools=False)
+    assert samples.column("prompt_ids").to_pylist() == responses.column("prompt_token_ids").to_pylist()
+    assert samples.column("prompt_render_diff").to_pylist() == [0] * 8
+    assert samples.column("rendered_prompt_ids").to_pylist() == [[]] * 8
+    assert "cannot render messages_json/tools_json" in caplog.text
+    res = run_gate("prompt_agreement", samples, kimi_tok, kimi_ids)
+    assert res.failing == 8 and "cannot render this row's messages" in res.examples[0]["problem"]
+    assert res.examples[0]["excerpt"].startswith("server: ⟦<|im_")
 
 
 @pytest.mark.parametrize("edit", ["replace", "insert", "truncate"])
