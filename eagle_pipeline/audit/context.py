@@ -35,6 +35,10 @@ TOOL_CODES = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END, ARG_BEGIN)
 # text_hash (int64 bit pattern) of the bytes a row's output ids must decode to, recorded by the reconstruction
 # (null: unknown).
 TEXT_DIGEST_COLUMN = "output_text_hash"
+# Rows whose prompt ids came from the server: where they first differ from the project's render (-1: nowhere; null:
+# not compared), and that render where it differs (tokens/samples.RENDER_FIELDS).
+RENDER_DIFF_COLUMN = "prompt_render_diff"
+RENDERED_PROMPT_COLUMN = "rendered_prompt_ids"
 ORIGINS = ("reconstructed", "returned")
 
 # Finish reasons of a generation that ended on its own; anything else (length, error, abort, content_filter,
@@ -299,6 +303,20 @@ class AuditContext:
         return lengths, usage, valid & (lengths > 0)
 
     @cached_property
+    def prompt_render(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(compared mask, first position where the server's prompt ids differ from the project's render, -1 where
+        they agree) or None without the column (no row's prompt ids came from a server, or an older file)."""
+        if RENDER_DIFF_COLUMN not in self.table.column_names:
+            return None
+        col = _column(self.table, RENDER_DIFF_COLUMN)
+        if pa.types.is_null(col.type):
+            return np.zeros(self.n, dtype=bool), np.full(self.n, -1, dtype=np.int64)
+        if not pa.types.is_integer(col.type):
+            raise AuditInputError(f"column {RENDER_DIFF_COLUMN!r} must hold integers, got {col.type}")
+        compared = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+        return compared, np.asarray(pc.fill_null(col, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+    @cached_property
     def text_digests(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(valid mask, `output_text_hash` as uint64 with 0 for null) or None without that column (older files)."""
         if TEXT_DIGEST_COLUMN not in self.table.column_names:
@@ -345,6 +363,12 @@ class AuditContext:
     def prompt_ids(self, row: int) -> list[int]:
         return _column(self.table, "prompt_ids")[row].as_py() or []
 
+    def rendered_prompt_ids(self, row: int) -> list[int]:
+        """The project's render of a row's prompt where it differs from the server's ([] when not stored)."""
+        if RENDERED_PROMPT_COLUMN not in self.table.column_names:
+            return []
+        return _column(self.table, RENDERED_PROMPT_COLUMN)[row].as_py() or []
+
     def row_ids(self, row: int) -> np.ndarray:
         return self.values[self.offsets[row] : self.offsets[row + 1]]
 
@@ -373,7 +397,13 @@ class AuditContext:
         ids = self.row_ids(row)
         if ids.size == 0:
             return "(empty output)"
-        pos = min(max(int(pos), 0), ids.size - 1)
+        return self.window(ids, min(int(pos), ids.size - 1), width)
+
+    def window(self, ids: np.ndarray | list[int], pos: int, width: int) -> str:
+        """A decoded window of `ids` around position `pos` (clamped to them), the token at `pos` marked with ⟦ ⟧;
+        a position at the end marks an empty ⟦⟧."""
+        ids = np.asarray(ids)
+        pos = min(max(int(pos), 0), ids.size)
         half = max(width // 2, 1)
         lo, hi = max(pos - half, 0), min(pos + half + 1, ids.size)
         text = (

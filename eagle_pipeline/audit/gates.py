@@ -229,38 +229,81 @@ def gate_billing_agreement(ctx: AuditContext, settings: Any) -> Outcome:
 
 
 def gate_prompt_agreement(ctx: AuditContext, settings: Any) -> Outcome:
-    """len(prompt_ids) against the provider's usage_prompt_tokens, per row; per source the spread of the difference,
-    which tells a constant offset (a provider's injected system prompt) from drift on some prompts (tool
-    declarations rendered differently)."""
+    """The prompt the target answered against the one rendered here, two ways.
+
+    Rows whose prompt ids came from the server (vLLM's `prompt_token_ids`): those ids against the project's render
+    of the same messages (the chat template with the target's tokenizer); a failure names the first differing
+    position and both tokens there. Rows with a provider's prompt count: len(prompt_ids) against
+    usage_prompt_tokens, per source the spread of the difference, which tells a constant offset (a provider's
+    injected system prompt) from drift on some prompts (tool declarations rendered differently). For rows of the
+    first kind the count is the server's count of its own ids, so only the render comparison can fail there."""
     n = ctx.n
+    checked, fail = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    pos = np.zeros(n, dtype=np.int64)
+    codes, keys = ctx.sources
+    details: dict[str, Any] = {}
+    source_extra: dict[str, dict[str, Any]] = {key: {} for key in keys}
+    reasons: dict[int, str] = {}
+    excerpts: dict[int, str] = {}
     found = ctx.prompt_usage
     if found is None:
-        details: dict[str, Any] = {"usage_prompt_tokens_column": "absent"}
-        return Outcome(np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), details)
-    lengths, usage, checked = found
-    diff = usage - lengths  # > 0: the provider counted a longer prompt than ours
-    fail = checked & (np.abs(diff) > settings.prompt_row_abs_tolerance)
-    codes, keys = ctx.sources
-    source_extra = {key: _spread(diff, checked & (codes == k)) for k, key in enumerate(keys)}
-    shown = np.flatnonzero(fail)[: settings.max_examples].tolist()
-    reasons = {
-        i: f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
-        for i in shown
-    }
-    # The prompt's head is where an injected system prompt or the tool declarations would show.
-    head = settings.excerpt_tokens
-    excerpts = {
-        i: "prompt: " + ctx.render(ctx.prompt_ids(i)[:head]) + ("…" if lengths[i] > head else "") for i in shown
-    }
-    details = {
-        "usage_prompt_tokens_column": "present",
-        "row_tolerance": settings.prompt_row_abs_tolerance,
-        "rows_without_prompt_usage": int(np.count_nonzero(~checked)),
-        **_spread(diff, checked),
-    }
-    return Outcome(
-        checked, fail, np.zeros(n, dtype=np.int64), details, reasons, source_extra=source_extra, excerpts=excerpts
+        details["usage_prompt_tokens_column"] = "absent"
+    else:
+        lengths, usage, counted = found
+        diff = usage - lengths  # > 0: the provider counted a longer prompt than ours
+        count_fail = counted & (np.abs(diff) > settings.prompt_row_abs_tolerance)
+        checked |= counted
+        fail |= count_fail
+        for k, key in enumerate(keys):
+            source_extra[key].update(_spread(diff, counted & (codes == k)))
+        details.update(
+            usage_prompt_tokens_column="present",
+            row_tolerance=settings.prompt_row_abs_tolerance,
+            rows_without_prompt_usage=int(np.count_nonzero(~counted)),
+            **_spread(diff, counted),
+        )
+        # The prompt's head is where an injected system prompt or the tool declarations would show.
+        head = settings.excerpt_tokens
+        for i in np.flatnonzero(count_fail)[: settings.max_examples].tolist():
+            reasons[i] = (
+                f"len(prompt_ids)={int(lengths[i])} usage_prompt_tokens={int(usage[i])} (difference {int(diff[i]):+d})"
+            )
+            excerpts[i] = "prompt: " + ctx.render(ctx.prompt_ids(i)[:head]) + ("…" if lengths[i] > head else "")
+    rendered = ctx.prompt_render
+    if rendered is None:
+        details["render_compared_rows"] = 0
+    else:
+        compared, first = rendered
+        render_fail = compared & (first >= 0)
+        checked |= compared
+        fail |= render_fail
+        pos = np.where(render_fail, first, pos)
+        details["render_compared_rows"] = int(np.count_nonzero(compared))
+        details["render_differing_rows"] = int(np.count_nonzero(render_fail))
+        for k, key in enumerate(keys):
+            mine = codes == k
+            source_extra[key]["render_compared"] = int(np.count_nonzero(compared & mine))
+            source_extra[key]["render_differing"] = int(np.count_nonzero(render_fail & mine))
+        for i in np.flatnonzero(render_fail)[: settings.max_examples].tolist():
+            reasons[i], excerpts[i] = _render_difference(ctx, i, int(first[i]), settings.excerpt_tokens)
+    return Outcome(checked, fail, pos, details, reasons, source_extra=source_extra, excerpts=excerpts)
+
+
+def _render_difference(ctx: AuditContext, row: int, at: int, width: int) -> tuple[str, str]:
+    """What a row's render difference says (position, both tokens, both lengths) and both prompts around it."""
+    served, ours = ctx.prompt_ids(row), ctx.rendered_prompt_ids(row)
+
+    def token(ids: list[int]) -> str:
+        return f"{ctx.render(ids[at : at + 1])!r} (id {ids[at]})" if at < len(ids) else "the end of the prompt"
+
+    if not ours:
+        reason = "the project's chat template cannot render this row's messages (the reconstruction logged why)"
+        return reason, f"server: {ctx.window(served, 0, width)}"
+    reason = (
+        f"prompt_ids differ from the project's render at position {at}: the server has {token(served)}, "
+        f"the project {token(ours)} ({len(served)} vs {len(ours)} ids)"
     )
+    return reason, f"server: {ctx.window(served, at, width)} | project: {ctx.window(ours, at, width)}"
 
 
 # ---- round trip ------------------------------------------------------------------------------------------------

@@ -160,12 +160,15 @@ GATES: tuple[GateSpec, ...] = (
     ),
     _spec(
         "prompt_agreement",
-        "Prompt ids agree with the provider's prompt count",
-        "Rows with prompt ids and usage_prompt_tokens: |usage_prompt_tokens - len(prompt_ids)| must be within "
-        "prompt_row_abs_tolerance (default 0). A difference means the target answered another prompt than the one "
-        "rendered here: a provider that injects a system prompt, another chat template, or tool declarations "
-        "rendered differently. The output ids stay right, but the hidden states would be extracted under a prompt "
-        "the target never saw. Warns by default: providers are known to count prompts their own way.",
+        "Prompt ids agree with the prompt the target answered",
+        "Rows whose prompt ids came from the server (vLLM's prompt_token_ids): those ids must equal the project's "
+        "render of the same messages (the chat template with the target's tokenizer); a failure names the first "
+        "differing position and both tokens. Rows with usage_prompt_tokens: |usage_prompt_tokens - "
+        "len(prompt_ids)| must be within prompt_row_abs_tolerance (default 0). A difference means the target "
+        "answered another prompt than the one rendered here: a provider that injects a system prompt, another chat "
+        "template, or tool declarations rendered differently. Rows reconstructed from text carry the project's "
+        "render, so the hidden states would be extracted under a prompt the target never saw. Warns by default: "
+        "providers are known to count prompts their own way.",
         "warn",
         g.gate_prompt_agreement,
     ),

@@ -251,6 +251,8 @@ class _ChatBackend(HttpBackend):
         static = deep_merge(self.static_body(), spec.extra_body)
         static.pop("messages", None)
         static.pop("tools", None)
+        # Each request gets its sample's own seed (`build_body`), unless extra_body fixes one for all.
+        self._seeded = sampling.seed is not None and "seed" not in spec.extra_body
         self._prefix = _dumps(static)[:-1]  # without the closing brace; static always has "model"
         self.stream = bool(static.get("stream"))
 
@@ -270,24 +272,24 @@ class _ChatBackend(HttpBackend):
         raise NotImplementedError
 
     def sampling_body(self) -> dict[str, Any]:
-        """The fields every OpenAI-style server takes: model and sampling parameters."""
+        """The fields every OpenAI-style server takes: model and sampling parameters (the seed is per request)."""
         s = self.sampling
-        body: dict[str, Any] = {
+        return {
             "model": self.spec.model,
             "stream": self.spec.effective_stream,
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
         }
-        if s.seed is not None:
-            body["seed"] = s.seed
-        return body
 
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
+        prefix = self._prefix
+        if self._seeded:
+            prefix += f',"seed":{self.sampling.request_seed(item.sample_id)}'
         tools = item.tools_json
         if tools and tools not in ("null", "[]"):
-            return f'{self._prefix},"messages":{item.messages_json},"tools":{tools}}}'.encode()
-        return f'{self._prefix},"messages":{item.messages_json}}}'.encode()
+            return f'{prefix},"messages":{item.messages_json},"tools":{tools}}}'.encode()
+        return f'{prefix},"messages":{item.messages_json}}}'.encode()
 
     def parse(
         self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
@@ -346,9 +348,10 @@ class SGLangBackend(HttpBackend):
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
-        if s.seed is not None:
-            sp["sampling_seed"] = s.seed
         self._static = deep_merge({"sampling_params": sp, "stream": False}, spec.extra_body)
+        # Each request gets its sample's own seed (`build_body`), unless extra_body fixes one for all.
+        fixed = _as_dict(spec.extra_body.get("sampling_params")).get("sampling_seed") is not None
+        self._seeded = s.seed is not None and not fixed
         self._ids_cache: dict[str, list[int]] = {}
 
     def prompt_ids(self, item: PromptItem) -> list[int]:
@@ -362,6 +365,9 @@ class SGLangBackend(HttpBackend):
 
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
         body = dict(self._static)
+        if self._seeded:
+            seed = self.sampling.request_seed(item.sample_id)
+            body["sampling_params"] = {**body["sampling_params"], "sampling_seed": seed}
         body["input_ids"] = self.prompt_ids(item)
         body["rid"] = f"{item.sample_id}:{attempt}"  # unique per attempt: a timed-out attempt may still run server-side
         return _dumps(body).encode()

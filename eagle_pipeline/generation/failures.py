@@ -23,6 +23,7 @@ AUTH = "auth"  # 401, 403 (not moderation)
 CREDITS = "credits"  # 402
 MODERATION = "moderation"  # 403 with moderation metadata: this prompt, not the key
 BAD_REQUEST = "bad_request"  # other 4xx: the request is wrong, retrying will not help
+UNKNOWN_MODEL = "unknown_model"  # 404: the server serves no model of that name (every request would fail)
 MISSING_TOKEN_IDS = "missing_token_ids"  # vLLM server ignored return_token_ids
 CANCELLED = "cancelled"  # the run stopped while this request waited to retry
 IMPORT_UNMATCHED = "import_unmatched"  # an imported response matches no prompt
@@ -32,6 +33,15 @@ STOP_AUTH = "auth"
 STOP_CREDITS = "credits"
 STOP_BUDGET = "budget"
 STOP_CIRCUIT = "circuit_breaker"
+STOP_UNKNOWN_MODEL = "unknown_model"
+
+# vLLM's answer to a model name it does not serve (OpenAIServing._check_model): HTTP 404, error param "model".
+_UNKNOWN_MODEL_MESSAGE = re.compile(r"model .* does not exist", re.IGNORECASE)
+_UNKNOWN_MODEL_HINT = (
+    "the server serves no model of the name this backend's `model` sends. Start vLLM with "
+    "`--served-model-name <that name>` (without it, a model served from a local directory is named by its path), "
+    "or set the backend's `model` to a name GET /v1/models lists"
+)
 
 _RETRYABLE_STATUS = {408, 409, 425, 429}
 
@@ -73,6 +83,12 @@ def classify_status(
         if meta.get("reasons") or meta.get("flagged_input") or meta.get("error_type") == "content_policy_violation":
             return RequestFailure(MODERATION, message, False, status)
         return RequestFailure(AUTH, message, False, status, stop_reason=STOP_AUTH)
+    if status == 404 and (
+        (isinstance(error_obj, dict) and error_obj.get("param") == "model") or _UNKNOWN_MODEL_MESSAGE.search(message)
+    ):
+        return RequestFailure(
+            UNKNOWN_MODEL, f"{message} ({_UNKNOWN_MODEL_HINT})", False, status, stop_reason=STOP_UNKNOWN_MODEL
+        )
     if status == 402:
         # The in-flight spend budget is the one retryable 402 (wire_formats §1.6).
         if meta.get("limit_source") == "openrouter_in_flight_budget":

@@ -78,7 +78,7 @@ def row_provenance(dataset: str, spec: BackendSpec, sampling: SamplingSpec) -> R
         model=spec.model,
         # Only a routing pinned to exactly one quantization tells us what served the request.
         quantization=q[0] if isinstance(q, list) and len(q) == 1 else None,
-        sampling_json=canonical_json(sampling.to_dict()),
+        sampling_json=canonical_json(sampling.provenance_dict()),
         thinking=bool(sampling.thinking),
     )
 

@@ -8,6 +8,7 @@ defaults. docs/configuration.md lists them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Mapping
 from enum import StrEnum
@@ -19,6 +20,9 @@ from pydantic.dataclasses import dataclass
 from eagle_pipeline.spec_model import SPEC_CONFIG, Bool, Float, Int, Problem, SpecBase, Str, resolve_path
 
 DEFAULT_MAX_TOKENS = 2048  # completion budget (reasoning included); the dataset-level `max_tokens` of the YAML
+# How each request's seed is derived from the dataset's (`SamplingSpec.request_seed`); recorded in every row's
+# `sampling_json` as `request_seed`, so rows sent under another scheme (one seed for every request) can be told apart.
+REQUEST_SEED_SCHEME = "blake2b64(seed:sample_id) & 0x7fffffff"
 STREAMS_PER_PROCESS = 500  # streams in flight per worker process when `stream_processes` is unset
 
 PROVIDER_KEYS = (
@@ -211,6 +215,28 @@ class SamplingSpec(SamplingOptions):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def request_seed(self, sample_id: str) -> int | None:
+        """The seed sent with the request of `sample_id` (None: no seed is sent).
+
+        One seed for every request of a dataset draws the same sampling noise for every prompt (a small model then
+        gives every prompt the same answer); this one differs per sample and is the same on every run and retry:
+        the first 8 bytes of blake2b(f"{seed}:{sample_id}") as a little-endian integer, cut to 31 bits so that every
+        server takes it. A turn of a regenerated conversation has its own sample id (`{conversation}-t{turn}`), so
+        its own seed. Sample ids, which hash `to_dict()`, do not change.
+        """
+        if self.seed is None:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}:{sample_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+    def provenance_dict(self) -> dict[str, Any]:
+        """What a generated row records as its `sampling_json`: `to_dict()` and, when seeded, how each request's
+        seed was derived from `seed` (REQUEST_SEED_SCHEME)."""
+        d = self.to_dict()
+        if self.seed is not None:
+            d["request_seed"] = REQUEST_SEED_SCHEME
+        return d
 
 
 def _usable_cpus() -> int:

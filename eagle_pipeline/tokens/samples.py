@@ -8,13 +8,14 @@ one batch. See docs/tokens.md and the table contract in docs/architecture.md.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..arrow_lists import make_list, nullable_list_rows
+from ..arrow_lists import make_list, nullable_list_rows, offsets_from_lengths
 from ..prompts import normalized_prompt_key
 from .profiles import ModelProfile, ProfileIds
 from .reconstruct import (
@@ -28,6 +29,8 @@ from .reconstruct import (
 from .render import render_prompt
 from .text_hash import as_int64, text_hash
 from .tokenizer import TargetTokenizer
+
+logger = logging.getLogger(__name__)
 
 TOKEN_SAMPLES_SCHEMA = pa.schema(
     [
@@ -58,6 +61,12 @@ TOKEN_SAMPLES_SCHEMA = pa.schema(
 # other token-samples table keeps TOKEN_SAMPLES_SCHEMA exactly: the merge keeps a conversation in one split and,
 # with `loss_on: all_turns`, folds its turns (docs/merge.md).
 TURN_FIELDS = (pa.field("conversation_id", pa.string()), pa.field("turn_index", pa.int32()))
+# Appended only when some row's prompt ids came from the server (vLLM's `prompt_token_ids`, or the ids an SGLang run
+# sent), so the prompt_agreement gate can compare them with the project's render of the same messages:
+# `prompt_render_diff` is -1 where they are equal, else the first position where they differ (the shorter length when
+# one is a prefix of the other), null on rows whose prompt ids are the project's render; `rendered_prompt_ids` holds
+# the project's render on the rows where it differs (null elsewhere; empty where the project cannot render it).
+RENDER_FIELDS = (pa.field("prompt_render_diff", pa.int32()), pa.field("rendered_prompt_ids", pa.list_(pa.int32())))
 
 IDS_RECONSTRUCTED = "reconstructed"
 IDS_RETURNED = "returned"
@@ -100,14 +109,15 @@ def reconstruct_table(
     dataset_has_tools: bool,
 ) -> pa.Table:
     """The token-samples table (TOKEN_SAMPLES_SCHEMA, plus TURN_FIELDS when it holds turns of regenerated
-    conversations) for a responses table.
+    conversations, plus RENDER_FIELDS when some prompt ids came from the server) for a responses table.
 
     Rows with `output_token_ids` keep the server's ids (ids_origin='returned'); the others are reconstructed from
     their text ('reconstructed') and get `output_text_hash`, the hash of the bytes their ids must decode to,
     computed from that text. Returned rows get null there: the server's text fields are not the exact decoding of
     its ids (see docs/tokens.md). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
-    rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). All texts are
-    encoded in one batch. Raises ValueError naming the sample_id and field of a malformed row.
+    rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). Returned prompt
+    ids are compared with that render too (RENDER_FIELDS). All texts are encoded in one batch. Raises ValueError
+    naming the sample_id and field of a malformed row.
     """
     missing = [c for c in _REQUIRED_COLUMNS if c not in responses.column_names]
     if missing:
@@ -126,11 +136,25 @@ def reconstruct_table(
     prompt_cache: dict[tuple[str, str | None, bool], np.ndarray] = {}
     key_cache: dict[str, tuple[str, list[Any]]] = {}  # messages_json -> (prompt key, parsed messages)
     prompt_ids: list[np.ndarray] = []
+    render_diff: list[int | None] = []  # RENDER_FIELDS, per row
+    render_ids: list[np.ndarray | None] = []
     prompt_keys: list[str] = []
     plans: list[OutputPlan | None] = []
     texts: list[str] = []
     digests: list[int | None] = []
     special_strings = structural_strings(pids)
+
+    def render(sid: str, mj: str, tj: str | None, messages: list[Any], think: bool) -> np.ndarray:
+        """The project's prompt ids for a row (each distinct prompt rendered once)."""
+        pkey = (mj, tj, think)
+        if pkey not in prompt_cache:
+            tools = _parse_json(tj, sid, "tools_json")
+            try:
+                rendered = render_prompt(tokenizer, messages, tools, thinking=think)
+            except Exception as exc:
+                raise ValueError(f"sample {sid}: cannot render messages_json/tools_json: {exc}") from exc
+            prompt_cache[pkey] = np.asarray(tokenizer.encode_with_specials(rendered), dtype=np.int32)
+        return prompt_cache[pkey]
 
     for i in range(n):
         sid = col["sample_id"][i]
@@ -144,18 +168,25 @@ def reconstruct_table(
         prompt_keys.append(key)
 
         given_prompt = returned_prompt[i]
-        if given_prompt is not None:
-            prompt_ids.append(given_prompt)
+        diff: int | None = None
+        ours: np.ndarray | None = None
+        if given_prompt is None:
+            prompt_ids.append(render(sid, mj, tj, messages, thinking[i]))
         else:
-            pkey = (mj, tj, thinking[i])
-            if pkey not in prompt_cache:
-                tools = _parse_json(tj, sid, "tools_json")
+            prompt_ids.append(given_prompt)
+            # Compared with the project's render, unless the row names no prompt (empty ids, a CLI line without
+            # messages).
+            if len(given_prompt) and messages:
                 try:
-                    rendered = render_prompt(tokenizer, messages, tools, thinking=thinking[i])
-                except Exception as exc:
-                    raise ValueError(f"sample {sid}: cannot render messages_json/tools_json: {exc}") from exc
-                prompt_cache[pkey] = np.asarray(tokenizer.encode_with_specials(rendered), dtype=np.int32)
-            prompt_ids.append(prompt_cache[pkey])
+                    ours = render(sid, mj, tj, messages, thinking[i])
+                except ValueError as exc:
+                    # The server's ids stand; that the project cannot render this prompt is a difference (an
+                    # empty render) for the gate to report, not a reason to refuse the dataset.
+                    logger.warning("%s; prompt_agreement reports it", exc)
+                    ours = np.zeros(0, dtype=np.int32)
+                diff = first_difference(given_prompt, ours)
+        render_diff.append(diff)
+        render_ids.append(ours if diff is not None and diff >= 0 else None)
 
         if returned_output[i] is not None:
             plans.append(None)
@@ -239,7 +270,21 @@ def reconstruct_table(
     if any(c is not None for c in col["conversation_id"]):
         for f in TURN_FIELDS:
             table = table.append_column(f, pa.array(col[f.name], f.type))
+    if any(d is not None for d in render_diff):
+        diff_field, ids_field = RENDER_FIELDS
+        table = table.append_column(diff_field, pa.array(render_diff, diff_field.type))
+        table = table.append_column(ids_field, _nullable_list_array(render_ids))
     return table
+
+
+def first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The first position where two id sequences differ (the shorter length when one is a prefix of the other), or
+    -1 when they are equal."""
+    k = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:k]) != np.asarray(b[:k]))
+    if differ.size:
+        return int(differ[0])
+    return -1 if len(a) == len(b) else k
 
 
 def _list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
@@ -253,6 +298,15 @@ def _list_array(pieces: list[np.ndarray], lengths: list[int]) -> pa.Array:
     """A list<int32> Arrow array from row lengths and the concatenation of all row pieces."""
     values = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
     return make_list(lengths, values, pa.int32(), hint="split the responses")
+
+
+def _nullable_list_array(pieces: list[np.ndarray | None]) -> pa.Array:
+    """A list<int32> Arrow array with a null row where `pieces` holds None."""
+    present = [p for p in pieces if p is not None]
+    array = _list_array(present, [len(p) for p in present])
+    lengths = [0 if p is None else len(p) for p in pieces]
+    offsets = pa.array(offsets_from_lengths(np.asarray(lengths, dtype=np.int64), "split the responses"))
+    return pa.ListArray.from_arrays(offsets, array.values, mask=pa.array([p is None for p in pieces]))
 
 
 def _count_returned_calls(

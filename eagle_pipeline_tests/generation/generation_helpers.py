@@ -123,13 +123,24 @@ def run(
     )
 
 
+def sample_key(sample_id: str, messages_json: str, sampling: SamplingSpec = SAMPLING) -> str:
+    """The key a simulated server files a sample's request under: its messages and the seed it carries (each
+    sample's own, `SamplingSpec.request_seed`)."""
+    return request_key(messages_json, sampling.request_seed(sample_id))
+
+
+def sample_keys(prompts: pa.Table, sampling: SamplingSpec = SAMPLING) -> dict[str, str]:
+    """sample_id -> its request's key (`sample_key`) for every prompt of a prompts table."""
+    sids, messages = prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist()
+    return {sid: sample_key(sid, mj, sampling) for sid, mj in zip(sids, messages)}
+
+
 def prompts_on_disk(prompts: pa.Table, root: Path) -> tuple[Path, dict[str, str]]:
     """`prompts` written to `root/prompts.parquet` for a run in a child process (`run_child`), and each prompt's
     request key as the simulated servers log it (sample id -> key)."""
     path = root / "prompts.parquet"
     pq.write_table(prompts, path)
-    sids, messages = prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist()
-    return path, {sid: request_key(mj, SAMPLING.seed) for sid, mj in zip(sids, messages)}
+    return path, sample_keys(prompts)
 
 
 def out_dirs(root: Path, dataset: str = "B1") -> tuple[Path, Path]:

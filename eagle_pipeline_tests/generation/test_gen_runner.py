@@ -21,19 +21,11 @@ from eagle_pipeline.generation import (
     SpendTracker,
     read_errors,
     read_responses,
-    request_key,
 )
+from eagle_pipeline.generation.spec import REQUEST_SEED_SCHEME
 from eagle_pipeline.generation.store import DirLock, part_files
 
-from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sim_backend
-
-
-def _keys(prompts) -> dict[str, str]:
-    """sample_id -> the simulated server's request key."""
-    return {
-        sid: request_key(mj, SAMPLING.seed)
-        for sid, mj in zip(prompts.column("sample_id").to_pylist(), prompts.column("messages_json").to_pylist())
-    }
+from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sample_keys, sim_backend
 
 
 def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
@@ -47,7 +39,7 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
         )
         s = run(prompts, be, tmp_path, commit_every_rows=10)
         headers = srv.headers_seen()
-        keys = _keys(prompts)
+        keys = sample_keys(prompts)
         bodies = {sid: srv.body_for(k) for sid, k in keys.items()}
     assert (s.completed, s.failed, s.requested, s.stopped_reason, s.simulated) == (24, 0, 24, None, True)
     out, _ = out_dirs(tmp_path)
@@ -62,7 +54,8 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
         assert r["source"] == "simulated" and r["backend"] == "sim" and r["endpoint"] == srv.url
         assert r["model"] == "moonshotai/kimi-k2.5" and r["provider"] == "Simulated" and r["quantization"] == "int4"
         assert r["messages_json"] == p["messages_json"] and r["tools_json"] == p["tools_json"]
-        assert r["attempts"] == 1 and r["thinking"] is True and json.loads(r["sampling_json"]) == SAMPLING.to_dict()
+        assert r["attempts"] == 1 and r["thinking"] is True
+        assert json.loads(r["sampling_json"]) == {**SAMPLING.to_dict(), "request_seed": REQUEST_SEED_SCHEME}
         assert r["started_at"] <= r["finished_at"] and r["latency_s"] >= 0
         raw = json.loads(r["raw_response_json"])
         msg = raw["choices"][0]["message"]
@@ -85,7 +78,12 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
             assert r["finish_reason"] == "stop" and r["native_finish_reason"] == "stop"
         body = bodies[p["sample_id"]]
         assert body["model"] == "moonshotai/kimi-k2.5" and body["reasoning"] == {"enabled": True}
-        assert body["seed"] == 7 and body["temperature"] == 1.0 and body["top_p"] == 0.95 and body["max_tokens"] == 2048
+        assert (
+            body["seed"] == SAMPLING.request_seed(p["sample_id"])
+            and body["temperature"] == 1.0
+            and body["top_p"] == 0.95
+            and body["max_tokens"] == 2048
+        )
         assert body["provider"] == {"only": ["moonshotai"], "allow_fallbacks": False, "quantizations": ["int4"]}
         assert body["usage"] == {"include": True} and (("tools" in body) == (p["tools_json"] is not None))
     assert n_tool_rows >= 3
@@ -213,7 +211,7 @@ def test_exhausted_retries_are_recorded(tmp_path, fault, error_class, status):
     assert e.schema == ERRORS_SCHEMA
     assert s.failed == e.num_rows == len(failing) > 0 and s.completed == 8 - s.failed
     assert s.errors_by_class == {error_class: s.failed}
-    keys = _keys(prompts)
+    keys = sample_keys(prompts)
     assert {keys[sid] for sid in e.column("sample_id").to_pylist()} == failing
     for r in e.to_pylist():
         assert r["error_class"] == error_class and r["http_status"] == status and r["attempts"] == 3
@@ -234,7 +232,7 @@ def test_quality_outcomes_are_responses_not_errors(tmp_path):
         s = run(prompts, sim_backend(srv.url), tmp_path)
         plan = srv.plan
     assert (s.completed, s.failed) == (40, 0)
-    keys = _keys(prompts)
+    keys = sample_keys(prompts)
     t = read_responses(out_dirs(tmp_path)[0])
     seen = defaultdict(int)
     for r in t.to_pylist():
@@ -312,9 +310,9 @@ def test_circuit_breaker_stops_after_consecutive_failures(tmp_path):
 def test_budget_stops_new_requests(tmp_path):
     prompts = make_prompts(80)
     with SimulatedOpenRouterServer(price_per_m_prompt=100.0, price_per_m_completion=100.0) as srv:
-        one = srv.answer({"model": "m", "messages": json.loads(prompts.column("messages_json")[0].as_py()), "seed": 7})[
-            "usage"
-        ]["cost"]
+        first = prompts.slice(0, 1).to_pylist()[0]
+        body = {"model": "m", "messages": json.loads(first["messages_json"])}
+        one = srv.answer({**body, "seed": SAMPLING.request_seed(first["sample_id"])})["usage"]["cost"]
         budget = 10 * one
         s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, budget_usd=budget)
         seen = srv.total_requests
@@ -509,7 +507,7 @@ def test_failed_shard_write_fails_the_run_and_rerun_recovers(tmp_path, monkeypat
 
 def test_stop_cancels_pending_retries(tmp_path):
     prompts = make_prompts(20)
-    keys = list(_keys(prompts).values())
+    keys = list(sample_keys(prompts).values())
     # The first prompt fails with 500 and would wait ~30 s to retry; the key is revoked after 3 requests.
     faults = {"select": {"http_500": [keys[0]]}, "fail_first_n_attempts": 100, "after_requests": {"http_401": 3}}
     with SimulatedOpenRouterServer(latency_s=0.005, faults=faults) as srv:

@@ -14,10 +14,9 @@ from eagle_pipeline.generation import (
     ids_key,
     read_errors,
     read_responses,
-    request_key,
 )
 
-from .generation_helpers import SAMPLING, make_prompts, out_dirs, run
+from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sample_key
 
 THINK, END_THINK, EOS = 3, 4, 2
 
@@ -81,9 +80,9 @@ def test_vllm_ids_as_returned(tmp_path):
         s = run(prompts, vllm_backend(srv.url), tmp_path)
         expected = {}
         for p in prompts.to_pylist():
-            body = srv.body_for(request_key(p["messages_json"], SAMPLING.seed))
+            body = srv.body_for(sample_key(p["sample_id"], p["messages_json"]))
             assert body["return_token_ids"] is True and body["chat_template_kwargs"] == {"thinking": True}
-            assert body["max_tokens"] == SAMPLING.max_tokens and body["seed"] == SAMPLING.seed
+            assert body["max_tokens"] == SAMPLING.max_tokens and body["seed"] == SAMPLING.request_seed(p["sample_id"])
             expected[p["sample_id"]] = srv.answer(body)
     assert (s.completed, s.failed, s.simulated) == (12, 0, False)
     t = read_responses(out_dirs(tmp_path)[0])
@@ -114,7 +113,8 @@ def test_vllm_reasoning_content_fallback_and_thinking_off(tmp_path):
         encode=encode, think_start_id=THINK, think_end_id=END_THINK, eos_id=EOS, reasoning_field="reasoning_content"
     ) as srv:
         run(prompts, vllm_backend(srv.url), tmp_path, sampling=off)
-        body = srv.body_for(request_key(prompts.column("messages_json")[0].as_py(), 1))
+        first = prompts.slice(0, 1).to_pylist()[0]
+        body = srv.body_for(sample_key(first["sample_id"], first["messages_json"], off))
     assert body["chat_template_kwargs"] == {"thinking": False}
     t = read_responses(out_dirs(tmp_path)[0])
     assert set(t.column("reasoning").to_pylist()) == {None} and set(t.column("thinking").to_pylist()) == {False}
@@ -159,7 +159,7 @@ def test_sglang_generate_request_and_ids(tmp_path):
         expected = {}
         for p in prompts.to_pylist():
             ids = render(json.loads(p["messages_json"]), None)
-            body = srv.body_for(ids_key(ids, SAMPLING.seed))
+            body = srv.body_for(ids_key(ids, SAMPLING.request_seed(p["sample_id"])))
             assert body is not None and body["input_ids"] == ids
             sp = body["sampling_params"]
             assert sp == {
@@ -168,7 +168,7 @@ def test_sglang_generate_request_and_ids(tmp_path):
                 "top_p": 0.95,
                 "skip_special_tokens": False,
                 "no_stop_trim": True,
-                "sampling_seed": 7,
+                "sampling_seed": SAMPLING.request_seed(p["sample_id"]),
             }
             assert body["rid"].startswith(p["sample_id"] + ":")
             expected[p["sample_id"]] = (ids, srv.answer(body))

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer, read_errors, read_responses, request_key
+from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer, read_errors, read_responses
 from eagle_pipeline.generation.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
 
 from .generation_helpers import (
-    SAMPLING,
     committed_ids,
     drained,
     durable_ids,
@@ -31,6 +30,7 @@ from .generation_helpers import (
     prompts_on_disk,
     run,
     run_child,
+    sample_keys,
     sim_backend,
 )
 
@@ -131,7 +131,7 @@ def test_a_killed_worker_fails_only_its_streams_which_are_retried(tmp_path, proc
     process; with one worker, requests wait for the new process rather than fail."""
     n = 60
     prompts = make_prompts(n)
-    keys = {request_key(mj, SAMPLING.seed) for mj in prompts.column("messages_json").to_pylist()}
+    keys = set(sample_keys(prompts).values())
     # ~0.6 s per stream: a kill always finds streams in flight on the killed worker.
     with SimulatedOpenRouterServer(stream={"chunk_chars": 24, "chunk_delay_s": 0.02}) as srv:
         spec = sim_backend(srv.url, stream=True, stream_processes=procs, concurrency=12, max_retries=3)

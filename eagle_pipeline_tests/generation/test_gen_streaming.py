@@ -16,7 +16,6 @@ from eagle_pipeline.generation import (
     SimulatedVLLMServer,
     read_errors,
     read_responses,
-    request_key,
 )
 from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
@@ -26,7 +25,6 @@ from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 from .generation_helpers import (
     GRACE_S,
     READ_SLACK_S,
-    SAMPLING,
     ServerProcess,
     committed_ids,
     drained,
@@ -38,6 +36,7 @@ from .generation_helpers import (
     proven_reads,
     run,
     run_child,
+    sample_keys,
     sim_backend,
 )
 
@@ -67,7 +66,7 @@ def test_streamed_rows_equal_non_streamed_rows_and_token_samples(tmp_path, kimi_
     with SimulatedOpenRouterServer(stream={"chunk_chars": 9}) as srv:
         s1 = run(prompts, sim_backend(srv.url, stream=True, stream_processes=procs), tmp_path / "streamed")
         s2 = run(prompts, sim_backend(srv.url, stream=False), tmp_path / "plain")
-        bodies = [srv.body_for(request_key(mj, SAMPLING.seed)) for mj in prompts.column("messages_json").to_pylist()]
+        bodies = [srv.body_for(k) for k in sample_keys(prompts).values()]
     assert s1.completed == s2.completed == 24 and s1.failed == s2.failed == 0
     assert all(b is not None and b["stream"] is False for b in bodies)  # the last request of each key was plain
     streamed, plain = _rows(tmp_path / "streamed"), _rows(tmp_path / "plain")
@@ -110,7 +109,7 @@ def test_vllm_streamed_ids_equal_non_streamed(tmp_path, procs):
         base = dict(name="vllm-local", kind="vllm", endpoint=srv.url, model="m", concurrency=4, max_retries=1)
         assert BackendSpec(**base).effective_stream is False  # off by default for vLLM
         s1 = run(prompts, BackendSpec(**base, stream=True, stream_processes=procs), tmp_path / "streamed")
-        key = request_key(prompts.column("messages_json").to_pylist()[0], SAMPLING.seed)
+        key = next(iter(sample_keys(prompts).values()))
         body = srv.body_for(key)
         s2 = run(prompts, BackendSpec(**base), tmp_path / "plain")
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -137,7 +136,7 @@ FAULT_CLASS = {
 def test_stream_failures_are_recorded_then_retried_never_kept(tmp_path, fault, procs):
     assert set(FAULT_CLASS) == set(STREAM_FAULTS)
     prompts = make_prompts(4, tools_every=2)
-    keys = {request_key(mj, SAMPLING.seed) for mj in prompts.column("messages_json").to_pylist()}
+    keys = set(sample_keys(prompts).values())
     with SimulatedOpenRouterServer(stream={"chunk_chars": 16, "keepalive_s": 0.05}) as clean:
         run(prompts, sim_backend(clean.url, stream=True), tmp_path / "clean")
     spec = dict(stream=True, timeout_s=0.5, max_keepalive_only_s=0.6, stream_processes=procs)

@@ -17,7 +17,7 @@ import jinja2.ext
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import SimulatedOpenRouterServer, read_responses, request_key
+from eagle_pipeline.generation import SimulatedOpenRouterServer, read_responses
 from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.generation.turns import (
     END_COMPLETE,
@@ -33,7 +33,17 @@ from eagle_pipeline.generation.turns import (
 )
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
 
-from .generation_helpers import SAMPLING, SEARCH_TOOL, WEATHER_TOOL, FileOpens, out_dirs, run, run_child, sim_backend
+from .generation_helpers import (
+    SAMPLING,
+    SEARCH_TOOL,
+    WEATHER_TOOL,
+    FileOpens,
+    out_dirs,
+    run,
+    run_child,
+    sample_key,
+    sim_backend,
+)
 
 
 def _source(result_name: str | None = None, rounds: int = 2) -> list[dict]:
@@ -81,7 +91,7 @@ def _rows(root: Path) -> list[dict]:
 
 
 def _sent(srv: SimulatedOpenRouterServer, row: dict) -> dict:
-    body = srv.body_for(request_key(row["messages_json"], SAMPLING.seed))
+    body = srv.body_for(sample_key(row["sample_id"], row["messages_json"]))
     assert body is not None, f"the server never received turn {row['turn_index']}"
     return body
 
@@ -231,7 +241,7 @@ def test_kill_9_between_turns_resumes_at_the_next_turn(tmp_path):
         assert json.loads(stdout.strip().splitlines()[-1])["requested"] == 1
         rows = _rows(tmp_path)
         assert [r["turn_index"] for r in rows] == [0, 1, 2] and rows[2]["conversation_end"] == END_COMPLETE
-        keys = [request_key(r["messages_json"], SAMPLING.seed) for r in rows]
+        keys = [sample_key(r["sample_id"], r["messages_json"]) for r in rows]
         log = srv.request_log()
         assert {rec.key for rec in log[before:]} == {keys[2]}  # the rerun asked for turn 2 only
         counts = srv.request_counts()

@@ -167,7 +167,8 @@ def test_openrouter_body_is_valid_json_with_settings():
     body = json.loads(be.build_body(PromptItem("s", msgs, json.dumps([WEATHER_TOOL])), 1))
     assert body["messages"][0]["content"] == 'hi "there" é' and body["tools"][0]["function"]["name"] == "get_weather"
     assert body["provider"] == {"only": ["moonshotai"], "allow_fallbacks": False, "require_parameters": True}
-    assert body["reasoning"] == {"enabled": False} and body["seed"] == 5 and body["max_tokens"] == 100
+    assert body["reasoning"] == {"enabled": False} and body["max_tokens"] == 100
+    assert body["seed"] == SamplingSpec(seed=5).request_seed("s") != 5  # each sample's own seed
     # Streaming is on by default for OpenRouter (docs/generation.md); `stream: false` turns it off.
     assert body["usage"] == {"include": True} and body["stream"] is True and "stream_options" not in body
     plain = OpenRouterBackend(dataclasses.replace(spec, stream=False), SamplingSpec())

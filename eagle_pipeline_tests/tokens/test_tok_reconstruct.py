@@ -18,6 +18,7 @@ from eagle_pipeline.tokens import (
     render_prompt,
     render_prompt_ids,
 )
+from eagle_pipeline.tokens.samples import RENDER_FIELDS
 from eagle_pipeline.tokens.text_hash import text_hash_int64
 from eagle_pipeline.tokens.tokenizer import TargetTokenizer
 
@@ -303,7 +304,8 @@ def _responses(tok: TargetTokenizer) -> pa.Table:
 def test_reconstruct_table(tok):
     resp = _responses(tok)
     out = reconstruct_table(resp, tok, "kimi-k2.5", dataset_has_tools=True)
-    assert out.schema.equals(TOKEN_SAMPLES_SCHEMA)
+    # Rows whose prompt ids the server returned add the comparison with the project's render (RENDER_FIELDS).
+    assert out.schema.equals(pa.schema([*TOKEN_SAMPLES_SCHEMA, *RENDER_FIELDS]))
     rows = {r["sample_id"]: r for r in out.to_pylist()}
     src = {r["sample_id"]: r for r in resp.to_pylist()}
     assert list(rows) == [r["sample_id"] for r in resp.to_pylist()]
@@ -322,12 +324,14 @@ def test_reconstruct_table(tok):
             s["backend"],
             s["provider"],
         )
+        ours = render_prompt_ids(tok, messages, json.loads(s["tools_json"] or "null"), thinking=s["thinking"])
         if s["prompt_token_ids"] is not None:
             assert row["prompt_ids"] == s["prompt_token_ids"]
+            # The server's ids here are made up, so they differ from the render from the first id on.
+            assert ours[0] not in (1, 5) and row["prompt_render_diff"] == 0 and row["rendered_prompt_ids"] == ours
         else:
-            assert row["prompt_ids"] == render_prompt_ids(
-                tok, messages, json.loads(s["tools_json"] or "null"), thinking=s["thinking"]
-            )
+            assert row["prompt_ids"] == ours
+            assert row["prompt_render_diff"] is None and row["rendered_prompt_ids"] is None
         if s["output_token_ids"] is not None:
             assert row["ids_origin"] == IDS_RETURNED and row["output_ids"] == s["output_token_ids"]
             # The server's text fields are not the exact decoding of its ids: no digest.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from typing import Any
@@ -31,6 +32,17 @@ class SimulatedVLLMServer(IdServer):
     answer in the profile's output layout (`tokens.reconstruct_output`: reasoning `</think>` content, tool-call
     section, end of turn); `encode` and the special ids then come from the tokenizer. Without one, a toy render:
     role markers and content through `encode`.
+
+    As vLLM 0.32 answers: a model name other than `served_model_name` gets a 404 with vLLM's error body (None: every
+    name is served, and echoed as `model`); `stop_reason` is the stop token id the answer ended on (vLLM adds the
+    generation config's end-of-turn ids to the stop ids), null when that id is the tokenizer's own EOS
+    (`eos_token_id`, from the tokenizer's `eos_token` when given one) or the answer was cut; `usage` carries
+    `completion_tokens_details.reasoning_tokens`, counted as vLLM's think-tag reasoning parsers count (the ids after
+    the first think-open, or from the start with thinking on, up to the first think-close).
+    `chat_template` renders prompts with another template than the tokenizer's (a server started with
+    `--chat-template`, or a checkpoint of another version). `prompt_blind` imitates a tiny randomly initialised
+    model: its answer depends on the request's seed only, not on the prompt (one seed for every request then
+    gives every prompt the same answer, as a real server does).
     """
 
     base_path = "/v1"
@@ -46,9 +58,20 @@ class SimulatedVLLMServer(IdServer):
         tool_rounds: int = 0,
         tokenizer: TargetTokenizer | None = None,
         profile: str = "kimi-k2.5",
+        served_model_name: str | None = None,
+        eos_token_id: int | None = None,
+        chat_template: str | None = None,
+        prompt_blind: bool = False,
         **kw: Any,
     ) -> None:
+        if tokenizer is not None and chat_template is not None:
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = chat_template
         self.tokenizer, self.profile = tokenizer, profile
+        self.served_model_name, self.prompt_blind = served_model_name, prompt_blind
+        if eos_token_id is None and tokenizer is not None and tokenizer.template_vars.get("eos_token"):
+            eos_token_id = tokenizer.special_tokens.get(tokenizer.template_vars["eos_token"])
+        self.eos_token_id = eos_token_id
         if tokenizer is not None:
             ids = as_profile_ids(tokenizer, profile)
             kw = dict(
@@ -88,7 +111,14 @@ class SimulatedVLLMServer(IdServer):
         return ids if finished else ids[:-1]  # unfinished: no end of turn
 
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
-        messages = body.get("messages")
+        model, messages = body.get("model"), body.get("messages")
+        if self.served_model_name is not None and model != self.served_model_name:
+            # vLLM checks the name before anything else (OpenAIServing._check_model), streamed requests included.
+            key = request_key(messages if isinstance(messages, list) else [], body.get("seed"))
+            attempt = self._note(key, body, dict(request.headers))[0]
+            self._record(key, attempt, at, None, 404)
+            error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model"}
+            return web.json_response({"error": {**error, "code": 404}}, status=404)
         if not isinstance(messages, list) or not messages:
             return web.json_response(
                 {"error": {"message": "messages required", "type": "BadRequestError", "param": None, "code": 400}},
@@ -130,9 +160,17 @@ class SimulatedVLLMServer(IdServer):
         messages, tools, seed = body["messages"], body.get("tools"), body.get("seed")
         key = request_key(messages, seed)
         thinking = (body.get("chat_template_kwargs") or {}).get("thinking", True) is not False
-        ans = synthesize(
-            messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=self.tool_rounds
-        )
+        if self.prompt_blind:  # the seed's noise alone decides the answer
+            ans = synthesize([], None, request_key([], seed), thinking=thinking)
+        else:
+            ans = synthesize(
+                messages,
+                tools,
+                key,
+                thinking=thinking,
+                tool_call_rate=self.tool_call_rate,
+                tool_rounds=self.tool_rounds,
+            )
         q = self.plan.quality_faults(key, 0)
         count = self._count(thinking)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -149,26 +187,40 @@ class SimulatedVLLMServer(IdServer):
         }
         if ans.tool_calls:
             message["tool_calls"] = ans.tool_calls
+        stop_id = out_ids[-1] if ans.finish_reason != "length" and out_ids else None
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
             "logprobs": None,
             "finish_reason": ans.finish_reason,
-            "stop_reason": None,
+            "stop_reason": None if stop_id == self.eos_token_id else stop_id,
         }
         out: dict[str, Any] = {
             "id": f"chatcmpl-{key[:16]}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.get("model") or "simulated",
+            "model": self.served_model_name or body.get("model") or "simulated",
             "choices": [choice],
             "usage": {
                 "prompt_tokens": len(p_ids),
                 "completion_tokens": len(out_ids),
                 "total_tokens": len(p_ids) + len(out_ids),
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens(out_ids, thinking=thinking)},
             },
         }
         if self.supports_token_ids and body.get("return_token_ids"):
             out["prompt_token_ids"] = p_ids
             choice["token_ids"] = out_ids
         return out
+
+    def reasoning_tokens(self, out_ids: list[int], *, thinking: bool) -> int:
+        """vLLM's count (BaseThinkingReasoningParser.count_reasoning_tokens): the ids after the first think-open (or
+        from the start when thinking is on and none was generated) up to the first think-close (or the end)."""
+        if self.think_start_id in out_ids:
+            start = out_ids.index(self.think_start_id) + 1
+        elif thinking:
+            start = 0
+        else:
+            return 0
+        end = out_ids.index(self.think_end_id) if self.think_end_id in out_ids else len(out_ids)
+        return max(0, end - start)
