@@ -53,6 +53,49 @@ def _assemble_shard(rows: pa.Table, split: np.ndarray, spans: list[list[tuple[in
     return pa.table({k: cols[k] for k in MERGED_SCHEMA.names}, schema=MERGED_SCHEMA).combine_chunks()
 
 
+def _fold_conversations(
+    combined: pa.Table, excluded: dict[str, dict[str, int]]
+) -> tuple[pa.Table, np.ndarray, dict[int, list[tuple[int, int]]]]:
+    """`loss_on: all_turns`: each conversation's turns folded into its last row (`fold_turns`). Returns the kept
+    rows, the keep mask and each kept row's supervised spans; counts the folded rows in `excluded`."""
+    kept, spans_of = fold_turns(combined)
+    if kept.all():
+        return combined, kept, {}
+    folded_ds = np.asarray(combined["dataset"].to_numpy(zero_copy_only=False), dtype=object)[~kept]
+    for ds, k in zip(*np.unique(folded_ds.astype(str), return_counts=True)):
+        excluded[str(ds)]["folded"] = int(k)
+    new_index = np.cumsum(kept) - 1
+    return combined.filter(pa.array(kept)), kept, {int(new_index[i]): sp for i, sp in spans_of.items()}
+
+
+class _Counts:
+    """The manifest's per-dataset figures, added up shard by shard."""
+
+    def __init__(self, datasets: list[str]) -> None:
+        self.datasets = datasets
+        self.rows = dict.fromkeys(datasets, 0)
+        self.tokens = dict.fromkeys(datasets, 0)
+        self.supervised = dict.fromkeys(datasets, 0)
+        self.splits = {ds: {"train": 0, "eval": 0} for ds in datasets}
+        self.no_supervised = 0
+
+    def add(self, table: pa.Table) -> int:
+        """Count one written shard; returns its tokens."""
+        n_tok = np.asarray(table["n_tokens"], dtype=np.int64)
+        n_sup = supervised_per_row(table["loss_mask"], n_tok)
+        self.no_supervised += int(np.count_nonzero(n_sup == 0))
+        ds_col = np.asarray(table["dataset"].to_numpy(zero_copy_only=False), dtype=object)
+        is_eval = np.asarray(table["split"].to_numpy(zero_copy_only=False), dtype=object) == "eval"
+        for ds in self.datasets:
+            m = ds_col == ds
+            self.rows[ds] += int(np.count_nonzero(m))
+            self.tokens[ds] += int(n_tok[m].sum())
+            self.supervised[ds] += int(n_sup[m].sum())
+            self.splits[ds]["eval"] += int(np.count_nonzero(m & is_eval))
+            self.splits[ds]["train"] += int(np.count_nonzero(m & ~is_eval))
+        return int(n_tok.sum())
+
+
 def merge_datasets(
     inputs: list[MergeInput], out_dir: Path, settings: MergeSettings, *, config_hash: str = ""
 ) -> MergeManifest:
@@ -83,15 +126,8 @@ def merge_datasets(
 
     row_spans: dict[int, list[tuple[int, int]]] = {}
     if settings.loss_on == "all_turns":
-        kept, spans_of = fold_turns(combined)
-        if not kept.all():
-            folded_ds = np.asarray(combined["dataset"].to_numpy(zero_copy_only=False), dtype=object)[~kept]
-            for ds, k in zip(*np.unique(folded_ds.astype(str), return_counts=True)):
-                excluded[str(ds)]["folded"] = int(k)
-            new_index = np.cumsum(kept) - 1
-            row_spans = {int(new_index[i]): sp for i, sp in spans_of.items()}
-            combined = combined.filter(pa.array(kept))
-            all_ids, all_eval = all_ids[kept], all_eval[kept]
+        combined, kept, row_spans = _fold_conversations(combined, excluded)
+        all_ids, all_eval = all_ids[kept], all_eval[kept]
 
     # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
     perm = np.lexsort((all_ids.astype(str), hash_u64(list(all_ids), f"order:{settings.seed}")))
@@ -99,11 +135,7 @@ def merge_datasets(
     n_rows = len(perm)
     n_shards = max(1, math.ceil(n_rows / settings.rows_per_shard))
     shards: list[dict[str, Any]] = []
-    rows_per_dataset = dict.fromkeys(datasets, 0)
-    tokens_per_dataset = dict.fromkeys(datasets, 0)
-    supervised_per_dataset = dict.fromkeys(datasets, 0)
-    splits_per_dataset = {ds: {"train": 0, "eval": 0} for ds in datasets}
-    no_supervised = 0
+    counts = _Counts(datasets)
     for s in range(n_shards):
         take = perm[s * settings.rows_per_shard : (s + 1) * settings.rows_per_shard]
         if n_rows:
@@ -112,22 +144,11 @@ def merge_datasets(
         else:
             table = MERGED_SCHEMA.empty_table()
         path = write_parquet_atomic(table, out_dir / shard_name(s), row_group_size=ROW_GROUP_ROWS)
-        n_tok = np.asarray(table["n_tokens"], dtype=np.int64)
-        n_sup = supervised_per_row(table["loss_mask"], n_tok)
-        no_supervised += int(np.count_nonzero(n_sup == 0))
-        ds_col = np.asarray(table["dataset"].to_numpy(zero_copy_only=False), dtype=object)
-        is_eval = np.asarray(table["split"].to_numpy(zero_copy_only=False), dtype=object) == "eval"
-        for ds in datasets:
-            m = ds_col == ds
-            rows_per_dataset[ds] += int(np.count_nonzero(m))
-            tokens_per_dataset[ds] += int(n_tok[m].sum())
-            supervised_per_dataset[ds] += int(n_sup[m].sum())
-            splits_per_dataset[ds]["eval"] += int(np.count_nonzero(m & is_eval))
-            splits_per_dataset[ds]["train"] += int(np.count_nonzero(m & ~is_eval))
-        shards.append(
-            {"path": path.name, "rows": table.num_rows, "tokens": int(n_tok.sum()), "sha256": file_sha256(path)}
-        )
+        tokens = counts.add(table)
+        shards.append({"path": path.name, "rows": table.num_rows, "tokens": tokens, "sha256": file_sha256(path)})
         del table
+    rows_per_dataset, tokens_per_dataset = counts.rows, counts.tokens
+    supervised_per_dataset, splits_per_dataset = counts.supervised, counts.splits
 
     manifest = MergeManifest(
         format_version=FORMAT_VERSION,
@@ -143,7 +164,7 @@ def merge_datasets(
         tokens_per_dataset=tokens_per_dataset,
         supervised_tokens_total=sum(supervised_per_dataset.values()),
         supervised_tokens_per_dataset=supervised_per_dataset,
-        rows_without_supervised_tokens=no_supervised,
+        rows_without_supervised_tokens=counts.no_supervised,
         excluded=excluded,
         audit_gates={i.dataset: {k: int(v) for k, v in sorted(i.excluded_by_gate.items())} for i in inputs},
         dedup_winners=dedup_winners,

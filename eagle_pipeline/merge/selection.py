@@ -57,6 +57,52 @@ def select_rows(
     input_rows: dict[str, int] = {}
 
     # 1. Audit keep-mask, then the deterministic base order: dataset order given, then sample_id.
+    ds_idx, row_idx, sid, pkey, grp = _base_order(inputs, settings, excluded, input_rows)
+    alive = np.ones(len(sid), dtype=bool)
+
+    # 2. A sample id may appear once: later copies are dropped whatever `dedup` says, so merged ids are unique.
+    #    Across datasets the dataset order given decides; within one dataset only exact copies may be dropped.
+    if len(sid):
+        _, first, inverse = np.unique(sid.astype(str), return_index=True, return_inverse=True)
+        dup = np.ones(len(sid), dtype=bool)
+        dup[first] = False
+        _reject_conflicting_copies(inputs, ds_idx, row_idx, sid, dup, first[inverse])
+        for k in np.flatnonzero(np.bincount(ds_idx[dup], minlength=len(inputs))):
+            excluded[datasets[k]]["duplicate_sample_id"] = int(np.count_nonzero(dup & (ds_idx == k)))
+        alive &= ~dup
+
+    # 3. Prompt dedup across (and within) datasets: the first row in base order keeps the prompt.
+    dedup_winners = _dedup_prompts(datasets, ds_idx, pkey, alive, excluded) if settings.dedup else {}
+
+    # 4. Weights and caps per dataset: keep the rows (whole conversations) with the smallest seeded hash.
+    selected: list[Selected] = []
+    for d, inp in enumerate(inputs):
+        ds = inp.dataset
+        members = np.flatnonzero(alive & (ds_idx == d))
+        cap = settings.caps.get(ds)
+        keep, excluded[ds]["weight"], excluded[ds]["cap"] = select_groups(
+            grp[members],
+            float(settings.weights.get(ds, 1.0)),
+            None if cap is None else int(cap),
+            f"select:{settings.seed}:{ds}",
+        )
+        members = members[keep]
+        ids = sid[members]
+        # Keyed by conversation (a row's own sample id when it is none): a conversation's turns share one split.
+        is_eval = unit_interval(hash_u64(list(grp[members]), f"eval:{settings.seed}")) < settings.eval_fraction
+        selected.append(Selected(rows=row_idx[members], sample_ids=ids, split=is_eval, groups=grp[members]))
+    return selected, excluded, dedup_winners, input_rows
+
+
+def _base_order(
+    inputs: list[MergeInput],
+    settings: MergeSettings,
+    excluded: dict[str, dict[str, int]],
+    input_rows: dict[str, int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every input's rows the audit admits, in base order (dataset order given, then sample_id): their dataset
+    index, row index, sample id, prompt key and conversation (the sample id when none). Counts the audit's
+    exclusions in `excluded` and each input's rows in `input_rows`."""
     g_ds, g_row, g_sid, g_key, g_grp = [], [], [], [], []
     for d, inp in enumerate(inputs):
         meta, n = _read_meta(inp, settings.dedup)
@@ -101,54 +147,29 @@ def select_rows(
     sid = np.concatenate(g_sid) if g_sid else np.zeros(0, object)
     pkey = np.concatenate(g_key) if g_key else np.zeros(0, object)
     grp = np.concatenate(g_grp) if g_grp else np.zeros(0, object)
-    alive = np.ones(len(sid), dtype=bool)
+    return ds_idx, row_idx, sid, pkey, grp
 
-    # 2. A sample id may appear once: later copies are dropped whatever `dedup` says, so merged ids are unique.
-    #    Across datasets the dataset order given decides; within one dataset only exact copies may be dropped.
-    if len(sid):
-        _, first, inverse = np.unique(sid.astype(str), return_index=True, return_inverse=True)
-        dup = np.ones(len(sid), dtype=bool)
-        dup[first] = False
-        _reject_conflicting_copies(inputs, ds_idx, row_idx, sid, dup, first[inverse])
-        for k in np.flatnonzero(np.bincount(ds_idx[dup], minlength=len(inputs))):
-            excluded[datasets[k]]["duplicate_sample_id"] = int(np.count_nonzero(dup & (ds_idx == k)))
-        alive &= ~dup
 
-    # 3. Prompt dedup across (and within) datasets: the first row in base order keeps the prompt.
+def _dedup_prompts(
+    datasets: list[str], ds_idx: np.ndarray, pkey: np.ndarray, alive: np.ndarray, excluded: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
+    """Prompt dedup: of the alive rows with a prompt key, the first in base order keeps it; the others are marked
+    dead in `alive` and counted in `excluded`. Returns, per losing dataset, the rows each winning dataset took."""
     dedup_winners: dict[str, dict[str, int]] = {}
-    if settings.dedup:
-        cand = np.flatnonzero(alive & np.array([k is not None for k in pkey], dtype=bool))
-        if len(cand):
-            keys = pkey[cand].astype(str)
-            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-            loser = np.ones(len(cand), dtype=bool)
-            loser[first] = False
-            n_ds = len(inputs)
-            pair = ds_idx[cand[loser]].astype(np.int64) * n_ds + ds_idx[cand[first[inverse]]][loser]
-            pair_counts = np.bincount(pair, minlength=n_ds * n_ds).reshape(n_ds, n_ds)
-            for lose, win in zip(*np.nonzero(pair_counts)):
-                excluded[datasets[lose]]["dedup"] += int(pair_counts[lose, win])
-                dedup_winners.setdefault(datasets[lose], {})[datasets[win]] = int(pair_counts[lose, win])
-            alive[cand[loser]] = False
-
-    # 4. Weights and caps per dataset: keep the rows (whole conversations) with the smallest seeded hash.
-    selected: list[Selected] = []
-    for d, inp in enumerate(inputs):
-        ds = inp.dataset
-        members = np.flatnonzero(alive & (ds_idx == d))
-        cap = settings.caps.get(ds)
-        keep, excluded[ds]["weight"], excluded[ds]["cap"] = select_groups(
-            grp[members],
-            float(settings.weights.get(ds, 1.0)),
-            None if cap is None else int(cap),
-            f"select:{settings.seed}:{ds}",
-        )
-        members = members[keep]
-        ids = sid[members]
-        # Keyed by conversation (a row's own sample id when it is none): a conversation's turns share one split.
-        is_eval = unit_interval(hash_u64(list(grp[members]), f"eval:{settings.seed}")) < settings.eval_fraction
-        selected.append(Selected(rows=row_idx[members], sample_ids=ids, split=is_eval, groups=grp[members]))
-    return selected, excluded, dedup_winners, input_rows
+    cand = np.flatnonzero(alive & np.array([k is not None for k in pkey], dtype=bool))
+    if len(cand):
+        keys = pkey[cand].astype(str)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        loser = np.ones(len(cand), dtype=bool)
+        loser[first] = False
+        n_ds = len(datasets)
+        pair = ds_idx[cand[loser]].astype(np.int64) * n_ds + ds_idx[cand[first[inverse]]][loser]
+        pair_counts = np.bincount(pair, minlength=n_ds * n_ds).reshape(n_ds, n_ds)
+        for lose, win in zip(*np.nonzero(pair_counts)):
+            excluded[datasets[lose]]["dedup"] += int(pair_counts[lose, win])
+            dedup_winners.setdefault(datasets[lose], {})[datasets[win]] = int(pair_counts[lose, win])
+        alive[cand[loser]] = False
+    return dedup_winners
 
 
 def _reject_conflicting_copies(
