@@ -53,6 +53,35 @@ def _decode_text(ctx: AuditContext, ids: np.ndarray) -> str | None:
         return None
 
 
+def _check_gap(ctx: AuditContext, ids: Any, has_sections: bool, lo: int, hi: int, kind: str) -> None:
+    # Inside a section nothing may stand between the structural ids; a profile without sections may put
+    # whitespace between calls (Qwen writes newlines there).
+    if hi > lo and (has_sections or (_decode_text(ctx, ids[lo:hi]) or "x").strip()):
+        raise _ToolProblem(kind, lo)
+
+
+def _check_call(ctx: AuditContext, ids: Any, begin: int, arg: int | None, end: int) -> None:
+    """One call between `begin` and `end`: its id (before the argument marker `arg`, when the profile has one) and
+    a JSON object as its arguments."""
+    if arg is not None:
+        text = _decode_text(ctx, ids[begin + 1 : arg])
+        if text is None or not tool_call_id_ok(text):
+            raise _ToolProblem("bad_id", begin + 1)
+        body_lo = arg + 1
+    else:
+        body_lo = begin + 1
+    text = _decode_text(ctx, ids[body_lo:end])
+    try:
+        parsed = json.loads(text) if text is not None else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _ToolProblem("bad_arguments", body_lo)
+    if arg is None and not isinstance(parsed.get("name"), str):
+        # Without an argument marker the body is the whole call, {"name": ..., "arguments": ...} (Qwen3).
+        raise _ToolProblem("bad_arguments", body_lo)
+
+
 def _check_tool_row(ctx: AuditContext, row: int, complete: bool, think_close_pos: int, expected_calls: int) -> int:
     """Walk the special ids of one row; raise _ToolProblem at the first violation. Returns the number of calls."""
     ids = ctx.row_ids(row)
@@ -63,29 +92,10 @@ def _check_tool_row(ctx: AuditContext, row: int, complete: bool, think_close_pos
     has_arg = ctx.classes.ids.get(ARG_BEGIN) is not None
 
     def check_gap(lo: int, hi: int, kind: str = "stray_tokens") -> None:
-        # Inside a section nothing may stand between the structural ids; a profile without sections may put
-        # whitespace between calls (Qwen writes newlines there).
-        if hi > lo and (has_sections or (_decode_text(ctx, ids[lo:hi]) or "x").strip()):
-            raise _ToolProblem(kind, lo)
+        _check_gap(ctx, ids, has_sections, lo, hi, kind)
 
     def check_call(begin: int, arg: int | None, end: int) -> None:
-        if arg is not None:
-            text = _decode_text(ctx, ids[begin + 1 : arg])
-            if text is None or not tool_call_id_ok(text):
-                raise _ToolProblem("bad_id", begin + 1)
-            body_lo = arg + 1
-        else:
-            body_lo = begin + 1
-        text = _decode_text(ctx, ids[body_lo:end])
-        try:
-            parsed = json.loads(text) if text is not None else None
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise _ToolProblem("bad_arguments", body_lo)
-        if arg is None and not isinstance(parsed.get("name"), str):
-            # Without an argument marker the body is the whole call, {"name": ..., "arguments": ...} (Qwen3).
-            raise _ToolProblem("bad_arguments", body_lo)
+        _check_call(ctx, ids, begin, arg, end)
 
     state, calls, sections = "out", 0, 0
     last = -1  # position of the previous structural id in the current tool region
