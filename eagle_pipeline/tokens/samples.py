@@ -133,119 +133,11 @@ def reconstruct_table(
     returned_output = _list_rows(responses, "output_token_ids")
 
     thinking = [True if t is None else bool(t) for t in col["thinking"]]
-    prompt_cache: dict[tuple[str, str | None, bool], np.ndarray] = {}
-    key_cache: dict[str, tuple[str, list[Any]]] = {}  # messages_json -> (prompt key, parsed messages)
-    prompt_ids: list[np.ndarray] = []
-    render_diff: list[int | None] = []  # RENDER_FIELDS, per row
-    render_ids: list[np.ndarray | None] = []
-    prompt_keys: list[str] = []
-    plans: list[OutputPlan | None] = []
-    texts: list[str] = []
-    digests: list[int | None] = []
-    special_strings = structural_strings(pids)
-
-    def render(sid: str, mj: str, tj: str | None, messages: list[Any], think: bool) -> np.ndarray:
-        """The project's prompt ids for a row (each distinct prompt rendered once)."""
-        pkey = (mj, tj, think)
-        if pkey not in prompt_cache:
-            tools = _parse_json(tj, sid, "tools_json")
-            try:
-                rendered = render_prompt(tokenizer, messages, tools, thinking=think)
-            except Exception as exc:
-                raise ValueError(f"sample {sid}: cannot render messages_json/tools_json: {exc}") from exc
-            prompt_cache[pkey] = np.asarray(tokenizer.encode_with_specials(rendered), dtype=np.int32)
-        return prompt_cache[pkey]
-
-    for i in range(n):
-        sid = col["sample_id"][i]
-        mj, tj = col["messages_json"][i], col["tools_json"][i]
-        if mj not in key_cache:
-            parsed = _parse_json(mj, sid, "messages_json")
-            if not isinstance(parsed, list):
-                raise ValueError(f"sample {sid}: field messages_json must be a JSON list of messages")
-            key_cache[mj] = (normalized_prompt_key(parsed), parsed)
-        key, messages = key_cache[mj]
-        prompt_keys.append(key)
-
-        given_prompt = returned_prompt[i]
-        diff: int | None = None
-        ours: np.ndarray | None = None
-        if given_prompt is None:
-            prompt_ids.append(render(sid, mj, tj, messages, thinking[i]))
-        else:
-            prompt_ids.append(given_prompt)
-            # Compared with the project's render, unless the row names no prompt (empty ids, a CLI line without
-            # messages).
-            if len(given_prompt) and messages:
-                try:
-                    ours = render(sid, mj, tj, messages, thinking[i])
-                except ValueError as exc:
-                    # The server's ids stand; that the project cannot render this prompt is a difference (an
-                    # empty render) for the gate to report, not a reason to refuse the dataset.
-                    logger.warning("%s; prompt_agreement reports it", exc)
-                    ours = np.zeros(0, dtype=np.int32)
-                diff = first_difference(given_prompt, ours)
-        render_diff.append(diff)
-        render_ids.append(ours if diff is not None and diff >= 0 else None)
-
-        if returned_output[i] is not None:
-            plans.append(None)
-            digests.append(None)
-            continue
-        calls = _parse_json(col["tool_calls_json"][i], sid, "tool_calls_json")
-        if calls is not None and not isinstance(calls, list):
-            raise ValueError(f"sample {sid}: field tool_calls_json must be a JSON list")
-        plan = plan_output(
-            tokenizer,
-            pids,
-            col["reasoning"][i],
-            col["content"][i],
-            calls,
-            thinking[i],
-            f"sample {sid}: tool_calls_json",
-        )
-        plans.append(plan)
-        texts.extend(plan.texts())
-        digests.append(as_int64(text_hash(plan_text_bytes(plan.parts, special_strings))))
-
-    # One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
-    # numpy arrays up to the Arrow column, so no Python int is made per token.
-    arrays, flags = tokenizer.encode_ordinary_arrays_flagged(texts)
-    encoded, flag_iter = iter(arrays), iter(flags)
-    single: dict[int, np.ndarray] = {}
-    out_pieces: list[np.ndarray] = []
-    out_lens: list[int] = []
-    origin: list[str] = []
-    literal: list[bool] = []
-    n_calls: list[int] = []
-    for i, maybe_plan in enumerate(plans):
-        if maybe_plan is None:
-            ids = returned_output[i]
-            assert ids is not None  # rows without a plan are exactly those with returned ids
-            out_pieces.append(ids)
-            out_lens.append(len(ids))
-            origin.append(IDS_RETURNED)
-            literal.append(ids_contain_literal_special(tokenizer, ids))
-            n_calls.append(_count_returned_calls(pids, ids, col["tool_calls_json"][i], col["sample_id"][i]))
-            continue
-        plan = maybe_plan
-        length = 0
-        row_literal = False
-        for part in plan.parts:
-            if isinstance(part, str):
-                arr = next(encoded)
-                row_literal |= next(flag_iter)
-            else:
-                one = single.get(part)
-                if one is None:
-                    one = single[part] = np.array([part], dtype=np.int32)
-                arr = one
-            out_pieces.append(arr)
-            length += len(arr)
-        out_lens.append(length)
-        origin.append(IDS_RECONSTRUCTED)
-        literal.append(row_literal)
-        n_calls.append(plan.n_tool_calls)
+    prompt_ids, prompt_keys, render_diff, render_ids = _prompt_columns(tokenizer, col, thinking, returned_prompt)
+    plans, texts, digests = _output_plans(tokenizer, pids, col, thinking, returned_output)
+    out_pieces, out_lens, origin, literal, n_calls = _output_columns(
+        tokenizer, pids, col, plans, texts, returned_output
+    )
 
     data = {
         "sample_id": col["sample_id"],
@@ -275,6 +167,148 @@ def reconstruct_table(
         table = table.append_column(diff_field, pa.array(render_diff, diff_field.type))
         table = table.append_column(ids_field, _nullable_list_array(render_ids))
     return table
+
+
+def _prompt_columns(
+    tokenizer: TargetTokenizer, col: dict[str, list[Any]], thinking: list[bool], returned: list[np.ndarray | None]
+) -> tuple[list[np.ndarray], list[str], list[int | None], list[np.ndarray | None]]:
+    """Per row: the prompt ids (the server's, else the project's render of messages/tools, each distinct prompt
+    rendered once), the prompt key, and for server ids the first position where the render differs (-1: equal;
+    None: not compared) with the render where it differs (RENDER_FIELDS)."""
+    prompt_cache: dict[tuple[str, str | None, bool], np.ndarray] = {}
+    key_cache: dict[str, tuple[str, list[Any]]] = {}  # messages_json -> (prompt key, parsed messages)
+    prompt_ids: list[np.ndarray] = []
+    prompt_keys: list[str] = []
+    render_diff: list[int | None] = []
+    render_ids: list[np.ndarray | None] = []
+
+    def render(sid: str, mj: str, tj: str | None, messages: list[Any], think: bool) -> np.ndarray:
+        pkey = (mj, tj, think)
+        if pkey not in prompt_cache:
+            tools = _parse_json(tj, sid, "tools_json")
+            try:
+                rendered = render_prompt(tokenizer, messages, tools, thinking=think)
+            except Exception as exc:
+                raise ValueError(f"sample {sid}: cannot render messages_json/tools_json: {exc}") from exc
+            prompt_cache[pkey] = np.asarray(tokenizer.encode_with_specials(rendered), dtype=np.int32)
+        return prompt_cache[pkey]
+
+    for i, sid in enumerate(col["sample_id"]):
+        mj, tj = col["messages_json"][i], col["tools_json"][i]
+        if mj not in key_cache:
+            parsed = _parse_json(mj, sid, "messages_json")
+            if not isinstance(parsed, list):
+                raise ValueError(f"sample {sid}: field messages_json must be a JSON list of messages")
+            key_cache[mj] = (normalized_prompt_key(parsed), parsed)
+        key, messages = key_cache[mj]
+        prompt_keys.append(key)
+        given_prompt = returned[i]
+        diff: int | None = None
+        ours: np.ndarray | None = None
+        if given_prompt is None:
+            prompt_ids.append(render(sid, mj, tj, messages, thinking[i]))
+        else:
+            prompt_ids.append(given_prompt)
+            # Compared with the project's render, unless the row names no prompt (empty ids, a CLI line without
+            # messages).
+            if len(given_prompt) and messages:
+                try:
+                    ours = render(sid, mj, tj, messages, thinking[i])
+                except ValueError as exc:
+                    # The server's ids stand; that the project cannot render this prompt is a difference (an
+                    # empty render) for the gate to report, not a reason to refuse the dataset.
+                    logger.warning("%s; prompt_agreement reports it", exc)
+                    ours = np.zeros(0, dtype=np.int32)
+                diff = first_difference(given_prompt, ours)
+        render_diff.append(diff)
+        render_ids.append(ours if diff is not None and diff >= 0 else None)
+    return prompt_ids, prompt_keys, render_diff, render_ids
+
+
+def _output_plans(
+    tokenizer: TargetTokenizer,
+    pids: ProfileIds,
+    col: dict[str, list[Any]],
+    thinking: list[bool],
+    returned: list[np.ndarray | None],
+) -> tuple[list[OutputPlan | None], list[str], list[int | None]]:
+    """Per row without server ids: the plan of its output (texts and structural ids) and its output_text_hash; the
+    texts of every plan in order, to encode in one batch. Rows with server ids get None for both."""
+    plans: list[OutputPlan | None] = []
+    texts: list[str] = []
+    digests: list[int | None] = []
+    special_strings = structural_strings(pids)
+    for i, sid in enumerate(col["sample_id"]):
+        if returned[i] is not None:
+            plans.append(None)
+            digests.append(None)
+            continue
+        calls = _parse_json(col["tool_calls_json"][i], sid, "tool_calls_json")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"sample {sid}: field tool_calls_json must be a JSON list")
+        plan = plan_output(
+            tokenizer,
+            pids,
+            col["reasoning"][i],
+            col["content"][i],
+            calls,
+            thinking[i],
+            f"sample {sid}: tool_calls_json",
+        )
+        plans.append(plan)
+        texts.extend(plan.texts())
+        digests.append(as_int64(text_hash(plan_text_bytes(plan.parts, special_strings))))
+    return plans, texts, digests
+
+
+def _output_columns(
+    tokenizer: TargetTokenizer,
+    pids: ProfileIds,
+    col: dict[str, list[Any]],
+    plans: list[OutputPlan | None],
+    texts: list[str],
+    returned: list[np.ndarray | None],
+) -> tuple[list[np.ndarray], list[int], list[str], list[bool], list[int]]:
+    """Each row's output ids as pieces and length, origin, literal-special flag and tool-call count.
+
+    One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
+    numpy arrays up to the Arrow column, so no Python int is made per token."""
+    arrays, flags = tokenizer.encode_ordinary_arrays_flagged(texts)
+    encoded, flag_iter = iter(arrays), iter(flags)
+    single: dict[int, np.ndarray] = {}
+    out_pieces: list[np.ndarray] = []
+    out_lens: list[int] = []
+    origin: list[str] = []
+    literal: list[bool] = []
+    n_calls: list[int] = []
+    for i, maybe_plan in enumerate(plans):
+        if maybe_plan is None:
+            ids = returned[i]
+            assert ids is not None  # rows without a plan are exactly those with returned ids
+            out_pieces.append(ids)
+            out_lens.append(len(ids))
+            origin.append(IDS_RETURNED)
+            literal.append(ids_contain_literal_special(tokenizer, ids))
+            n_calls.append(_count_returned_calls(pids, ids, col["tool_calls_json"][i], col["sample_id"][i]))
+            continue
+        length = 0
+        row_literal = False
+        for part in maybe_plan.parts:
+            if isinstance(part, str):
+                arr = next(encoded)
+                row_literal |= next(flag_iter)
+            else:
+                one = single.get(part)
+                if one is None:
+                    one = single[part] = np.array([part], dtype=np.int32)
+                arr = one
+            out_pieces.append(arr)
+            length += len(arr)
+        out_lens.append(length)
+        origin.append(IDS_RECONSTRUCTED)
+        literal.append(row_literal)
+        n_calls.append(maybe_plan.n_tool_calls)
+    return out_pieces, out_lens, origin, literal, n_calls
 
 
 def first_difference(a: np.ndarray, b: np.ndarray) -> int:
