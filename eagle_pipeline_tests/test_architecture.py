@@ -50,3 +50,46 @@ def test_the_core_list_is_not_empty():
     # Guards the two tests above against a layout change that would make them vacuous.
     names = {p.relative_to(PACKAGE).parts[0] for p in _core_modules()}
     assert {"generation", "tokens", "audit", "merge", "hidden_states", "config.py", "storage.py"} <= names
+
+
+def _architecture_map() -> set[str]:
+    """The paths the module map in docs/architecture.md lists (its first code block, an indented tree)."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc[doc.index("```\neagle_pipeline/") + 4 :]
+    block = block[: block.index("\n```")]
+    listed: set[str] = set()
+    stack: list[tuple[int, str]] = []  # (indent, folder path) of the folders above the current line
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip(" "))
+        name = line.strip().split(" ", 1)[0] if line.strip() else ""
+        if indent > 8 or not name.endswith((".py", ".toml", ".txt", "/")):
+            continue  # a description's continuation line
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([p for _, p in stack] + [name.rstrip("/")])
+        listed.add(path)
+        if name.endswith("/"):
+            stack.append((indent, name.rstrip("/")))
+    return listed
+
+
+def test_architecture_map_lists_every_module():
+    """docs/architecture.md's map names every module of the package and of its first-level packages (deeper packages
+    by their folder), and nothing that is not there: a newcomer finds the room for any change from it."""
+    listed = _architecture_map()
+    present: set[str] = set()
+    for p in PACKAGE.rglob("*"):
+        rel = p.relative_to(PACKAGE)
+        if "__pycache__" in rel.parts or p.name == "__init__.py" or p.suffix not in (".py", ".toml", ".txt", ""):
+            continue
+        if p.is_dir() and not (p / "__init__.py").exists():
+            continue
+        if len(rel.parts) > 3 or (len(rel.parts) == 3 and p.is_dir()):
+            continue  # inside a second-level package: its folder stands for it
+        if len(rel.parts) == 3 and (PACKAGE / rel.parts[0] / rel.parts[1]).is_dir():
+            continue
+        present.add(rel.as_posix())
+    missing = sorted(present - listed)
+    stale = sorted(x for x in listed - present if not (PACKAGE / x).exists())
+    assert not missing, f"modules missing from docs/architecture.md's map: {missing}"
+    assert not stale, f"docs/architecture.md's map lists what is not in the tree: {stale}"
