@@ -59,6 +59,16 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
+def merged_shard_paths(out_dir: str | Path) -> list[Path]:
+    """The files of the merged table, in merged row order: the shards its manifest lists (the committed set; the
+    merge deletes stale ones only after writing it), or every `part-*.parquet` by name where there is no manifest
+    (a table written by hand, tests). The one definition every reader uses (merge reader, checks, extraction)."""
+    out_dir = Path(out_dir)
+    if (out_dir / MANIFEST_NAME).exists():
+        return [out_dir / sh["path"] for sh in MergeManifest.read(out_dir).shards]
+    return sorted(out_dir.glob(SHARD_GLOB), key=lambda p: p.name)
+
+
 @dataclass(frozen=True)
 class MergeSettings:
     """How datasets are combined. Every random choice is a keyed hash of (seed, sample_id), so a row's fate

@@ -35,6 +35,13 @@ def extracted(normed_model, merged_factory, tmp_path):
     return rows, merged, hs, vocab
 
 
+# A state of the padded batched forward against the same row's forward alone, fp32: the GEMMs sum in another order
+# (and MKL's path depends on buffer alignment, i.e. on the process's allocation history), so single elements of
+# O(1) post-norm values (norm weights up to 2) differ by up to ~2e-5; a wrong norm or layer differs by O(0.1).
+# Replace with the shared helper of issue 27 when it lands.
+FORWARD_PATHS_ATOL, FORWARD_PATHS_RTOL = 5e-5, 1e-5
+
+
 def _post_norm_forward(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return get_backbone(model)(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
@@ -68,7 +75,12 @@ def test_specforge_offline_files_follow_its_contract(extracted, normed_model, tm
         # Post-norm: the model's own final norm of the stored pre-norm state, and the backbone's output.
         with torch.no_grad():
             assert torch.equal(rec["hidden_state"][0], get_backbone(normed_model).norm(shard["final_hidden_state"]))
-        torch.testing.assert_close(rec["hidden_state"][0], _post_norm_forward(normed_model, r["input_ids"]))
+        torch.testing.assert_close(
+            rec["hidden_state"][0],
+            _post_norm_forward(normed_model, r["input_ids"]),
+            atol=FORWARD_PATHS_ATOL,
+            rtol=FORWARD_PATHS_RTOL,
+        )
     assert torch.load(out / "draft_vocab.pt")["d2t"].tolist() == [0, 1, 2, 3]
 
 
@@ -105,7 +117,9 @@ def test_speculators_offline_files_follow_its_contract(extracted, normed_model, 
         # Pre-norm: speculators applies the verifier norm itself; that must give the model's post-norm state.
         with torch.no_grad():
             renormed = get_backbone(normed_model).norm(states[:, -1])
-        torch.testing.assert_close(renormed, _post_norm_forward(normed_model, r["input_ids"]))
+        torch.testing.assert_close(
+            renormed, _post_norm_forward(normed_model, r["input_ids"]), atol=FORWARD_PATHS_ATOL, rtol=FORWARD_PATHS_RTOL
+        )
     assert np.array_equal(np.load(out / "d2t.npy"), np.arange(4)) and np.load(out / "t2d.npy").sum() == 4
     assert f"--train-data-ratio {ratio!r}" in (out / "README.md").read_text()
 
