@@ -151,6 +151,14 @@ class VLLMEngineConfig(SpecBase):
     timeout_s: Annotated[Float, Field(gt=0)] = 600.0
     max_retries: Annotated[Int, Field(ge=0)] = 4
     gpus_per_server: Annotated[Int, Field(ge=1)] = 8  # each server's TP size: the plan and `vllm-command`
+    # The config.json (or local snapshot) of the model the servers load, when `vllm serve` loads a hub id: its layer
+    # count and H give the layer ids (`vllm-command`) and the checks (`vllm-smoke`); None: read from the served
+    # model's directory or `model` (docs/hidden_states.md §10).
+    served_model_config: Str | None = None
+    max_model_len: Annotated[Int, Field(ge=2)] | None = None  # `--max-model-len`; None: max_position_embeddings
+    # Merged rows the servers cannot take (max_model_len tokens or more): refuse the shard before any request, or
+    # drop them (recorded in the shard's metadata as dropped_rows).
+    too_long_rows: Literal["refuse", "drop"] = "refuse"
 
     @_field_validator("endpoints")
     @classmethod
@@ -164,6 +172,11 @@ class VLLMEngineConfig(SpecBase):
     @classmethod
     def _resolve_storage(cls, value: str, info: ValidationInfo) -> str:
         return str(resolve_path(value, info))
+
+    @_field_validator("served_model_config")
+    @classmethod
+    def _resolve_served_config(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else str(resolve_path(value, info))
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
