@@ -350,6 +350,8 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
             root.merged_dir,
             out / "specforge",
             draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
+            drafters=cfg.hidden_states.drafters,
+            layout=cfg.hidden_states.layout,
         )
     if "speculators" in layouts:
         exported["speculators_offline"] = export_speculators_states(
@@ -357,6 +359,8 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
             root.merged_dir,
             out / "speculators",
             draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
+            drafters=cfg.hidden_states.drafters,
+            verifier=cfg.hidden_states.model if cfg.hidden_states.model != "tiny-random" else None,
         )
     manifest = {
         "specforge_jsonl": spec.to_dict(),
@@ -384,4 +388,37 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
             "hidden_state_audit": dg.MetadataValue.md(audit_markdown(manifest["hidden_state_audit"])),
             "hidden_state_shards": len(shard_keys),
         }
+    )
+
+
+@dg.asset_check(
+    asset=trainer_exports,
+    name="draft_config_matches_capture",
+    blocking=True,
+    description=(
+        "hidden_states.draft_config (a draft JSON or trainer flag file) reads exactly the captured layers, in its "
+        "trainer's convention, at the captured width: neither trainer checks this itself (docs/drafters.md)."
+    ),
+)
+def draft_config_matches_capture(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+
+    draft = pipeline.config().hidden_states.draft_config
+    if draft is None:
+        return dg.AssetCheckResult(
+            passed=True, description="Not judged: no hidden_states.draft_config.", metadata={"judged": False}
+        )
+    try:
+        result = check_drafter(pipeline.data_root().exports_dir, draft)
+    except (OSError, ValueError) as exc:  # no export of the draft config's trainer, an unreadable file
+        return dg.AssetCheckResult(passed=False, description=str(exc), metadata={"judged": True})
+    return dg.AssetCheckResult(
+        passed=result.passed,
+        description=result.describe(),
+        metadata={
+            "judged": True,
+            "export": dg.MetadataValue.path(result.export_dir),
+            "draft_config": dg.MetadataValue.path(str(draft)),
+            "problems": dg.MetadataValue.json(result.problems),
+        },
     )

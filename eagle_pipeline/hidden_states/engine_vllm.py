@@ -40,12 +40,7 @@ from .format import (
     tensor_key,
 )
 from .head import PRE_NORM, checkpoint_head, save_target_head_from_checkpoint
-from .layers import (
-    aux_layer_to_hf_index,
-    default_aux_layers,
-    final_state_hf_index,
-    validate_aux_layers,
-)
+from .layers import aux_layer_to_hf_index, final_state_hf_index, resolve_aux_layers
 from .merged import count_rows, read_rows, shard_row_range
 from .shard_index import transformers_version, write_shard_index
 from .shards import ShardSummary, prepare_shard
@@ -69,7 +64,7 @@ def extract_shard_vllm(
     endpoints: Sequence[str],
     storage_path: str | Path,
     num_layers: int,
-    aux_layers: Sequence[int] | None = None,
+    aux_layers: Sequence[int] | int | None = None,
     hidden_size: int | None = None,
     model_description: dict[str, Any] | None = None,
     head_checkpoint: str | Path | None = None,
@@ -111,7 +106,7 @@ def extract_shard_vllm(
     journal = journal_path(out_dir, shard_index)
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_journal(journal)  # files of a run killed before it could delete them
-    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
+    aux = resolve_aux_layers(aux_layers, num_layers)
     wanted = fingerprint or ExtractionFingerprint(
         model=dict(model_description or {}),
         aux_layers=aux,

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..progress import ProgressCallback
 from .engine_vllm import extract_shard_vllm
-from .layers import default_aux_layers
+from .layers import resolve_aux_layers
 from .shards import ShardSummary
 from .vllm_files import SIMULATED, vllm_layer_ids
 
@@ -99,7 +99,7 @@ def serve_command_from_config(
 
     desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
     n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+    aux = resolve_aux_layers(h.aux_layers, n_layers)
     model = served_model or (h.model if h.model != TINY_RANDOM else None)
     if model is None:
         raise ValueError("hidden_states.model is tiny-random: name the model the server loads (--served-model)")
@@ -171,7 +171,7 @@ def extract_shard_from_config(
     wanted = fingerprint_for_config(h, merged_dir=merged_dir, vocab_size=vocab_size)
     desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
     n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+    aux = resolve_aux_layers(h.aux_layers, n_layers)
     ids = vllm_layer_ids(aux, n_layers)
     checkpoint = materialized_model_dir(
         h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
