@@ -6,9 +6,9 @@ both conventions (`drafters.capture_record`); this module reads what a draft con
 convention, and names every mismatch with both values. `eagle-pipeline check-drafter` and the `trainer_exports`
 asset check both call `check_drafter`.
 
-What is read: SpecForge's draft JSON (`dflash_config.target_layer_ids` for DFlash / Domino / DSpark;
-`eagle_config.eagle_aux_hidden_state_layer_ids`, else its default `[1, L//2-1, L-4]`, for EAGLE-3), `hidden_size`
-and `num_target_layers`; speculators' saved config (`eagle_aux_hidden_state_layer_ids` / `aux_hidden_state_layer_ids`,
+What is read: SpecForge's draft JSON (`dflash_config.target_layer_ids`, `hidden_size` and `num_target_layers` for
+DFlash / Domino / DSpark; `eagle_config.eagle_aux_hidden_state_layer_ids`, else its default `[1, L//2-1, L-4]`, and
+`target_hidden_size`, else `hidden_size`, for EAGLE-3); speculators' saved config (`eagle_aux_hidden_state_layer_ids` / `aux_hidden_state_layer_ids`,
 `target_hidden_size` or `transformer_layer_config.hidden_size`); a speculators flag set (`--target-layer-ids`, else
 its default `[2, L//2, L-3]`; the width comes from the verifier, so flags are checked for ids and count only).
 """
@@ -101,7 +101,8 @@ def _json_claim(cfg: dict[str, Any], where: str, num_layers: int | None) -> Draf
             if num_layers is None:
                 raise ValueError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids and the depth is unknown")
             ids, source = eagle3_default_layers(num_layers), "SpecForge's default [1, L//2-1, L-4]"
-        return DraftClaim(SPECFORGE, source, [int(x) for x in ids], _int(cfg.get("hidden_size")), kind="eagle3")
+        width = _int(cfg.get("target_hidden_size")) or _int(cfg.get("hidden_size"))  # llama3_eagle.py:1670-1678
+        return DraftClaim(SPECFORGE, source, [int(x) for x in ids], width, kind="eagle3")
     raise ValueError(
         f"{where}: not a draft config this check reads (SpecForge: dflash_config or eagle_config / an Eagle3 "
         "architecture; speculators: speculators_model_type), nor a flag file"

@@ -142,10 +142,12 @@ def handoff(
 def _specforge_entry(kind: str, record: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
     s = support(kind, SPECFORGE)
     ids, hidden = list(record["trainer_layer_ids"]), int(record["hidden_size"])
-    fragment: dict[str, Any] = {"hidden_size": hidden}
-    if "aux_hidden_state" in s.keys:  # the EAGLE-3 family
+    fragment: dict[str, Any] = {}
+    if "aux_hidden_state" in s.keys:  # the EAGLE-3 family: fc is 3 x target_hidden_size (default hidden_size)
+        fragment["target_hidden_size"] = hidden
         fragment["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
-    else:
+    else:  # fc is len(target_layer_ids) x hidden_size: the draft is as wide as the target
+        fragment["hidden_size"] = hidden
         if record.get("num_layers") is not None:
             fragment["num_target_layers"] = int(record["num_layers"])
         fragment["dflash_config"] = {"target_layer_ids": ids}
@@ -211,7 +213,11 @@ def handoff_markdown(record: Mapping[str, Any], entries: Sequence[Mapping[str, A
         if not e["served"]:
             lines += [f"Not from this export: {e['reason']}", ""]
             continue
-        lines.append(f"target layer ids {e['target_layer_ids']} ({e['layer_count']} layers), H {e['hidden_size']}.")
+        vocab = e.get("vocab_mapping")
+        lines.append(
+            f"target layer ids {e['target_layer_ids']} ({e['layer_count']} layers), H {e['hidden_size']}; vocabulary "
+            f"mapping: {vocab if vocab else 'none (the target vocabulary through its lm_head)'}."
+        )
         lines.append("")
         if "draft_config_fragment" in e:
             lines += [

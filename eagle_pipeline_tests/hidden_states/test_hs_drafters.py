@@ -207,6 +207,14 @@ def test_check_drafter_passes_a_matching_config_and_names_both_values_of_each_mi
         _check(sf, _json_file(tmp_path, {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H}), capsys)[0]
         == 0
     )
+    eagle3 = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 4 * H, "target_hidden_size": H}
+    assert _check(sf, _json_file(tmp_path, eagle3), capsys)[0] == 0  # fc is 3 x target_hidden_size
+    rc, msg = _check(sf, _json_file(tmp_path, {**eagle3, "target_hidden_size": 2 * H}), capsys)
+    assert rc == 1 and f"hidden size {2 * H}" in msg and f"captured H {H}" in msg
+    # What the export hands over passes its own guard: each served type's fragment, merged into a draft JSON.
+    for e in json.loads((sf / "export.json").read_text())["extra"]["drafters"]:
+        draft = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, **e["draft_config_fragment"]}
+        assert _check(sf, _json_file(tmp_path, draft), capsys)[0] == 0, e["type"]
     # The exports folder: the draft config's trainer picks the export.
     assert _check(out, dflash(aux), capsys)[0] == 0
 
@@ -216,6 +224,9 @@ def test_check_drafter_reads_speculators_flags_in_vllm_ids(exports, tmp_path, ca
     sp = out / "speculators"
     flags = tmp_path / "flags.txt"
     flags.write_text("--speculator-type dflash \\\n  --target-layer-ids " + " ".join(str(x + 1) for x in aux) + "\n")
+    assert _check(sp, flags, capsys)[0] == 0
+    (handed,) = json.loads((sp / "export.json").read_text())["extra"]["drafters"]
+    flags.write_text(handed["command"])  # the command the export prints passes its own guard
     assert _check(sp, flags, capsys)[0] == 0
     flags.write_text("--speculator-type dflash --target-layer-ids " + " ".join(map(str, aux)))  # the off-by-one
     rc, msg = _check(sp, flags, capsys)
