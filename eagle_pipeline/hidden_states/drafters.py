@@ -27,9 +27,9 @@ from .shards import FINGERPRINT_META_KEY
 from .trainer_layouts import shard_indexes
 
 CONVENTIONS = {
-    "project": "0-based decoder-layer outputs (the residual stream after layer k)",
-    SPECFORGE: "layer outputs, as the project (SpecForge reads hidden_states[id + 1] of transformers' tuple)",
-    SPECULATORS: "vLLM ids: the residual stream entering layer id (the project's id + 1)",
+    "project": "0-based decoder-layer outputs: the residual stream after layer k",
+    SPECFORGE: "layer outputs, as the project's: SpecForge reads hidden_states[id + 1] of transformers' tuple",
+    SPECULATORS: "vLLM ids: the residual stream entering layer id, the project's id + 1",
 }
 
 
@@ -197,8 +197,9 @@ def handoff_markdown(record: Mapping[str, Any], entries: Sequence[Mapping[str, A
     lines = [
         "## What was captured (the layer guard)",
         "",
-        f"- aux layers {record['aux_layers']} ({record['aux_layers_convention']}); as {record['trainer']} names them: "
-        f"{record['trainer_layer_ids']} ({record['trainer_layer_ids_convention']}); vLLM ids {record['vllm_layer_ids']}",
+        f"- aux layers {record['aux_layers']}, {record['aux_layers_convention']}",
+        f"- as {record['trainer']} names them: {record['trainer_layer_ids']}, {record['trainer_layer_ids_convention']}",
+        f"- vLLM ids {record['vllm_layer_ids']}",
         f"- {record['layer_count']} layers of H = {record['hidden_size']} ({record['aux_width']} wide), "
         f"{record['dtype']}; target with {record['num_layers']} decoder layers; final state {record['final_state']}",
         "- check a draft config or flag file against it before training: "
@@ -214,6 +215,8 @@ def handoff_markdown(record: Mapping[str, Any], entries: Sequence[Mapping[str, A
             lines += [f"Not from this export: {e['reason']}", ""]
             continue
         vocab = e.get("vocab_mapping")
+        if isinstance(vocab, Mapping):
+            vocab = f"--d2t-path {vocab['d2t']} --t2d-path {vocab['t2d']}"
         lines.append(
             f"target layer ids {e['target_layer_ids']} ({e['layer_count']} layers), H {e['hidden_size']}; vocabulary "
             f"mapping: {vocab if vocab else 'none (the target vocabulary through its lm_head)'}."
@@ -224,7 +227,7 @@ def handoff_markdown(record: Mapping[str, Any], entries: Sequence[Mapping[str, A
                 "Draft JSON fragment:",
                 "",
                 "```json",
-                json.dumps(e["draft_config_fragment"], indent=2),
+                json.dumps(e["draft_config_fragment"]),
                 "```",
                 "",
             ]

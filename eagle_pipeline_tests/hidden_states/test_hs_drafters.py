@@ -154,6 +154,7 @@ def test_speculators_files_serve_each_type_with_its_flags(extracted, tmp_path):
         assert states.shape == (r["n_tokens"], n + 1, H)
         assert torch.equal(f["token_ids"], data[i]["input_ids"])
         shard = load_sample(hs, r["sample_id"])
+        assert states.dtype == shard["aux_hidden_states"].dtype and f["token_ids"].dtype == torch.int64
         assert torch.equal(states[:, :-1].flatten(1), shard["aux_hidden_states"])
         assert torch.equal(states[:, -1], shard["final_hidden_state"])  # pre-norm: speculators norms it itself
     assert s.extra["capture"]["trainer_layer_ids"] == [x + 1 for x in aux]
