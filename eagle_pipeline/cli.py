@@ -7,12 +7,13 @@
                                 [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
+    eagle-pipeline check-drafter --export DIR --draft-config FILE
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
 Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
-its file is wrong), 2 usage or input error.
+its file is wrong; check-drafter: the draft config does not match the captured layers), 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     from eagle_pipeline.generation.failures import RequestFailure
     from eagle_pipeline.hidden_states.engine_vllm import smoke_request
-    from eagle_pipeline.hidden_states.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.layers import resolve_aux_layers
     from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, describe_engine_model, resolved_endpoints
     from eagle_pipeline.hidden_states.vllm_files import SIMULATED, vllm_layer_ids
     from eagle_pipeline.hidden_states.vllm_served import (
@@ -293,7 +294,7 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
         )
         check_same_model(h, served, describe_engine_model(h.model, family=h.family, vocab_size=vocab))
         n_layers = int(served.description["num_layers"])
-        layer_ids = vllm_layer_ids(h.aux_layers or default_aux_layers(n_layers), n_layers)
+        layer_ids = vllm_layer_ids(resolve_aux_layers(h.aux_layers, n_layers), n_layers)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
     ids = [int(x) for x in args.ids.split(",")] if args.ids else list(range(100, 164))
@@ -333,6 +334,19 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
         f"deleted; vLLM {version}, max_model_len {max_len} (rows up to {max_len - 1} tokens)"
     )
     return EXIT_OK
+
+
+def cmd_check_drafter(args: argparse.Namespace) -> int:
+    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+
+    if not Path(args.draft_config).is_file():
+        raise CliError(f"{args.draft_config}: no such file")
+    try:
+        result = check_drafter(args.export, args.draft_config)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(result.describe(), file=sys.stdout if result.passed else sys.stderr)
+    return EXIT_OK if result.passed else EXIT_BLOCKED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,6 +444,21 @@ def build_parser() -> argparse.ArgumentParser:
     config_option(ret)
     ret.add_argument("--data-root", metavar="DIR", help="the data root, instead of the configuration's")
     ret.set_defaults(func=cmd_retire_responses)
+
+    chk = sub.add_parser(
+        "check-drafter",
+        help="refuse a draft config or flag file whose layer ids, layer count or width differ from the capture",
+        description="Exit status 0 when the draft config reads exactly the captured layers at the captured width, "
+        "1 when not (each mismatch named with both values), 2 on usage or input errors. docs/drafters.md.",
+    )
+    chk.add_argument("--export", required=True, metavar="DIR", help="a trainer export (exports/specforge, ...)")
+    chk.add_argument(
+        "--draft-config",
+        required=True,
+        metavar="FILE",
+        help="a draft JSON (SpecForge's, or a speculators config.json) or a file of speculators train.py flags",
+    )
+    chk.set_defaults(func=cmd_check_drafter)
     return parser
 
 

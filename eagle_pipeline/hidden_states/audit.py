@@ -145,7 +145,7 @@ def audit_shard(
     shard_index: int,
     merged_dir: str | Path,
     *,
-    expected_aux_layers: Sequence[int] | None,
+    expected_aux_layers: Sequence[int] | int | None,
     judgement: TeacherJudgement,
     min_top1: float = DEFAULT_MIN_TOP1,
     sample_rows: int = DEFAULT_SAMPLE_ROWS,
@@ -158,18 +158,14 @@ def audit_shard(
     `expected_aux_layers` None means the default for the shard's model depth. The target head (final norm +
     lm_head) is read from beside the shards unless given.
     """
-    from .layers import default_aux_layers
+    from .layers import resolve_aux_layers
 
     idx_path = shard_paths(out_dir, shard_index)[1]
     meta = read_index_meta(idx_path)
     index = read_index(idx_path)
     hidden, aux_layers = int(meta["hidden_size"]), [int(x) for x in meta["aux_layers"]]
     n_layers = meta.get("model", {}).get("num_layers")
-    expected = (
-        list(expected_aux_layers)
-        if expected_aux_layers is not None
-        else (list(default_aux_layers(int(n_layers))) if n_layers else aux_layers)
-    )
+    expected = list(resolve_aux_layers(expected_aux_layers, int(n_layers))) if n_layers else aux_layers
     convention = shard_final_state(meta)
     no_head = ""  # an engine that recorded no final norm / lm_head: those two checks say they cannot judge
     if head is None:

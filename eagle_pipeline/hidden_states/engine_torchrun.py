@@ -32,7 +32,7 @@ from .engine import EngineResult, ShardJob
 from .extract import default_state_dtype, extract_shard
 from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
 from .format import dtype_name, read_index_meta, shard_paths
-from .layers import default_aux_layers, validate_aux_layers
+from .layers import resolve_aux_layers
 from .model import describe_model_config, load_text_config
 from .shards import ShardSummary, prepare_shard
 
@@ -57,7 +57,7 @@ class TorchrunShard:
     out_dir: Path
     tp_size: int
     ep_size: int | None = None
-    aux_layers: tuple[int, ...] | None = None
+    aux_layers: tuple[int, ...] | int | None = None  # ids, a count (layers.resolve_aux_layers) or None
     max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH
     final_state: str = "post_norm"
     model_identity: Mapping[str, Any] | None = None
@@ -65,7 +65,7 @@ class TorchrunShard:
     def __post_init__(self) -> None:
         for name in ("model_dir", "merged_dir", "out_dir"):
             object.__setattr__(self, name, Path(getattr(self, name)))
-        if self.aux_layers is not None:
+        if self.aux_layers is not None and not isinstance(self.aux_layers, int):
             object.__setattr__(self, "aux_layers", tuple(int(k) for k in self.aux_layers))
 
     def to_json(self) -> str:
@@ -109,7 +109,7 @@ def extract_shard_torchrun(
     the end of its output; rank 0's atomic writes leave no partial shard."""
     s = shard
     n_layers = int(describe_model_config(load_text_config(s.model_dir))["num_layers"])
-    aux = validate_aux_layers(s.aux_layers if s.aux_layers is not None else default_aux_layers(n_layers), n_layers)
+    aux = resolve_aux_layers(s.aux_layers, n_layers)
     identity = dict(s.model_identity) if s.model_identity is not None else model_dir_identity(s.model_dir)
     wanted = ExtractionFingerprint(
         model=identity,

@@ -31,7 +31,7 @@ from ..storage import atomic_path
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, tensor_key
 from .head import PRE_NORM, checkpoint_head, save_target_head_from_checkpoint
-from .layers import default_aux_layers, validate_aux_layers
+from .layers import resolve_aux_layers
 from .merged import count_rows, read_rows, shard_row_range
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
@@ -56,7 +56,7 @@ def extract_shard_vllm(
     endpoints: Sequence[str],
     storage_path: str | Path,
     num_layers: int,
-    aux_layers: Sequence[int] | None = None,
+    aux_layers: Sequence[int] | int | None = None,
     hidden_size: int | None = None,
     model_description: dict[str, Any] | None = None,
     head_checkpoint: str | Path | None = None,
@@ -102,7 +102,7 @@ def extract_shard_vllm(
     journal = journal_path(out_dir, shard_index)
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_journal(journal)  # files of a run killed before it could delete them
-    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
+    aux = resolve_aux_layers(aux_layers, num_layers)
     wanted = fingerprint or ExtractionFingerprint(
         model=dict(model_description or {}),
         aux_layers=aux,

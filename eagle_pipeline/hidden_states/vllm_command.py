@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .engine import EngineResult, ShardJob
 from .engine_vllm import extract_shard_vllm
-from .layers import default_aux_layers
+from .layers import resolve_aux_layers
 from .vllm_files import SIMULATED, vllm_layer_ids
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def serve_command_from_config(
     check_same_model(h, served, describe_engine_model(h.model, family=h.family, vocab_size=vocab_size))
     desc = served.description
     n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+    aux = resolve_aux_layers(h.aux_layers, n_layers)
     ids = vllm_layer_ids(aux, n_layers)
     max_len = server_max_model_len(h, served)
     command = vllm_serve_command(
@@ -204,7 +204,7 @@ class VLLMEngine:
         h, v, vocab = job.settings, job.settings.vllm, job.vocab_size
         desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
         n_layers = int(desc["num_layers"])
-        aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+        aux = resolve_aux_layers(h.aux_layers, n_layers)
         ids = vllm_layer_ids(aux, n_layers)
         checkpoint = materialized_model_dir(
             h.model, family=h.family, seed=h.seed, vocab_size=vocab, cache_dir=job.paths.cache_dir
