@@ -73,3 +73,14 @@ def test_engine_shard_equals_in_process_extraction(real_vllm, tmp_path):
     print(f"\nreal vLLM vs in process: max |diff| {worst:.2e} over {len(rows)} samples")
     meta = read_index_meta(s.index_path)
     assert meta["engine"] == "vllm" and meta["vllm_layer_ids"] == [2, 4, 5, 8]
+
+
+@pytest.mark.xfail(
+    reason="project gap (issue 25, gap 4): vllm-command's --no-enable-chunked-prefill makes vLLM 0.32 warn on every "
+    "start that disabling it 'may cause the engine to crash or produce incorrect outputs'",
+    strict=False,
+)
+def test_printed_command_starts_without_warnings_about_its_flags(real_vllm):
+    log = real_vllm.log.read_text(errors="replace")
+    assert "Application startup complete" in log  # the log is the server's own
+    assert "does not officially support disabling chunked prefill" not in log
