@@ -19,6 +19,7 @@ from eagle_pipeline_tests.hidden_states.test_hs_vllm_cli import _config as pipel
 from .server import BUILD_HINT, RealVLLM, cpu_argv, cpu_env, start_server, vllm_venv, write_tiny_llama
 
 MAX_MODEL_LEN = 256
+_RUNNING: list[RealVLLM] = []  # the session's server while it runs, for the early stop below
 
 
 def printed_command(config: Path, port: int) -> tuple[dict[str, str], list[str]]:
@@ -60,7 +61,21 @@ def real_vllm(tmp_path_factory) -> Iterator[RealVLLM]:
     proc, url, ready_s = start_server(argv, cpu_env(env), log=log, port=port)
     server = RealVLLM(url, model_dir, storage, log, argv, proc, ready_s, config)
     print(f"\nreal vLLM ready in {ready_s:.0f} s at {url} (log {log})")
+    _RUNNING.append(server)
     try:
         yield server
     finally:
         server.stop()
+        _RUNNING.clear()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the server after the last test of this directory rather than at the end of the session, so it does not
+    hold its memory and threads through the rest of the suite."""
+    if not _RUNNING:
+        return
+    here = Path(__file__).parent
+    items = item.session.items
+    later = items[items.index(item) + 1 :] if item in items else []
+    if not any(Path(str(i.path)).is_relative_to(here) for i in later):
+        _RUNNING[0].stop()
