@@ -27,7 +27,9 @@ def printed_command(config: Path, port: int) -> tuple[dict[str, str], list[str]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["vllm-command", "--config", str(config), "--tensor-parallel-size", "1", "--port", str(port)]) == 0
-    words = shlex.split(out.getvalue().replace("\\\n", " "))
+    # Its "# " lines name the vLLM version, the served model and its ids: comments for the reader, not the shell.
+    text = "\n".join(line for line in out.getvalue().splitlines() if not line.startswith("#"))
+    words = shlex.split(text.replace("\\\n", " "))
     n_env = next(i for i, w in enumerate(words) if w == "vllm")
     return dict(w.split("=", 1) for w in words[:n_env]), words[n_env:]
 
@@ -53,10 +55,10 @@ def real_vllm(tmp_path_factory) -> Iterator[RealVLLM]:
         model=str(model_dir),
         family="llama",
         engine="vllm",
-        vllm={"endpoints": [url], "storage_path": str(storage), "timeout_s": 120},
+        vllm={"endpoints": [url], "storage_path": str(storage), "timeout_s": 120, "max_model_len": MAX_MODEL_LEN},
     )
     env, argv = printed_command(config, port)
-    argv = cpu_argv(argv, venv, port=port, max_model_len=MAX_MODEL_LEN)
+    argv = cpu_argv(argv, venv, port=port)
     log = root / "vllm-serve.log"
     proc, url, ready_s = start_server(argv, cpu_env(env), log=log, port=port)
     server = RealVLLM(url, model_dir, storage, log, argv, proc, ready_s, config)

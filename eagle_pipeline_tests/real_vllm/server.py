@@ -82,9 +82,10 @@ def _byte_of(char: str) -> int:
     return dict(zip(map(chr, cs), bs))[char]
 
 
-def cpu_argv(argv: list[str], venv: Path, *, port: int, max_model_len: int) -> list[str]:
+def cpu_argv(argv: list[str], venv: Path, *, port: int) -> list[str]:
     """The printed `vllm serve` argv, made to run on this CPU: the venv's `vllm`, TP 1, loopback host and port,
-    fp32, the CPU connector module, and the tiny model's reasoning parser and length."""
+    fp32, the CPU connector module, and the tiny model's reasoning parser (its length, `--max-model-len`, is the
+    printed one, from hidden_states.vllm.max_model_len)."""
     out = [str(venv / "bin" / "vllm"), *argv[1:]]
     out[out.index("--tensor-parallel-size") + 1] = "1"
     out[out.index("--port") + 1] = str(port)
@@ -97,8 +98,6 @@ def cpu_argv(argv: list[str], venv: Path, *, port: int, max_model_len: int) -> l
         "127.0.0.1",
         "--dtype",
         "float32",
-        "--max-model-len",
-        str(max_model_len),
         "--reasoning-parser",
         "deepseek_r1",
     ]

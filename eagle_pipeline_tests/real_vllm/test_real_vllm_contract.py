@@ -2,8 +2,8 @@
 shape. Each test states what the real server does; the doubles (which stay, for faults and speed) must match it.
 A double may leave out fields, but every field it sends the real server sends too, with the same JSON type.
 
-Gaps of today's doubles are `xfail`ed, each naming the gap (issue 25), so the suite stays green while the doubles
-are fixed in parallel; flip them to plain tests once the doubles match.
+The doubles answer an unknown model name with vLLM's 404 and a too-long prompt with its 400, as these tests check
+(issue 25: before, both doubles answered 200).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ pytestmark = pytest.mark.real_vllm
 
 LAYER_IDS = (2, 4, 5, 8)  # the tiny Llama's default aux layers (1, 3, 4) + the final id, as the server was started
 IDS = [5, 9, 17, 33, 65, 129]
-GAP_404 = "double gap (issue 25): a model name the server does not serve is answered 200, vLLM answers 404"
-GAP_LEN = "double gap (issue 25): no max_model_len limit; vLLM answers 400 for a prompt longer than it"
 
 
 def json_shape(v: Any) -> Any:
@@ -66,16 +64,24 @@ def hs_double(real_vllm, tmp_path_factory) -> Iterator[VLLMHiddenStatesDouble]:
     model = AutoModelForCausalLM.from_pretrained(real_vllm.model_dir, dtype=torch.float32).eval()
     storage = tmp_path_factory.mktemp("double_storage")
     with VLLMHiddenStatesDouble(
-        model, layer_ids=LAYER_IDS, storage_path=storage, served_model_name=str(real_vllm.model_dir)
+        model,
+        layer_ids=LAYER_IDS,
+        storage_path=storage,
+        served_model_name=str(real_vllm.model_dir),
+        max_model_len=MAX_MODEL_LEN,
     ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def gen_double() -> Iterator[SimulatedVLLMServer]:
+def gen_double(real_vllm) -> Iterator[SimulatedVLLMServer]:
     """The generation double with a byte tokenizer shaped like the tiny model's (ids < 256 bytes; 256.. specials)."""
     with SimulatedVLLMServer(
-        encode=lambda text: list(text.encode("utf-8")), think_start_id=260, think_end_id=261, eos_id=256
+        encode=lambda text: list(text.encode("utf-8")),
+        think_start_id=260,
+        think_end_id=261,
+        eos_id=256,
+        served_model_name=str(real_vllm.model_dir),
     ) as srv:
         yield srv
 
@@ -154,7 +160,6 @@ def test_real_server_unknown_model_is_404(real_vllm):
     assert real.json()["error"]["type"] == "NotFoundError" and real.json()["error"]["code"] == 404
 
 
-@pytest.mark.xfail(reason=GAP_404, strict=False)
 def test_double_unknown_model_is_404(real_vllm, hs_double):
     real = _post(real_vllm.url, "/v1/completions", _completion(model="no-such-model"))
     double = _post(hs_double.url, "/v1/completions", _completion(model="no-such-model"))
@@ -173,7 +178,6 @@ def test_real_server_refuses_rows_at_or_over_max_model_len(real_vllm):
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in over.json()["error"]["message"]
 
 
-@pytest.mark.xfail(reason=GAP_LEN, strict=False)
 def test_double_refuses_rows_over_max_model_len(hs_double):
     limit = httpx.get(f"{hs_double.url}/v1/models").json()["data"][0]["max_model_len"]
     over = _post(hs_double.url, "/v1/completions", _completion(prompt=[7] * (limit + 1)))
@@ -214,7 +218,6 @@ def test_real_chat_unknown_model_and_too_long_prompt_are_400_and_404(real_vllm):
     assert long.status_code == 400 and long.json()["error"]["type"] == "BadRequestError"
 
 
-@pytest.mark.xfail(reason=GAP_404, strict=False)
 def test_double_chat_unknown_model_is_404(real_vllm, gen_double):
     real = _post(real_vllm.url, "/v1/chat/completions", _chat("no-such-model"))
     double = _post(gen_double.url, "/chat/completions", _chat("no-such-model"))
