@@ -172,7 +172,10 @@ class SharedSpend:
     ) -> None:
         self.budget_usd = float(budget_usd)
         self.dirs = {Path(d).name: Path(d) for d in responses_dirs}
-        self.ledger_dir = Path(ledger_dir) if ledger_dir is not None else ledger_dir_for(list(self.dirs.values()))
+        # Resolved: this process tells its own slots by this path (_HELD).
+        self.ledger_dir = (
+            Path(ledger_dir).resolve() if ledger_dir is not None else ledger_dir_for(list(self.dirs.values()))
+        )
         self.interval_s, self.probe_every_s, self.stale_after_s = interval_s, probe_every_s, stale_after_s
 
     def dataset_dir(self, dataset: str) -> Path:
