@@ -337,8 +337,8 @@ class LedgerRun:
         try:
             with self._refresh_lock:
                 self._view.refresh()
-        except OSError as exc:
-            self._problem = f"the shared spend ledger in {self.shared.ledger_dir} failed: {exc}"
+        except Exception as exc:  # I/O, or another dataset's committed shard unreadable: either way no view
+            self._problem = f"the shared spend ledger in {self.shared.ledger_dir} failed: {type(exc).__name__}: {exc}"
             log.error("[%s] %s; no new requests", self.dataset, self._problem)
             return
         self._fresh_at = time.monotonic()
