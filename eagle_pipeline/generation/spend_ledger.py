@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,6 +217,8 @@ class _View:
         self.floor: dict[str, float] = {}  # dataset -> spend it had at least (disk, or a slot's last figure)
         self.live: dict[str, Slot] = {}  # datasets with a live run other than `me`: their current slot
         self.alive: dict[int, tuple[bool, float]] = {}  # slot -> (alive, when probed)
+        self.reader: ThreadPoolExecutor | None = None  # set after the first refresh of a run (`_read_disk`)
+        self.reading: dict[str, Future[float]] = {}
         self.spent_usd = 0.0  # every other dataset's spend
         self.reserved_usd = 0.0  # what the other live runs have in flight
 
@@ -230,6 +233,16 @@ class _View:
 
     def _disk(self, dataset: str) -> float:
         return store.read_committed(self.shared.dataset_dir(dataset)).spend_usd
+
+    def _read_disk(self, dataset: str, at_least: float) -> None:
+        """Count `dataset` at no less than `at_least` now, and at no less than its spend on disk once read. The first
+        refresh reads at once; later ones on a reader thread (a dataset of a thousand shards on a network volume
+        takes seconds), so the run keeps publishing and deciding meanwhile."""
+        self.floor[dataset] = max(self.floor.get(dataset, 0.0), at_least)
+        if self.reader is None:
+            self.floor[dataset] = max(self.floor[dataset], self._disk(dataset))
+        elif dataset not in self.reading:
+            self.reading[dataset] = self.reader.submit(self._disk, dataset)
 
     def refresh(self) -> None:
         """Publish `me` (if any), read every slot, and recompute the others' spend and reservations. Raises OSError
@@ -261,12 +274,16 @@ class _View:
                 live[slot.dataset] = slot
             else:
                 dead[slot.dataset] = max(dead.get(slot.dataset, 0.0), slot.spent_usd)
+        for dataset, read in list(self.reading.items()):  # disk reads started by earlier refreshes
+            if read.done():
+                del self.reading[dataset]
+                self.floor[dataset] = max(self.floor.get(dataset, 0.0), read.result())
         for dataset, slot in self.live.items():
             if dataset not in live:  # its run ended or died: its spend is on disk now, at least what its slot said
-                self.floor[dataset] = max(slot.spent_usd, self._disk(dataset))
+                self._read_disk(dataset, slot.spent_usd)
         for dataset in (*shared.dirs, *dead):
             if dataset != mine and dataset not in live and dataset not in self.floor:
-                self.floor[dataset] = self._disk(dataset)
+                self._read_disk(dataset, 0.0)
         for dataset, figure in dead.items():
             if dataset not in live:
                 self.floor[dataset] = max(self.floor[dataset], figure)
@@ -326,6 +343,7 @@ class LedgerRun:
         self._refresh()
         if self._problem is not None:
             raise OSError(errno.EIO, self._problem)
+        self._view.reader = ThreadPoolExecutor(1, thread_name_prefix=f"spend-ledger-disk-{self.dataset}")
         self._thread = threading.Thread(target=self._loop, name=f"spend-ledger-{self.dataset}", daemon=True)
         self._thread.start()
 
@@ -352,6 +370,8 @@ class LedgerRun:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._view.reader is not None:
+            self._view.reader.shutdown(wait=False, cancel_futures=True)
         if self._slot_fd is None:
             return
         directory = self.shared.ledger_dir
