@@ -128,9 +128,9 @@ def test_the_pipeline_budget_holds_across_parallel_runs(tmp_path, monkeypatch, k
                 assert time.monotonic() < deadline, f"only {srv.waiting} runs reached the server"
                 time.sleep(0.05)
             srv.gate.set()
-            if kill:  # mid-way: the victim holds 7 of the cap's 45 answers, more than the runs have in flight
+            if kill:  # mid-way: the victim holds 9 of the cap's 45 answers (forgotten, they would break the bound)
                 victim = procs["B4"]
-                while len(durable_ids(root.responses_dir("B4"))) < int(PROMPTS * 1.5 / 4 * 0.7):
+                while len(durable_ids(root.responses_dir("B4"))) < int(PROMPTS * 1.5 / 4 * 0.85):
                     assert victim.poll() is None and time.monotonic() < deadline, "the victim ended before its kill"
                     time.sleep(0.01)
                 os.killpg(victim.pid, signal.SIGKILL)
@@ -141,17 +141,19 @@ def test_the_pipeline_budget_holds_across_parallel_runs(tmp_path, monkeypatch, k
                     os.killpg(p.pid, signal.SIGKILL)
 
     # The bound: every committed answer (the victim's answer log included) within the cap plus what was in flight
-    # when it was reached: at most one request per run (concurrency 1), each at most the dearest answer.
+    # when it was reached: at most one request per run (concurrency 1), each at most the dearest answer, and one more
+    # per run sent in the moment before it saw the others' newest figures (the ledger's 0.05 s, longer on a loaded
+    # machine; the 0.2 s latency leaves room for one).
     costs = []
     for ds in DATASETS:
         for p in sorted(root.responses_dir(ds).glob("part-*.parquet")):
             costs += read_shard_columns(p, ["cost_usd"]).column("cost_usd").to_pylist()
     total = sum(read_committed(root.responses_dir(ds)).spend_usd for ds in DATASETS)
     dearest = max(costs)
-    in_flight = len(DATASETS) * dearest
+    in_flight = 2 * len(DATASETS) * dearest
     assert total <= cap + in_flight, (total, cap, in_flight)
     # ...and the cap, not something else, stopped them: the spend got to it (less what the runs had in flight).
-    assert total >= cap - 2 * in_flight, (total, cap, in_flight)
+    assert total >= cap - in_flight, (total, cap, in_flight)
     failures = _step_failures(inst)
     survivors = [ds for ds in DATASETS if not (kill and ds == "B4")]
     for ds in survivors:
