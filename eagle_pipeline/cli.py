@@ -9,6 +9,9 @@
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
     eagle-pipeline check-drafter --export DIR --draft-config FILE
 
+Why this module is long: it is the one argument parser and the thin handler of each of the six commands above; each
+handler only parses, calls the core and prints (the logic is in the core packages).
+
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 

@@ -57,9 +57,15 @@ class MergedRows:
     input_ids: list[np.ndarray]
     loss_mask: list[np.ndarray]
     row_index: list[int] | None = field(default=None)
+    range_stop: int | None = field(default=None)  # the range's end when `select` left rows out
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def row_stop(self) -> int:
+        """The end of the range these rows come from, rows left out by `select` included (the shard's range)."""
+        return self.range_stop if self.range_stop is not None else self.row_start + len(self)
 
     def global_row(self, i: int) -> int:
         """The merged-table row of row `i` of this selection."""
@@ -74,6 +80,7 @@ class MergedRows:
             input_ids=[self.input_ids[i] for i in keep],
             loss_mask=[self.loss_mask[i] for i in keep],
             row_index=[self.global_row(i) for i in keep],
+            range_stop=self.row_stop,
         )
 
     @property

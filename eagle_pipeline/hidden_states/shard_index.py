@@ -54,7 +54,7 @@ def shard_header(
         "mask_dtype": dtype_name(MASK_DTYPE),
         "shard_index": str(shard_index),
         "row_start": str(rows.row_start),
-        "row_stop": str(rows.row_start + len(rows)),
+        "row_stop": str(rows.row_stop),
         "rows": str(len(rows)),
         "tokens": str(sum(rows.lengths)),
         "model": json.dumps(dict(model), sort_keys=True),
@@ -87,7 +87,7 @@ def shard_summary(
     return ShardSummary(
         shard_index=shard_index,
         row_start=rows.row_start,
-        row_stop=rows.row_start + len(rows),
+        row_stop=rows.row_stop,
         rows=len(rows),
         tokens=real,
         padded_tokens=padded_tokens,
