@@ -235,7 +235,9 @@ class HiddenStatesConfig(SpecBase):
     teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
     # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
     layout: Literal["shards", "specforge", "speculators"] = "shards"
-    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ("specforge", "speculators")  # derived copies
+    # Trainer layouts trainer_exports derives from the states beyond `layout`: each is a full copy (7.94 TB at Kimi
+    # scale), so none unless listed.
+    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
     # in_process: the model loaded in the shard run; vllm: HTTP clients of vLLM extract_hidden_states servers;
     # torchrun: one tensor-parallel transformers world per shard (docs/hidden_states.md §10-13).
     engine: Literal["in_process", "vllm", "torchrun"] = "in_process"
