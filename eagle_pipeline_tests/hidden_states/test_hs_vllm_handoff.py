@@ -157,3 +157,94 @@ def test_kill_9_around_the_rename_leaves_a_state_the_rerun_completes_with_identi
     assert dst.read_bytes() == expected and handed.sha256 == hashlib.sha256(expected).hexdigest()
     assert sorted(p.name for p in dst.parent.iterdir()) == ["hs_0.safetensors"]
     assert list(conn.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, merged_factory, tmp_path):
+    """The request workers validate with the layout's own reader and the writer places each row: the trainer's files
+    hold what an in-process extraction into that layout holds (read back as the trainers read them), the connector
+    storage ends empty, and no file of the states exists twice (inode walk)."""
+    import io
+
+    from eagle_pipeline.generation.runner import run_coroutine
+    from eagle_pipeline.hidden_states import extract_shard, read_rows
+    from eagle_pipeline.hidden_states.head import TargetHead
+    from eagle_pipeline.hidden_states.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.vllm_layouts import VllmLayoutRows
+    from eagle_pipeline.hidden_states.vllm_requests import ShardRequests
+
+    from ..tolerances import assert_forwards_close
+    from .conftest import make_rows
+
+    cfg = normed_model.config
+    n_layers = cfg.num_hidden_layers
+    aux = default_aux_layers(n_layers)
+    merged = merged_factory(make_rows(6, seed=3, min_len=3, max_len=30))
+    rows = read_rows(merged, 0, 6)
+    ref_root = tmp_path / "ref-exports" / layout
+    extract_shard(
+        normed_model,
+        merged,
+        shard_index=0,
+        shard_size=6,
+        out_dir=tmp_path / "ref-hs",
+        aux_layers=aux,
+        final_state=final_state_for_layout(layout),
+        layout_target=plan_layout_target(layout, ref_root, merged),
+    )
+    data = tmp_path / "data"
+    (data / "hidden_states").mkdir(parents=True)  # the shards' folder, where the engine runs from
+    target = plan_layout_target(layout, data / "exports" / layout, merged)
+    norm = normed_model.model.norm
+    head = TargetHead(norm.weight.detach().clone(), float(norm.variance_epsilon), torch.empty(0), {})
+    placed = VllmLayoutRows(
+        target, data / "hidden_states", dict(zip(rows.sample_ids, rows.loss_mask)), len(aux), final_norm=head.final_norm
+    )
+    storage = data / "connector"
+    layer_ids = vllm_layer_ids(aux, n_layers)
+    with VLLMHiddenStatesDouble(normed_model, layer_ids=layer_ids, storage_path=storage) as srv:
+        run = ShardRequests(
+            rows,
+            shard_index=0,
+            endpoints=[srv.url],
+            storage_path=storage,
+            layer_ids=layer_ids,
+            hidden_size=cfg.hidden_size,
+            concurrency=2,
+            timeout_s=10.0,
+            max_retries=0,
+            backoff_base_s=0.01,
+            journal=io.StringIO(),
+            write_row=lambda i, path, facts: placed.place(
+                rows.sample_ids[i], path, torch.from_numpy(rows.input_ids[i]).to(torch.int64)
+            ),
+            log=None,
+            progress=None,
+            validate=placed.validate,
+        )
+        run_coroutine(run.run)
+    placed.close()
+    assert sorted(p.name for p in storage.iterdir()) == []  # every connector file renamed, copied or deleted
+    assert sorted(f["sample_id"] for f in placed.files) == sorted(rows.sample_ids)
+    for f in placed.files:  # the integrity record is the file's
+        p = data / "hidden_states" / f["path"]
+        assert (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) == (f["size"], f["sha256"])
+    assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
+    for sid, rel in target.file_of.items():
+        got_path, want_path = target.root / rel, ref_root / rel
+        if layout == "speculators":  # speculators reads hidden_states [T, 4, H] and token_ids [T] int64
+            got, want = load_file(str(got_path)), load_file(str(want_path))
+            assert got["token_ids"].dtype == torch.int64 and torch.equal(got["token_ids"], want["token_ids"])
+            assert got["hidden_states"].shape == want["hidden_states"].shape
+            assert_forwards_close(got["hidden_states"], want["hidden_states"], cfg, what=f"{sid} hidden_states")
+        else:  # SpecForge's torch.load record: aux [1, T, 3H], hidden_state post-norm [1, T, H], ids and mask int64
+            got, want = (torch.load(p, weights_only=True) for p in (got_path, want_path))
+            assert got.keys() == want.keys()
+            for key in ("input_ids", "loss_mask"):
+                assert got[key].dtype == torch.int64 and torch.equal(got[key], want[key])
+            for key in ("aux_hidden_state", "hidden_state"):
+                assert got[key].shape == want[key].shape
+                assert_forwards_close(got[key], want[key], cfg, what=f"{sid} {key}")
