@@ -33,7 +33,7 @@ from eagle_pipeline.config_sections import (
     DatasetConfig,
     GenerationSettings,
     HiddenStatesConfig,
-    MergeConfig,
+    MergeSection,
     PoolsConfig,
     ResolvedPath,
     TargetConfig,
@@ -43,6 +43,7 @@ from eagle_pipeline.config_sections import (
 )
 from eagle_pipeline.generation.spec import BackendKind, BackendSpec
 from eagle_pipeline.generation.turns import NO_TURN_KINDS
+from eagle_pipeline.merge.manifest import MergeSettings
 from eagle_pipeline.spec_model import (
     BASE_DIR,
     NULL_IS_DEFAULT,
@@ -53,6 +54,9 @@ from eagle_pipeline.spec_model import (
     describe_problems,
     validation_problems,
 )
+
+# The `merge` section's class: the merge's own settings (the name the configuration API had before).
+MergeConfig = MergeSettings
 
 __all__ = [
     "CONFIG_ENV",
@@ -65,6 +69,7 @@ __all__ = [
     "GenerationSettings",
     "HiddenStatesConfig",
     "MergeConfig",
+    "MergeSettings",
     "PipelineConfig",
     "PoolsConfig",
     "TargetConfig",
@@ -105,7 +110,7 @@ class PipelineConfig(SpecBase):
     data_root: Annotated[ResolvedPath, Field(validate_default=True)] = Path(".eagle-data")
     generation: GenerationSettings = GenerationSettings()
     audit: AuditSection = dataclasses.field(default_factory=AuditSettings)
-    merge: MergeConfig = MergeConfig()
+    merge: MergeSection = dataclasses.field(default_factory=MergeSettings)
     hidden_states: HiddenStatesConfig = HiddenStatesConfig()
     pools: PoolsConfig = PoolsConfig()
     source: Path = dataclasses.field(init=False, default=Path())

@@ -19,7 +19,8 @@ from pydantic.dataclasses import dataclass
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
-from eagle_pipeline.merge.manifest import MergeSettings
+from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
+from eagle_pipeline.merge.manifest import MergeSettings, merge_settings_problems
 from eagle_pipeline.prompt_formats import PromptFormat
 from eagle_pipeline.spec_model import (
     NULL_IS_DEFAULT,
@@ -34,8 +35,6 @@ from eagle_pipeline.spec_model import (
     resolve_path,
 )
 from eagle_pipeline.tokens.profiles import PROFILES
-
-_MERGE_DEFAULTS = MergeSettings()
 
 
 def field_value(obj: Any, key: str) -> Any:
@@ -137,35 +136,7 @@ class GenerationSettings(SpecBase):
     commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
     # Durability only (what a kill -9 can lose), never the rows: not part of any sample id or fingerprint.
     answer_log_s: Annotated[Float, Field(gt=0)] = DEFAULT_FLUSH_S
-    progress_every_s: Annotated[Float, Field(ge=0)] = 30.0
-
-
-@dataclass(frozen=True, config=SPEC_CONFIG)
-class MergeConfig(SpecBase):
-    """The merge (defaults: `eagle_pipeline.merge.MergeSettings`) and the draft vocabulary."""
-
-    label = "merge"
-
-    seed: Int = _MERGE_DEFAULTS.seed
-    weights: dict[Str, Float] = dataclasses.field(default_factory=dict)
-    caps: dict[Str, Int] = dataclasses.field(default_factory=dict)
-    dedup: Bool = _MERGE_DEFAULTS.dedup
-    eval_fraction: Annotated[Float, Field(ge=0, lt=1)] = _MERGE_DEFAULTS.eval_fraction
-    rows_per_shard: Annotated[Int, Field(ge=1)] = _MERGE_DEFAULTS.rows_per_shard
-    loss_on: Literal["last_turn", "all_turns"] = "last_turn"
-    draft_vocab_size: Annotated[Int, Field(ge=1)] = 32_000
-
-    def settings(self) -> MergeSettings:
-        """The settings `merge_datasets` takes."""
-        return MergeSettings(
-            seed=self.seed,
-            weights=dict(self.weights),
-            caps=dict(self.caps),
-            dedup=self.dedup,
-            eval_fraction=self.eval_fraction,
-            rows_per_shard=self.rows_per_shard,
-            loss_on=self.loss_on,
-        )
+    progress_every_s: Annotated[Float, Field(ge=0)] = DEFAULT_PROGRESS_EVERY_S
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
@@ -223,6 +194,7 @@ class HiddenStatesConfig(SpecBase):
     seed: Int = 0
     shard_size: Annotated[Int, Field(ge=1)] = 256
     aux_layers: tuple[Int, ...] | None = None  # None (or empty): low/mid/high
+    # hidden_states.batching.DEFAULT_MAX_TOKENS_PER_BATCH (that package loads torch; test_config checks they agree)
     max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
     progress_every_s: Annotated[Float, Field(ge=0)] = 30.0  # a shard's progress reports (log line + observation)
     device: Str = "auto"
@@ -296,3 +268,19 @@ def _audit_settings(value: Any, info: ValidationInfo) -> AuditSettings:
 
 # The `audit` section: the audit's own settings class, checked by the audit's own validation.
 AuditSection = Annotated[AuditSettings, PlainValidator(_audit_settings)]
+
+
+def _merge_settings(value: Any, info: ValidationInfo) -> MergeSettings:
+    """The `merge` section is the merge's own MergeSettings: its one validation, each problem at its key."""
+    if value is None:
+        return MergeSettings()
+    if isinstance(value, Mapping) and info.context and info.context.get(NULL_IS_DEFAULT):
+        value = {k: v for k, v in value.items() if v is not None}
+    problems = merge_settings_problems(value)
+    if problems:
+        raise RuleProblems("merge", problems)
+    return value if isinstance(value, MergeSettings) else MergeSettings.from_dict(value)
+
+
+# The `merge` section: the merge's own settings class (and the draft vocabulary's size), checked by its validation.
+MergeSection = Annotated[MergeSettings, PlainValidator(_merge_settings)]

@@ -13,8 +13,8 @@ from eagle_pipeline.config import (
     DatasetConfig,
     GenerationSettings,
     HiddenStatesConfig,
-    MergeConfig,
     PipelineConfig,
+    PoolsConfig,
     TargetConfig,
     TorchrunConfig,
     VLLMEngineConfig,
@@ -22,6 +22,7 @@ from eagle_pipeline.config import (
 )
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
+from eagle_pipeline.merge import MergeSettings
 from eagle_pipeline.prompts import dataset_prompts_table, load_prompt_file, prompts_table
 
 
@@ -267,16 +268,17 @@ DOCUMENTED = {
     "`datasets[i].sampling`": SamplingOptions,
     "`generation`": GenerationSettings,
     "`audit`": AuditSettings,
-    "`merge`": MergeConfig,
+    "`merge`": MergeSettings,
     "`hidden_states`": HiddenStatesConfig,
     "`hidden_states.vllm`": VLLMEngineConfig,
     "`hidden_states.torchrun`": TorchrunConfig,
+    "`pools`": PoolsConfig,
 }
 
 
 def _file_keys(cls) -> dict:
     """Key in the file -> its default (MISSING when required)."""
-    if cls is AuditSettings:  # a plain dataclass
+    if not hasattr(cls, "__pydantic_fields__"):  # a domain's plain dataclass (AuditSettings, MergeSettings)
         return {
             f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
             for f in dataclasses.fields(cls)
@@ -443,3 +445,17 @@ def test_hidden_states_layout_and_audit_keys(tmp_path):
         load_config(p)
     for needle in ("hidden_states.layout", "hidden_states.trainer_layouts", "hidden_states.teacher_min_top1"):
         assert needle in str(exc.value)
+
+
+def test_settings_defaults_are_the_cores():
+    """A setting's default is the core's own where the core has one: the file and the Python API agree."""
+    from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
+    from eagle_pipeline.hidden_states.batching import DEFAULT_MAX_TOKENS_PER_BATCH
+    from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard
+    from eagle_pipeline.hidden_states.extract import extract_shard
+
+    assert HiddenStatesConfig().max_tokens_per_batch == DEFAULT_MAX_TOKENS_PER_BATCH
+    assert extract_shard.__kwdefaults__["max_tokens_per_batch"] == DEFAULT_MAX_TOKENS_PER_BATCH
+    assert TorchrunShard.__dataclass_fields__["max_tokens_per_batch"].default == DEFAULT_MAX_TOKENS_PER_BATCH
+    assert GenerationSettings().progress_every_s == DEFAULT_PROGRESS_EVERY_S == 30.0
+    assert PipelineConfig.__pydantic_fields__["merge"].get_default(call_default_factory=True) == MergeSettings()

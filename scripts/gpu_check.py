@@ -40,7 +40,6 @@ from eagle_pipeline.hidden_states import (
     count_rows,
     default_aux_layers,
     describe_model_config,
-    extract_shard,
     llama_8b_config,
     num_shards,
     plan_extraction,
@@ -300,67 +299,55 @@ def run_engine(engine: str, args: argparse.Namespace, run: CheckRun) -> int:
 def engine_extractor(
     engine: str, stack: contextlib.ExitStack, run: CheckRun, *, out_dir: Path, tp_size: int, guard: ProgressCallback
 ) -> Callable[[int], ShardSummary]:
-    """One shard's extraction through `engine` (servers and saved models it needs live as long as `stack`)."""
-    model, aux, merged, shard_size = run.model, run.aux, run.merged, run.shard_size
-    if engine == "in_process":
-        return lambda shard: extract_shard(
-            model,
-            merged,
-            shard_index=shard,
-            shard_size=shard_size,
-            out_dir=out_dir,
-            aux_layers=aux,
-            max_tokens_per_batch=run.max_tpb,
-            device=run.device,
-            dtype=run.dtype,
-            progress=guard,
-        )
-    if engine == "torchrun":
-        from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
+    """One shard's extraction through `engine`, by the pipeline's own entry point (`run.run_shard`) under settings
+    naming the check's model; servers it needs live as long as `stack`. In process the model built here is used as
+    it is (`PreloadedModel`: only its config.json is saved, for the fingerprint); torchrun's ranks and the vLLM
+    engine's head read its weights, saved once."""
+    from eagle_pipeline.config import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.engine_in_process import InProcessEngine, PreloadedModel
+    from eagle_pipeline.hidden_states.run import run_shard
 
-        model_dir = run.workdir / "model"  # what every rank loads: the same seeded weights, saved once
-        if not (model_dir / "config.json").exists():
-            t = time.perf_counter()
-            model.save_pretrained(model_dir)
-            print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
-        return lambda shard: extract_shard_torchrun(
-            TorchrunShard(
-                model_dir,
-                merged,
-                shard_index=shard,
-                shard_size=shard_size,
-                out_dir=out_dir,
-                tp_size=tp_size,
-                aux_layers=aux,
-                max_tokens_per_batch=run.max_tpb,
-                final_state="pre_norm",  # as the in-process path stores it: the kept shards compare directly
-            )
-        )
+    if engine not in ("in_process", "torchrun", "vllm"):
+        raise ValueError(f"unknown engine {engine!r}")
+    model, n_layers = run.model, run.desc["num_layers"]
+    model_dir = run.workdir / ("model_config" if engine == "in_process" else "model")
+    if engine == "in_process":
+        model.config.save_pretrained(model_dir)
+    elif not (model_dir / "config.json").exists():  # what every rank (and the vLLM engine's head) loads
+        t = time.perf_counter()
+        model.save_pretrained(model_dir)
+        print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
+    vllm = VLLMEngineConfig()
     if engine == "vllm":
-        from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
         from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
         from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 
-        n_layers = run.desc["num_layers"]
         storage = run.workdir / "connector"
         double = stack.enter_context(
-            VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(aux, n_layers), storage_path=storage)
+            VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(run.aux, n_layers), storage_path=storage)
         )
         print(f"the engine client against the loopback vLLM double at {double.url} (one forward per request)")
-        return lambda shard: extract_shard_vllm(
-            merged,
-            shard_index=shard,
-            shard_size=shard_size,
-            out_dir=out_dir,
-            endpoints=[double.url],
-            storage_path=storage,
-            num_layers=n_layers,
-            aux_layers=aux,
-            hidden_size=run.desc["hidden_size"],
-            model_description=run.desc,
-            progress=guard,
-        )
-    raise ValueError(f"unknown engine {engine!r}")
+        vllm = VLLMEngineConfig(endpoints=(double.url,), storage_path=str(storage))
+    settings = HiddenStatesConfig(
+        model=str(model_dir),
+        shard_size=run.shard_size,
+        aux_layers=run.aux,
+        max_tokens_per_batch=run.max_tpb,
+        device=run.device,
+        engine=engine,
+        vllm=vllm,
+        torchrun=TorchrunConfig(tp_size=tp_size),
+    )
+    paths = ExtractionPaths(run.merged, out_dir, run.workdir / "exports")
+    preloaded = InProcessEngine(PreloadedModel(model)) if engine == "in_process" else None
+    vocab = int(run.desc["vocab_size"])
+    # Pre-norm whatever the engine (the torchrun engine's own default is post-norm): kept shards compare directly.
+    return lambda shard: (
+        run_shard(
+            settings, paths, shard, vocab_size=vocab, progress=guard, engine=preloaded, final_state="pre_norm"
+        ).summary
+    )
 
 
 def print_shard(shard: int, s: ShardSummary, flops_params: int, *, wall: float) -> None:

@@ -12,7 +12,7 @@ from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.progress import step_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.storage import write_json_atomic
+from eagle_pipeline.hidden_states.checks import SHARD_CHECKS, ShardCheckSpec
 
 # Scale-out: with the k8s_job_executor each shard step runs in its own pod with this GPU request (docs/scaling.md).
 GPU_OP_TAGS = {
@@ -36,22 +36,20 @@ GPU_OP_TAGS = {
     ),
 )
 def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_config
-    from eagle_pipeline.merge import MergeManifest
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.run import plan_run
+    from eagle_pipeline.hidden_states.runtime import PlanRefused
 
     cfg = pipeline.config()
-    root = pipeline.data_root()
-    manifest = MergeManifest.read(root.merged_dir)
     try:
-        plans = plan_for_config(
-            cfg,
-            n_tokens=manifest.tokens_total,
-            n_samples=manifest.rows_total,
+        plans = plan_run(
+            cfg.hidden_states,
+            ExtractionPaths.of(pipeline.data_root()),
+            target_model_config=cfg.target.model_config,
             vocab_size=pipeline.tokenizer().vocab_size,
         )
     except PlanRefused as exc:
         raise dg.Failure(f"Extraction plan refused: {exc}", allow_retries=False) from None
-    write_json_atomic({k: p.to_dict() for k, p in plans.items()}, root.hidden_states_dir / "plan.json")
     target, this_run = plans["target"], plans["this_run"]
     return dg.MaterializeResult(
         metadata={
@@ -81,72 +79,30 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
     ),
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states import extract_shard
-    from eagle_pipeline.hidden_states.runtime import MODEL_CACHE, fingerprint_for_config, shard_device
-    from eagle_pipeline.hidden_states.shards import ShardMismatchError, prepare_shard
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.run import PLAN_FILE, run_shard
+    from eagle_pipeline.hidden_states.shards import ShardMismatchError
 
-    root = pipeline.data_root()
+    paths = ExtractionPaths.of(pipeline.data_root())
     h = pipeline.config().hidden_states
-    _check_disk_budget(root.hidden_states_dir / "plan.json", h.disk_budget_gb)
+    _check_disk_budget(paths.out_dir / PLAN_FILE, h.disk_budget_gb)
     shard = int(context.partition_key)
-    vocab = pipeline.tokenizer().vocab_size
-    wanted = fingerprint_for_config(h, merged_dir=root.merged_dir, vocab_size=vocab)
-    # Deciding before the model loads spares minutes of loading a large target just to skip a done shard.
     try:
-        decision = prepare_shard(root.hidden_states_dir, shard, wanted, on_mismatch=h.on_settings_change)
+        run = run_shard(
+            h,
+            paths,
+            shard,
+            vocab_size=pipeline.tokenizer().vocab_size,
+            progress=step_progress(context, f"shard {shard:05d}", "rows", h.progress_every_s),
+            log=context.log.info,
+        )
     except ShardMismatchError as exc:
         raise dg.Failure(
             str(exc),
             metadata={"differences": dg.MetadataValue.json({k: list(v) for k, v in exc.differences.items()})},
             allow_retries=False,
         ) from exc
-    if decision.reuse is not None:
-        summary, device = decision.reuse, "none (already done)"
-    elif h.engine == "vllm":  # HTTP clients of running vLLM servers: no GPU, no model load here
-        from eagle_pipeline.hidden_states.vllm_command import extract_shard_from_config
-
-        summary, device = extract_shard_from_config(
-            h,
-            merged_dir=root.merged_dir,
-            out_dir=root.hidden_states_dir,
-            shard_index=shard,
-            vocab_size=vocab,
-            log=context.log.info,
-            progress=step_progress(context, f"shard {shard:05d}", "rows", h.progress_every_s),
-        )
-    elif h.engine == "torchrun":  # one torchrun world of tp_size processes, started by this step
-        from eagle_pipeline.hidden_states.engine_torchrun import extract_shard_from_config as extract_torchrun
-
-        summary, device = extract_torchrun(
-            h,
-            merged_dir=root.merged_dir,
-            out_dir=root.hidden_states_dir,
-            shard_index=shard,
-            vocab_size=vocab,
-            model_identity=wanted.model,
-            log=context.log.info,
-        )
-    else:
-        from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
-
-        # A trainer's layout: the states go straight into its export folder, in its final-state convention.
-        target = plan_layout_target(h.layout, root.exports_dir / h.layout, root.merged_dir)
-        with shard_device(h.device, shard, prefer=MODEL_CACHE.devices(), log=context.log.info) as device:
-            summary = extract_shard(
-                MODEL_CACHE.get(h.model, h.family, h.seed, vocab, device),
-                root.merged_dir,
-                shard_index=shard,
-                shard_size=h.shard_size,
-                out_dir=root.hidden_states_dir,
-                aux_layers=h.aux_layers,
-                max_tokens_per_batch=h.max_tokens_per_batch,
-                device=device,
-                on_mismatch=h.on_settings_change,
-                model_identity=wanted.model,
-                progress=step_progress(context, f"shard {shard:05d}", "rows", h.progress_every_s),
-                final_state=wanted.final_state,
-                layout_target=target,
-            )
+    summary = run.summary
     return dg.MaterializeResult(
         metadata={
             "dagster/row_count": summary.rows,
@@ -154,13 +110,13 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "tokens": summary.tokens,
             "padding_fraction": float(summary.padding_fraction),
             "tokens_per_s": float(summary.tokens_per_s),
-            "device": device,
+            "device": run.device,
             "model": h.model,
             "engine": h.engine,
             "layout": h.layout,
             "fingerprint": dg.MetadataValue.json(summary.fingerprint),
             "skipped_already_done": summary.skipped,
-            "shard_status_before": decision.state.status,
+            "shard_status_before": run.status_before,
             "host": socket.gethostname(),  # the pod's name on Kubernetes
             "pid": os.getpid(),
         }
@@ -187,119 +143,63 @@ def _check_disk_budget(plan_path: Path, disk_budget_gb: float | None) -> None:
         ) from exc
 
 
-def _shard_check(name: str, verify_key: str, description: str):
+def _shard_check(spec: ShardCheckSpec) -> dg.AssetChecksDefinition:
+    """One blocking check per shard for one entry of the core's registry (`hidden_states.checks.SHARD_CHECKS`)."""
+
     @dg.asset_check(
-        asset=hidden_states, name=name, blocking=True, partitions_def=shard_partitions, description=description
+        asset=hidden_states,
+        name=spec.name,
+        blocking=True,
+        partitions_def=shard_partitions,
+        description=spec.description,
     )
     def _check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
         from eagle_pipeline.hidden_states import verify_shard
+        from eagle_pipeline.hidden_states.engine import ExtractionPaths
+        from eagle_pipeline.hidden_states.run import audit_shard_for_settings
 
-        root = pipeline.data_root()
-        result = verify_shard(root.hidden_states_dir, int(context.partition_key), root.merged_dir)[verify_key]
+        paths, shard = ExtractionPaths.of(pipeline.data_root()), int(context.partition_key)
+        if spec.kind == "structure":
+            result = verify_shard(paths.out_dir, shard, paths.merged_dir)[spec.key]
+            return dg.AssetCheckResult(
+                passed=bool(result.passed), description=result.detail or None, metadata=_check_counts(result)
+            )
+        # The semantic audit is computed once per shard and shared by its four checks (hidden_states/audit.py).
+        audit = audit_shard_for_settings(pipeline.config().hidden_states, paths, shard)[spec.key]
         return dg.AssetCheckResult(
-            passed=bool(result.passed),
-            description=result.detail or None,
-            metadata={
-                "samples_checked": result.checked,
-                "samples_failing": result.failing,
-                "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
-            },
+            passed=bool(audit.passed), description=audit.detail or None, metadata=_audit_metadata(audit)
         )
 
     return _check
 
 
-hidden_state_checks = [
-    _shard_check(
-        "shapes_match_token_counts", "shapes", "Per sample, every state tensor has one row per token, width 3H / H."
-    ),
-    _shard_check(
-        "no_nan_or_inf", "finite", "No NaN or Inf in any state: a bad sample fails the shard, never skipped silently."
-    ),
-    _shard_check(
-        "ids_match_merged", "ids_match", "Stored input ids equal the merged dataset's ids for the same sample_id."
-    ),
-]
-
-
-def _shard_audit(pipeline: PipelineResource, shard: int) -> dict:
-    """The semantic audit of one shard (computed once, shared by its four checks; see hidden_states/audit.py)."""
-    import pyarrow.parquet as pq
-
-    from eagle_pipeline.hidden_states.audit import audit_shard_cached, teacher_judgement
-    from eagle_pipeline.hidden_states.merged import merged_parts
-    from eagle_pipeline.hidden_states.runtime import resolve_device
-
-    root = pipeline.data_root()
-    h = pipeline.config().hidden_states
-    sources = {
-        s for p in merged_parts(root.merged_dir) for s in pq.read_table(p, columns=["source"])["source"].to_pylist()
+def _check_counts(result: Any) -> dict[str, Any]:
+    return {
+        "samples_checked": result.checked,
+        "samples_failing": result.failing,
+        "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
     }
-    judgement = teacher_judgement(
-        extraction_model=h.model,
-        sources=sorted(sources, key=str),
-        texts_by_extraction_model=h.texts_by_extraction_model,
-    )
-    settings: dict[str, Any] = {"expected_aux_layers": h.aux_layers, "judgement": judgement}
-    if h.teacher_min_top1 is not None:
-        settings["min_top1"] = h.teacher_min_top1
-    return audit_shard_cached(
-        root.hidden_states_dir, shard, root.merged_dir, device=resolve_device(h.device), **settings
-    )
 
 
-def _audit_check(name: str, audit_key: str, description: str):
-    @dg.asset_check(
-        asset=hidden_states, name=name, blocking=True, partitions_def=shard_partitions, description=description
-    )
-    def _check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
-        result = _shard_audit(pipeline, int(context.partition_key))[audit_key]
-        metadata: dict[str, Any] = {
-            "verdict": result.verdict,
-            "samples_checked": result.checked,
-            "samples_failing": result.failing,
-            "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
-            "figures": dg.MetadataValue.json(result.metrics),
-        }
-        if audit_key == "teacher_agreement" and result.metrics.get("top1_agreement") is not None:
-            metadata["top1_agreement"] = float(result.metrics["top1_agreement"])
-            rows = "".join(
-                f"| {ds} | {d['agreement']:.3f} | {d['positions']} |\n"
-                for ds, d in result.metrics["per_dataset"].items()
-            )
-            metadata["per_dataset"] = dg.MetadataValue.md(
-                f"| dataset | top-1 agreement | positions |\n|---|---|---|\n{rows}"
-            )
-        return dg.AssetCheckResult(passed=bool(result.passed), description=result.detail or None, metadata=metadata)
-
-    return _check
+def _audit_metadata(result: Any) -> dict[str, Any]:
+    """A semantic check's verdict, counts and figures; the teacher check's agreement per dataset as a table."""
+    metadata: dict[str, Any] = {
+        "verdict": result.verdict,
+        **_check_counts(result),
+        "figures": dg.MetadataValue.json(result.metrics),
+    }
+    if result.name == "teacher_agreement" and result.metrics.get("top1_agreement") is not None:
+        metadata["top1_agreement"] = float(result.metrics["top1_agreement"])
+        rows = "".join(
+            f"| {ds} | {d['agreement']:.3f} | {d['positions']} |\n" for ds, d in result.metrics["per_dataset"].items()
+        )
+        metadata["per_dataset"] = dg.MetadataValue.md(
+            f"| dataset | top-1 agreement | positions |\n|---|---|---|\n{rows}"
+        )
+    return metadata
 
 
-hidden_state_checks += [
-    _audit_check(
-        "states_not_degenerate",
-        "degenerate_states",
-        "No all-zero or constant position in any layer, no layer that holds one vector at every position.",
-    ),
-    _audit_check(
-        "layers_as_configured",
-        "layer_layout",
-        "Aux layers are the configured ones in the configured order, T = the merged row's tokens, no two stored "
-        "layers identical (a wrong layer id).",
-    ),
-    _audit_check(
-        "norm_convention_matches_states",
-        "norm_convention",
-        "The recorded final-state convention (pre/post final norm) agrees with the states' RMS statistics.",
-    ),
-    _audit_check(
-        "teacher_agreement",
-        "teacher_agreement",
-        "lm_head(final_norm(final state)) predicts the next supervised token as top-1 at least "
-        "hidden_states.teacher_min_top1 of the time; says NOT JUDGED when the texts were not written by the "
-        "extraction model.",
-    ),
-]
+hidden_state_checks = [_shard_check(spec) for spec in SHARD_CHECKS]
 
 
 @dg.asset(
@@ -315,65 +215,27 @@ hidden_state_checks += [
     ),
 )
 def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.audit import audit_markdown, summarize_audits
-    from eagle_pipeline.hidden_states.runtime import fingerprint_for_config
-    from eagle_pipeline.hidden_states.shards import ShardsNotReadyError, require_shards_ready
-    from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
-    from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
+    from eagle_pipeline.hidden_states.audit import audit_markdown
+    from eagle_pipeline.hidden_states.run import export_for_trainers
+    from eagle_pipeline.hidden_states.shards import ShardsNotReadyError
 
     root = pipeline.data_root()
     cfg = pipeline.config()
-    out = root.exports_dir
-    # Every shard is checked before anything is written: a refused export leaves the previous one whole. The dtype
-    # is left open because this step may run on another host than the extraction (a CPU pod after GPU pods).
-    wanted = fingerprint_for_config(
-        cfg.hidden_states, merged_dir=root.merged_dir, vocab_size=pipeline.tokenizer().vocab_size, pin_dtype=False
-    )
     try:
-        states = require_shards_ready(root.hidden_states_dir, root.merged_dir, wanted)
+        done = export_for_trainers(
+            cfg.hidden_states, root, vocab_size=pipeline.tokenizer().vocab_size, config_hash=cfg.config_hash()
+        )
     except ShardsNotReadyError as exc:
         raise dg.Failure(
             str(exc),
             metadata={"shards": dg.MetadataValue.json({f"{s.shard_index:05d}": s.status for s in exc.states})},
         ) from exc
-    shard_keys = [f"{s.shard_index:05d}" for s in states]
-    spec = export_specforge_jsonl(root.merged_dir, out / "specforge" / "train.jsonl", split="train")
-    hf = export_hf_parquet(root.merged_dir, out / "hf_parquet")
-    # The layout extraction wrote directly is always completed (its small files); others are converted copies.
-    layouts = set(cfg.hidden_states.trainer_layouts) | ({cfg.hidden_states.layout} - {"shards"})
-    exported: dict[str, Any] = {}
-    # Copied beside the states when built (the draft_vocab asset); the export's summary records where it is, or None.
-    vocab_pt = root.draft_vocab_dir / "draft_vocab.pt"
-    if "specforge" in layouts:
-        exported["specforge_offline"] = export_specforge_states(
-            root.hidden_states_dir,
-            root.merged_dir,
-            out / "specforge",
-            draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
-        )
-    if "speculators" in layouts:
-        exported["speculators_offline"] = export_speculators_states(
-            root.hidden_states_dir,
-            root.merged_dir,
-            out / "speculators",
-            draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
-        )
-    manifest = {
-        "specforge_jsonl": spec.to_dict(),
-        "hf_parquet": hf.to_dict(),
-        **{name: e.to_dict() for name, e in exported.items()},
-        "hidden_state_audit": summarize_audits(root.hidden_states_dir),
-        "hidden_states_dir": str(root.hidden_states_dir),
-        "hidden_state_shards": shard_keys,
-        "draft_vocab_dir": str(root.draft_vocab_dir),
-        "config_hash": cfg.config_hash(),
-    }
-    write_json_atomic(manifest, out / "manifest.json")
+    exported = done.exported
     return dg.MaterializeResult(
         metadata={
-            "path": dg.MetadataValue.path(str(out)),
-            "specforge_rows": dg.MetadataValue.json(spec.rows),
-            "hf_parquet_rows": dg.MetadataValue.json(hf.rows),
+            "path": dg.MetadataValue.path(str(root.exports_dir)),
+            "specforge_rows": dg.MetadataValue.json(done.specforge_jsonl.rows),
+            "hf_parquet_rows": dg.MetadataValue.json(done.hf_parquet.rows),
             **{f"{name}_rows": dg.MetadataValue.json(e.rows) for name, e in exported.items()},
             **(
                 {"speculators_args": str(exported["speculators_offline"].extra["args"])}
@@ -381,7 +243,7 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
                 else {}
             ),
             "state_bytes_written": sum(e.bytes_written for e in exported.values()),
-            "hidden_state_audit": dg.MetadataValue.md(audit_markdown(manifest["hidden_state_audit"])),
-            "hidden_state_shards": len(shard_keys),
+            "hidden_state_audit": dg.MetadataValue.md(audit_markdown(done.manifest["hidden_state_audit"])),
+            "hidden_state_shards": len(done.shard_keys),
         }
     )

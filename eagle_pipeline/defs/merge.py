@@ -11,6 +11,7 @@ from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.generation.coverage import response_overview
+from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckSpec
 
 
 @dg.asset(
@@ -56,8 +57,7 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         )
         for ds, audit in audits.items()
     ]
-    m = cfg.merge
-    manifest = merge_datasets(inputs, root.merged_dir, m.settings(), config_hash=cfg.config_hash())
+    manifest = merge_datasets(inputs, root.merged_dir, cfg.merge, config_hash=cfg.config_hash())
     summary = manifest.to_dict()
     n_rows = manifest.rows_total
     # One hidden-state partition per extraction shard of the merged rows; stale keys from a larger merge go away.
@@ -92,7 +92,7 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
             "tokens_per_dataset": dg.MetadataValue.json(summary["tokens_per_dataset"]),
             "excluded": dg.MetadataValue.json(summary["excluded"]),
             "splits": dg.MetadataValue.json(summary["splits"]),
-            "seed": m.seed,
+            "seed": cfg.merge.seed,
             "config_hash": cfg.config_hash(),
             "hidden_state_shards": len(shards),
         }
@@ -121,38 +121,17 @@ PROVIDERS_COLUMNS = {
 }
 
 
-@dg.asset_check(asset=merged_dataset, blocking=True, description="Merged rows equal the rows admitted by the audit.")
-def merged_row_count_matches_admitted(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.merge import MergeManifest, check_row_count
+def _merged_check(spec: MergedCheckSpec) -> dg.AssetChecksDefinition:
+    """One blocking check of the merged table for one entry of the core's registry (`merge.checks.MERGED_CHECKS`)."""
 
-    root = pipeline.data_root()
-    m = MergeManifest.read(root.merged_dir)
-    # Admitted = rows read from each dataset minus every counted exclusion (audit filters, dedup, caps, weights);
-    # the shards' Parquet footers must add up to exactly that.
-    admitted = sum(m.input_rows.values()) - sum(sum(reasons.values()) for reasons in m.excluded.values())
-    return _merged_check_result(check_row_count(root.merged_dir, admitted))
+    @dg.asset_check(asset=merged_dataset, name=spec.name, blocking=True, description=spec.description)
+    def _check(pipeline: PipelineResource) -> dg.AssetCheckResult:
+        return _merged_check_result(spec.run(pipeline.data_root().merged_dir, lambda: pipeline.profile_ids().eot_id))
+
+    return _check
 
 
-@dg.asset_check(asset=merged_dataset, blocking=True, description="No sample_id appears twice.")
-def merged_sample_ids_unique(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.merge import check_unique_sample_ids
-
-    return _merged_check_result(check_unique_sample_ids(pipeline.data_root().merged_dir))
-
-
-@dg.asset_check(asset=merged_dataset, blocking=True, description="Every loss mask is exactly as long as its input_ids.")
-def merged_loss_mask_aligned(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.merge import check_loss_mask_aligned
-
-    return _merged_check_result(check_loss_mask_aligned(pipeline.data_root().merged_dir))
-
-
-@dg.asset_check(asset=merged_dataset, blocking=True, description="Every supervised span ends with the end-of-turn id.")
-def merged_spans_end_with_eot(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.merge import check_supervised_spans_end_with_eot
-
-    eot = pipeline.profile_ids().eot_id
-    return _merged_check_result(check_supervised_spans_end_with_eot(pipeline.data_root().merged_dir, eot))
+merged_checks = [_merged_check(spec) for spec in MERGED_CHECKS]
 
 
 def _merged_check_result(result) -> dg.AssetCheckResult:

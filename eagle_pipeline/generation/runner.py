@@ -38,7 +38,7 @@ from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.stream_workers import stream_workers
-from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
+from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S, GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
 
 log = logging.getLogger("eagle_pipeline.generation")
@@ -183,7 +183,7 @@ async def agenerate_dataset(
     commit_every_rows: int = 500,
     commit_every_s: float = 10.0,
     progress: Callable[[ProgressEvent], None] | None = None,
-    progress_every_s: float = 5.0,
+    progress_every_s: float = DEFAULT_PROGRESS_EVERY_S,
     limit: int | None = None,
     regenerate: str = LAST_TURN,
     answer_log_s: float | None = DEFAULT_FLUSH_S,
@@ -261,7 +261,7 @@ def generate_dataset(
     commit_every_rows: int = 500,
     commit_every_s: float = 10.0,
     progress: Callable[[ProgressEvent], None] | None = None,
-    progress_every_s: float = 5.0,
+    progress_every_s: float = DEFAULT_PROGRESS_EVERY_S,
     limit: int | None = None,
     regenerate: str = LAST_TURN,
     answer_log_s: float | None = DEFAULT_FLUSH_S,

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
+from .engine import EngineResult, ShardJob
 from .extract import default_state_dtype, extract_shard
 from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
 from .format import dtype_name, read_index_meta, shard_paths
@@ -56,7 +58,7 @@ class TorchrunShard:
     tp_size: int
     ep_size: int | None = None
     aux_layers: tuple[int, ...] | None = None
-    max_tokens_per_batch: int = 8192
+    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH
     final_state: str = "post_norm"
     model_identity: Mapping[str, Any] | None = None
 
@@ -142,37 +144,33 @@ def extract_shard_torchrun(
     return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
 
 
-def extract_shard_from_config(
-    h: Any,
-    *,
-    merged_dir: Path,
-    out_dir: Path,
-    shard_index: int,
-    vocab_size: int,
-    model_identity: Mapping[str, Any] | None = None,
-    log: Callable[[str], None] | None = None,
-) -> tuple[ShardSummary, str]:
-    """One shard with `hidden_states.engine: torchrun` (`h` is the `hidden_states` config section)."""
-    from .runtime import materialized_model_dir
+class TorchrunEngine:
+    """`hidden_states.engine: torchrun` (the `ShardEngine` interface): one world of `torchrun.tp_size` processes
+    per shard over `hidden_states.model`'s checkpoint (a `tiny-random` model is saved once beside the shards)."""
 
-    t = h.torchrun
-    model_dir = materialized_model_dir(
-        h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
-    )
-    shard = TorchrunShard(
-        model_dir,
-        merged_dir,
-        shard_index=shard_index,
-        shard_size=h.shard_size,
-        out_dir=out_dir,
-        tp_size=t.tp_size,
-        ep_size=t.ep_size,
-        aux_layers=h.aux_layers,
-        max_tokens_per_batch=h.max_tokens_per_batch,
-        model_identity=model_identity,
-    )
-    summary = extract_shard_torchrun(shard, on_mismatch=h.on_settings_change, log=log)
-    return summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else "")
+    def extract(self, job: ShardJob) -> EngineResult:
+        """The world reports no per-row progress: `job.progress` is not called."""
+        from .runtime import materialized_model_dir
+
+        h, t = job.settings, job.settings.torchrun
+        model_dir = materialized_model_dir(
+            h.model, family=h.family, seed=h.seed, vocab_size=job.vocab_size, cache_dir=job.paths.cache_dir
+        )
+        world = TorchrunShard(
+            model_dir,
+            job.paths.merged_dir,
+            shard_index=job.shard,
+            shard_size=h.shard_size,
+            out_dir=job.paths.out_dir,
+            tp_size=t.tp_size,
+            ep_size=t.ep_size,
+            aux_layers=h.aux_layers,
+            max_tokens_per_batch=h.max_tokens_per_batch,
+            final_state=job.wanted.final_state,
+            model_identity=job.wanted.model,
+        )
+        summary = extract_shard_torchrun(world, on_mismatch=h.on_settings_change, log=job.log)
+        return EngineResult(summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else ""))
 
 
 def die_with_parent(parent: int) -> Callable[[], None]:

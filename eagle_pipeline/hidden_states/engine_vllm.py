@@ -24,30 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..generation.aio import run_coroutine
 from ..generation.client import HttpClient
-from ..generation.runner import run_coroutine
 from ..progress import ProgressCallback
 from ..storage import atomic_path
-from .extract import IDS_DTYPE, MASK_DTYPE
 from .fingerprint import ExtractionFingerprint, merged_version
-from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    StreamingSafetensorsWriter,
-    dtype_name,
-    shard_layout,
-    shard_paths,
-    tensor_key,
-)
+from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, tensor_key
 from .head import PRE_NORM, checkpoint_head, save_target_head_from_checkpoint
-from .layers import (
-    aux_layer_to_hf_index,
-    default_aux_layers,
-    final_state_hf_index,
-    validate_aux_layers,
-)
+from .layers import default_aux_layers, validate_aux_layers
 from .merged import count_rows, read_rows, shard_row_range
-from .shard_index import transformers_version, write_shard_index
+from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
 from .vllm_files import (
     EngineShardError,
@@ -132,32 +118,13 @@ def extract_shard_vllm(
     rows = read_rows(merged_dir, row_start, row_stop)
     lengths = rows.lengths
     order = list(range(len(rows)))
-    meta_common = {
-        "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
-        "aux_layers": json.dumps(list(aux)),
-        "aux_layers_convention": "0-based decoder-layer outputs",
-        "hf_hidden_states_indices": json.dumps([aux_layer_to_hf_index(x, num_layers) for x in aux]),
-        "hf_hidden_states_final_index": json.dumps(final_state_hf_index(num_layers, post_norm=False)),
-        "final_state_is_post_norm": json.dumps(False),
-        "final_state": PRE_NORM,
+    header_extra = {
         **({"final_norm_eps": repr(found_head.eps)} if found_head is not None else {}),
         "engine": "vllm",
         "vllm_layer_ids": json.dumps(list(layer_ids)),
         "vllm_layer_ids_convention": "id k = residual entering decoder layer k (= output of layer k-1); "
         "aux layer k -> id k+1; the final state is id num_hidden_layers, the last layer's output before the "
         "final norm (apply the target's final norm for lm_head targets)",
-        "ids_dtype": dtype_name(IDS_DTYPE),
-        "mask_dtype": dtype_name(MASK_DTYPE),
-        "shard_index": str(shard_index),
-        "row_start": str(row_start),
-        "row_stop": str(row_stop),
-        "rows": str(len(rows)),
-        "tokens": str(sum(lengths)),
-        "model": json.dumps(model_description or {}, sort_keys=True),
-        "fingerprint": json.dumps(wanted.to_dict(), sort_keys=True),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers_version(),
     }
     state: dict[str, Any] = {}
 
@@ -166,7 +133,18 @@ def extract_shard_vllm(
 
         if "writer" not in state:  # the first file fixes H and the dtype of the whole shard
             state["facts"] = facts
-            meta = {**meta_common, "hidden_size": str(facts.hidden_size), "dtype": dtype_name(facts.dtype)}
+            meta = shard_header(
+                rows,
+                shard_index=shard_index,
+                aux=aux,
+                num_layers=num_layers,
+                hidden_size=facts.hidden_size,
+                dtype=facts.dtype,
+                final_state=PRE_NORM,
+                model=model_description or {},
+                fingerprint=wanted,
+                extra=header_extra,
+            )
             layout = shard_layout(
                 rows.sample_ids,
                 lengths,
@@ -222,29 +200,19 @@ def extract_shard_vllm(
                 size = writer.total_bytes
             seconds = time.perf_counter() - t0
             facts = state["facts"]
-            tokens = sum(lengths)
-            summary = ShardSummary(
+            summary = shard_summary(
+                rows,
                 shard_index=shard_index,
-                row_start=row_start,
-                row_stop=row_stop,
-                rows=len(rows),
-                tokens=tokens,
-                padded_tokens=0,
-                padding_fraction=0.0,
-                batches=len(rows),
-                seconds=seconds,
-                tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
-                path=str(st_path),
-                index_path=str(idx_path),
+                paths=(st_path, idx_path),
                 sha256=sha,
                 size_bytes=size,
-                dtype=dtype_name(facts.dtype),
-                aux_layers=list(aux),
-                final_state_is_post_norm=False,
-                n_nonfinite_samples=0,
+                dtype=facts.dtype,
+                final_state=PRE_NORM,
+                fingerprint=wanted,
+                seconds=seconds,
                 compute_seconds=run.compute_seconds,
                 write_wait_seconds=run.write_seconds,
-                fingerprint=wanted.to_dict(),
+                batches=len(rows),
             )
             extra: dict[str, Any] = {
                 "engine": "vllm",

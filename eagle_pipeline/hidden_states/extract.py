@@ -16,37 +16,24 @@ import torch
 
 from ..progress import ProgressCallback
 from ..storage import atomic_path
-from .batching import padding_of, plan_batches
+from .batching import DEFAULT_MAX_TOKENS_PER_BATCH, padding_of, plan_batches
 from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
 from .fingerprint import model_identity as identity_of_model
-from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    StreamingSafetensorsWriter,
-    dtype_name,
-    shard_layout,
-    shard_paths,
-    tensor_key,
-)
+from .format import StreamingSafetensorsWriter, dtype_name, shard_layout, shard_paths, tensor_key
 from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_model
 from .layers import (
     _layer_output,
-    aux_layer_to_hf_index,
     decoder_layers,
     default_aux_layers,
-    final_state_hf_index,
     get_backbone,
     token_embedding,
     validate_aux_layers,
 )
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
-from .shard_index import transformers_version, write_shard_index
+from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, LayoutTarget, SampleFilesWriter, without_states
-
-IDS_DTYPE = torch.int32
-MASK_DTYPE = torch.int8
 
 
 def default_state_dtype(device: str) -> torch.dtype:
@@ -103,7 +90,7 @@ def extract_shard(
     shard_size: int,
     out_dir: str | Path,
     aux_layers: Sequence[int] | None = None,
-    max_tokens_per_batch: int = 8192,
+    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     final_state: str = PRE_NORM,
@@ -159,10 +146,21 @@ def extract_shard(
     if next(model.parameters()).device.type != dev.type:
         model.to(dev)
     post_norm = final_state == POST_NORM
-    meta = _safetensors_metadata(model, target, rows, shard_index, out_dtype, post_norm, wanted)
-    meta.update(final_state=final_state, final_norm_eps=repr(final_norm_eps(model)))
+    extra = {"final_norm_eps": repr(final_norm_eps(model))}
     if layout_target is not None:
-        meta["layout"] = layout_target.name
+        extra["layout"] = layout_target.name
+    meta = shard_header(
+        rows,
+        shard_index=shard_index,
+        aux=target.aux,
+        num_layers=len(target.layers),
+        hidden_size=target.hidden,
+        dtype=out_dtype,
+        final_state=final_state,
+        model=_model_description(model),
+        fingerprint=wanted,
+        extra=extra,
+    )
     st_path, idx_path = shard_paths(out_dir, shard_index)
     written = _write_states(
         target,
@@ -178,20 +176,41 @@ def extract_shard(
     )
     # Recorded after the shard is complete, so an aborted shard leaves nothing behind.
     _, head_sha = save_target_head_from_model(model, out_dir, json.loads(meta["model"]))
-    summary = _shard_summary(shard_index, rows, batches, written, st_path, idx_path, out_dtype, post_norm, wanted)
-    extra: dict[str, Any] = {
+    summary = shard_summary(
+        rows,
+        shard_index=shard_index,
+        paths=(st_path, idx_path),
+        sha256=written.sha256,
+        size_bytes=written.size_bytes,
+        dtype=out_dtype,
+        final_state=final_state,
+        fingerprint=wanted,
+        seconds=written.seconds,
+        compute_seconds=written.compute_seconds,
+        write_wait_seconds=written.write_wait_seconds,
+        batches=len(batches),
+        padded_tokens=padding_of(rows.lengths, batches)[1],
+        nonfinite_samples=int((written.nonfinite > 0).sum()),
+    )
+    index_extra: dict[str, Any] = {
         "final_state": final_state,
         "final_norm_eps": final_norm_eps(model),
         "target_head_sha256": head_sha,
     }
     if layout_target is not None:
-        extra.update(
+        index_extra.update(
             layout=layout_target.name,
             layout_root=os.path.relpath(layout_target.root, out_dir),
             sample_files=written.sample_files,
         )
     write_shard_index(
-        idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=json.loads(meta["model"]), extra=extra
+        idx_path,
+        rows,
+        summary,
+        written.nonfinite,
+        hidden=target.hidden,
+        model=json.loads(meta["model"]),
+        extra=index_extra,
     )
     return summary
 
@@ -202,41 +221,6 @@ def _shard_rows(merged_dir: str | Path, shard_index: int, shard_size: int, vocab
     rows = read_rows(merged_dir, row_start, row_stop)
     _check_rows(rows, vocab)
     return rows
-
-
-def _safetensors_metadata(
-    model: torch.nn.Module,
-    target: _Target,
-    rows: MergedRows,
-    shard_index: int,
-    out_dtype: torch.dtype,
-    post_norm: bool,
-    fingerprint: ExtractionFingerprint,
-) -> dict[str, str]:
-    n_layers = len(target.layers)
-    return {
-        "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
-        "aux_layers": json.dumps(list(target.aux)),
-        "aux_layers_convention": "0-based decoder-layer outputs",
-        # null where the tensor is not in transformers' tuple (the last layer's raw output; a pre-norm final state)
-        "hf_hidden_states_indices": json.dumps([aux_layer_to_hf_index(x, n_layers) for x in target.aux]),
-        "hf_hidden_states_final_index": json.dumps(final_state_hf_index(n_layers, post_norm=post_norm)),
-        "final_state_is_post_norm": json.dumps(post_norm),
-        "hidden_size": str(target.hidden),
-        "dtype": dtype_name(out_dtype),
-        "ids_dtype": dtype_name(IDS_DTYPE),
-        "mask_dtype": dtype_name(MASK_DTYPE),
-        "shard_index": str(shard_index),
-        "row_start": str(rows.row_start),
-        "row_stop": str(rows.row_start + len(rows)),
-        "rows": str(len(rows)),
-        "tokens": str(sum(rows.lengths)),
-        "model": json.dumps(_model_description(model), sort_keys=True),
-        "fingerprint": json.dumps(fingerprint.to_dict(), sort_keys=True),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers_version(),
-    }
 
 
 def _tensor_layout(
@@ -353,43 +337,6 @@ def _write_states(
             h.remove()
     files = list(getattr(writer, "files", []))
     return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s, files)
-
-
-def _shard_summary(
-    shard_index: int,
-    rows: MergedRows,
-    batches: Sequence[Sequence[int]],
-    written: _Written,
-    st_path: Path,
-    idx_path: Path,
-    out_dtype: torch.dtype,
-    post_norm: bool,
-    fingerprint: ExtractionFingerprint,
-) -> ShardSummary:
-    real, padded = padding_of(rows.lengths, batches)
-    return ShardSummary(
-        shard_index=shard_index,
-        row_start=rows.row_start,
-        row_stop=rows.row_start + len(rows),
-        rows=len(rows),
-        tokens=real,
-        padded_tokens=padded,
-        padding_fraction=padded / max(real + padded, 1),
-        batches=len(batches),
-        seconds=written.seconds,
-        tokens_per_s=real / written.seconds if written.seconds > 0 else float("inf"),
-        path=str(st_path),
-        index_path=str(idx_path),
-        sha256=written.sha256,
-        size_bytes=written.size_bytes,
-        dtype=dtype_name(out_dtype),
-        aux_layers=list(fingerprint.aux_layers),
-        final_state_is_post_norm=post_norm,
-        n_nonfinite_samples=int((written.nonfinite > 0).sum()),
-        compute_seconds=written.compute_seconds,
-        write_wait_seconds=written.write_wait_seconds,
-        fingerprint=fingerprint.to_dict(),
-    )
 
 
 def _write_batch(

@@ -182,16 +182,16 @@ def model_identity(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def merged_version(merged_dir: str | Path) -> str:
-    """The merged table's content version: sha256 over its part files' names, rows and sha256 as the merge
-    manifest records them (not the whole manifest, whose settings and config hash change with unrelated edits).
-    Without a manifest that lists exactly the part files present, the part files are hashed instead."""
+    """The merged table's content version: sha256 over its files' names, rows and sha256 as the merge manifest
+    records them (not the whole manifest, whose settings and config hash change with unrelated edits). The files
+    are the manifest's (`merge.manifest.merged_shard_paths`, as extraction reads them); without a manifest, or
+    where one of its files is missing, the files present are hashed instead."""
     parts = merged_parts(merged_dir)
     manifest = Path(merged_dir) / MANIFEST_NAME
     entries: list[list[Any]] = []
-    if manifest.exists():
+    if manifest.exists() and all(p.exists() for p in parts):
         shards = read_json(manifest).get("shards") or []
-        if sorted(Path(s["path"]).name for s in shards) == [p.name for p in parts]:
-            entries = sorted([Path(s["path"]).name, int(s["rows"]), str(s["sha256"])] for s in shards)
+        entries = sorted([Path(s["path"]).name, int(s["rows"]), str(s["sha256"])] for s in shards)
     if not entries:
-        entries = [[p.name, p.stat().st_size, file_sha256(p)] for p in parts]
+        entries = [[p.name, p.stat().st_size, file_sha256(p)] for p in parts if p.exists()]
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()

@@ -1,6 +1,6 @@
 """Streaming reads of the merged table by global row range.
 
-Global row order = part files sorted by name, rows in file order. Only the Parquet footers are read to locate a
+Global row order = the merged table's files in order (`merge.manifest.merged_shard_paths`), rows in file order. Only the Parquet footers are read to locate a
 range; then only the overlapping row groups of the overlapping files are decoded.
 """
 
@@ -14,15 +14,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_pipeline.arrow_lists import list_rows
+from eagle_pipeline.merge.manifest import SHARD_GLOB, merged_shard_paths
 
-MERGED_GLOB = "part-*.parquet"
 EXTRACT_COLUMNS = ("sample_id", "dataset", "input_ids", "loss_mask", "n_tokens")
 
 
 def merged_parts(merged_dir: str | Path) -> list[Path]:
-    parts = sorted(Path(merged_dir).glob(MERGED_GLOB), key=lambda p: p.name)
+    """The merged table's files (`merge.manifest.merged_shard_paths`); FileNotFoundError when there are none."""
+    parts = merged_shard_paths(merged_dir)
     if not parts:
-        raise FileNotFoundError(f"no {MERGED_GLOB} in {merged_dir}")
+        raise FileNotFoundError(f"no {SHARD_GLOB} in {merged_dir}")
     return parts
 
 

@@ -383,13 +383,15 @@ def plan_for_run(
     return plans
 
 
-def plan_for_config(cfg: Any, *, n_tokens: int, n_samples: int, vocab_size: int) -> dict[str, ExtractionPlan]:
-    """`plan_for_run` for a PipelineConfig: its target, extraction model, layers, shards, budget and engine."""
-    h = cfg.hidden_states
+def plan_for_config(
+    h: HiddenStatesConfig, *, target_model_config: str | None, n_tokens: int, n_samples: int, vocab_size: int
+) -> dict[str, ExtractionPlan]:
+    """`plan_for_run` for the `hidden_states` settings: their extraction model, layers, shards, budget and engine;
+    `target_model_config` is `target.model_config` (None: the built-in Kimi-K2.5)."""
     return plan_for_run(
         n_tokens=n_tokens,
         n_samples=n_samples,
-        target_model_config=cfg.target.model_config,
+        target_model_config=target_model_config,
         extraction_model=h.model,
         extraction_family=h.family,
         vocab_size=vocab_size,

@@ -1,20 +1,22 @@
 """The vLLM engine as the configuration sets it up: the `vllm serve` command for extraction (one source for the CLI,
-the docs and deploy/k8s), the endpoints (a loopback double for `simulated`), and a shard run from the settings."""
+the docs and deploy/k8s), the endpoints (a loopback double for `simulated`), and the engine (`VLLMEngine`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..progress import ProgressCallback
+from .engine import EngineResult, ShardJob
 from .engine_vllm import extract_shard_vllm
 from .layers import default_aux_layers
-from .shards import ShardSummary
 from .vllm_files import SIMULATED, vllm_layer_ids
+
+if TYPE_CHECKING:
+    from ..config_sections import HiddenStatesConfig
 
 # Model-Optimizer's Kimi-K2.5 recipe: cold MoE kernels stall the first steps past vLLM's default timeouts.
 COLD_START_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200", "VLLM_ENGINE_ITERATION_TIMEOUT_S": "1200"}
@@ -92,7 +94,7 @@ def vllm_serve_command(
 
 
 def serve_command_from_config(
-    h: Any, *, served_model: str | None, vocab_size: int, tensor_parallel_size: int = 8, port: int = 8000
+    h: HiddenStatesConfig, *, served_model: str | None, vocab_size: int, tensor_parallel_size: int = 8, port: int = 8000
 ) -> ServeCommand:
     """`vllm_serve_command` for the `hidden_states` config section: its model's layers, aux layers, storage path."""
     from .runtime import TINY_RANDOM
@@ -150,59 +152,50 @@ def describe_engine_model(model: str, *, family: str, vocab_size: int) -> dict[s
     return describe_model_config(load_text_config(model))
 
 
-def extract_shard_from_config(
-    h: Any,
-    *,
-    merged_dir: Path,
-    out_dir: Path,
-    shard_index: int,
-    vocab_size: int,
-    log: Callable[[str], None] | None = None,
-    progress: ProgressCallback | None = None,
-) -> tuple[ShardSummary, str]:
-    """One shard through the engine `hidden_states.engine` names (`h` is the `hidden_states` config section), for
-    the Dagster asset. Returns the summary and where it ran. The target head is read from `hidden_states.model`'s
-    checkpoint (for `tiny-random`, the seeded model the double serves, saved once beside `out_dir`)."""
-    from .runtime import fingerprint_for_config, materialized_model_dir
+class VLLMEngine:
+    """`hidden_states.engine: vllm` (the `ShardEngine` interface): shard runs are HTTP clients of the running
+    servers `hidden_states.vllm.endpoints` names, never model loads."""
 
-    if h.engine != "vllm":
-        raise ValueError(f"hidden_states.engine {h.engine!r} is not an HTTP engine")
-    v = h.vllm
-    wanted = fingerprint_for_config(h, merged_dir=merged_dir, vocab_size=vocab_size)
-    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
-    n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
-    ids = vllm_layer_ids(aux, n_layers)
-    checkpoint = materialized_model_dir(
-        h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=Path(out_dir).parent
-    )
-    with resolved_endpoints(
-        v.endpoints,
-        storage_path=v.storage_path,
-        model=h.model,
-        family=h.family,
-        seed=h.seed,
-        vocab_size=vocab_size,
-        layer_ids=ids,
-    ) as endpoints:
-        summary = extract_shard_vllm(
-            merged_dir,
-            shard_index=shard_index,
-            shard_size=h.shard_size,
-            out_dir=out_dir,
-            endpoints=endpoints,
-            storage_path=v.storage_path,
-            num_layers=n_layers,
-            aux_layers=aux,
-            hidden_size=int(desc["hidden_size"]),
-            model_description=desc,
-            head_checkpoint=checkpoint,
-            fingerprint=wanted,
-            on_mismatch=h.on_settings_change,
-            concurrency=v.concurrency,
-            timeout_s=v.timeout_s,
-            max_retries=v.max_retries,
-            log=log,
-            progress=progress,
+    def extract(self, job: ShardJob) -> EngineResult:
+        """Where it ran: the endpoints. The target head is read from `hidden_states.model`'s checkpoint (for
+        `tiny-random`, the seeded model the double serves, saved once beside the shards)."""
+        from .runtime import materialized_model_dir
+
+        h, v, vocab = job.settings, job.settings.vllm, job.vocab_size
+        desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
+        n_layers = int(desc["num_layers"])
+        aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+        ids = vllm_layer_ids(aux, n_layers)
+        checkpoint = materialized_model_dir(
+            h.model, family=h.family, seed=h.seed, vocab_size=vocab, cache_dir=job.paths.cache_dir
         )
-    return summary, "vllm: " + ", ".join(v.endpoints)
+        with resolved_endpoints(
+            v.endpoints,
+            storage_path=v.storage_path,
+            model=h.model,
+            family=h.family,
+            seed=h.seed,
+            vocab_size=vocab,
+            layer_ids=ids,
+        ) as endpoints:
+            summary = extract_shard_vllm(
+                job.paths.merged_dir,
+                shard_index=job.shard,
+                shard_size=h.shard_size,
+                out_dir=job.paths.out_dir,
+                endpoints=endpoints,
+                storage_path=v.storage_path,
+                num_layers=n_layers,
+                aux_layers=aux,
+                hidden_size=int(desc["hidden_size"]),
+                model_description=desc,
+                head_checkpoint=checkpoint,
+                fingerprint=job.wanted,
+                on_mismatch=h.on_settings_change,
+                concurrency=v.concurrency,
+                timeout_s=v.timeout_s,
+                max_retries=v.max_retries,
+                log=job.log,
+                progress=job.progress,
+            )
+        return EngineResult(summary, "vllm: " + ", ".join(v.endpoints))

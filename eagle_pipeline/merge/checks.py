@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,47 @@ def check_shard_hashes(out_dir: str | Path) -> CheckResult:
     }
     detail = f"missing {missing}, unlisted {unlisted}, changed {changed}"
     return _result("shard_hashes", counts, [], f"{len(listed)} shards match the manifest", detail)
+
+
+def check_row_count_matches_admitted(out_dir: str | Path) -> CheckResult:
+    """`check_row_count` against the rows the manifest says were admitted: rows read from each dataset minus every
+    counted exclusion (audit filters, dedup, caps, weights)."""
+    m = MergeManifest.read(out_dir)
+    admitted = sum(m.input_rows.values()) - sum(sum(reasons.values()) for reasons in m.excluded.values())
+    return check_row_count(out_dir, admitted)
+
+
+@dataclass(frozen=True)
+class MergedCheckSpec:
+    """One blocking check of the merged table: its name in the UI, what it proves, and its run over the merged
+    folder, given how to get the target's end-of-turn id (called only by the check that needs it: it loads the
+    tokenizer)."""
+
+    name: str
+    description: str
+    run: Callable[[Path, Callable[[], int]], CheckResult]
+
+
+# The merged table's checks (the Dagster shell declares one blocking check per entry; nothing else names them).
+MERGED_CHECKS: tuple[MergedCheckSpec, ...] = (
+    MergedCheckSpec(
+        "merged_row_count_matches_admitted",
+        "Merged rows equal the rows admitted by the audit.",
+        lambda out_dir, _eot: check_row_count_matches_admitted(out_dir),
+    ),
+    MergedCheckSpec(
+        "merged_sample_ids_unique",
+        "No sample_id appears twice.",
+        lambda out_dir, _eot: check_unique_sample_ids(out_dir),
+    ),
+    MergedCheckSpec(
+        "merged_loss_mask_aligned",
+        "Every loss mask is exactly as long as its input_ids.",
+        lambda out_dir, _eot: check_loss_mask_aligned(out_dir),
+    ),
+    MergedCheckSpec(
+        "merged_spans_end_with_eot",
+        "Every supervised span ends with the end-of-turn id.",
+        lambda out_dir, eot: check_supervised_spans_end_with_eot(out_dir, eot()),
+    ),
+)

@@ -9,15 +9,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .core import MANIFEST_NAME, MERGED_SCHEMA, SHARD_GLOB, MergeManifest
+from .core import MERGED_SCHEMA
+from .manifest import merged_shard_paths
 
-
-def merged_shard_paths(out_dir: str | Path) -> list[Path]:
-    """Shards listed by the manifest (the committed set); all `part-*.parquet` if there is no manifest."""
-    out_dir = Path(out_dir)
-    if (out_dir / MANIFEST_NAME).exists():
-        return [out_dir / sh["path"] for sh in MergeManifest.read(out_dir).shards]
-    return sorted(out_dir.glob(SHARD_GLOB))
+__all__ = ["iter_merged_shards", "merged_shard_paths", "read_merged"]
 
 
 def iter_merged_shards(

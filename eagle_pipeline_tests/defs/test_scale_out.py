@@ -45,11 +45,14 @@ def _config(tmp_path: Path, monkeypatch, *, budget_gb: float = 1.0, **hidden_sta
 
 def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) -> DataRoot:
     """Write a merged table of `n_rows` rows with its manifest, register its shards, materialize the plan."""
+    import pyarrow.parquet as pq
+
     from eagle_pipeline.defs.hidden_states import hidden_state_plan
     from eagle_pipeline.defs.resources import PipelineResource
     from eagle_pipeline.hidden_states import num_shards
     from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
-    from eagle_pipeline.merge.manifest import MANIFEST_NAME, MergeManifest
+    from eagle_pipeline.merge.manifest import MANIFEST_NAME, SHARD_GLOB, MergeManifest
+    from eagle_pipeline.storage import file_sha256
 
     root = DataRoot(tmp_path / "data")
     vocab = PipelineResource().tokenizer().vocab_size
@@ -61,6 +64,11 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
         **{k: ({} if "dict" in str(f.type) else [] if "list" in str(f.type) else 0) for k, f in fields.items()}
     )
     manifest.rows_total, manifest.tokens_total, manifest.datasets = n_rows, tokens, ["B1"]
+    # The manifest lists the table's files, as the merge writes it (they are the table: merged_shard_paths).
+    manifest.shards = [
+        {"path": p.name, "rows": pq.ParquetFile(p).metadata.num_rows, "sha256": file_sha256(p)}
+        for p in sorted(root.merged_dir.glob(SHARD_GLOB))
+    ]
     write_json_atomic(manifest.to_dict(), root.merged_dir / MANIFEST_NAME)
     instance.add_dynamic_partitions(
         SHARD_PARTITIONS_NAME, [shard_key(i) for i in range(num_shards(n_rows, SHARD_SIZE))]

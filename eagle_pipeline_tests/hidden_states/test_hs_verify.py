@@ -86,3 +86,15 @@ def test_merged_row_replaced_is_reported(shard):
     checks = verify_shard(out, 0, merged)
     assert not checks["ids_match"].passed
     assert set(checks["ids_match"].failing_sample_ids) == {old, "someone-else"}
+
+
+def test_the_check_registry_names_every_result_once(shard):
+    """Each of the seven checks the UI shows reads one result that verify_shard or the semantic audit produces."""
+    from eagle_pipeline.hidden_states.audit import AUDIT_CHECKS
+    from eagle_pipeline.hidden_states.checks import SHARD_CHECKS
+
+    _, merged, out, _ = shard
+    keys = {kind: [c.key for c in SHARD_CHECKS if c.kind == kind] for kind in ("structure", "semantic")}
+    assert sorted(keys["structure"]) == sorted(verify_shard(out, 0, merged))
+    assert sorted(keys["semantic"]) == sorted(AUDIT_CHECKS)
+    assert len({c.name for c in SHARD_CHECKS}) == len(SHARD_CHECKS) == 7

@@ -1,0 +1,190 @@
+"""The hidden-state stage's core calls, one per step, for the Dagster assets, the CLI and scripts/gpu_check.py alike:
+`plan_run` (the extraction plan, written to plan.json), `run_shard` (one shard through the configured engine) and
+`export_for_trainers` (the trainer exports from finished shards, with their manifest).
+
+The engines are a table (`ENGINES`: in_process, vllm, torchrun), each a `engine.ShardEngine`; which one runs, whether
+a shard is already done, and the fingerprint it must carry are decided here, once, before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..progress import ProgressCallback
+from ..storage import write_json_atomic
+from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
+from .engine_in_process import InProcessEngine
+from .engine_torchrun import TorchrunEngine
+from .plan import ExtractionPlan
+from .runtime import fingerprint_for_config, plan_for_config
+from .shards import ShardSummary, prepare_shard
+from .trainer_layouts import StatesExportSummary
+from .vllm_command import VLLMEngine
+
+if TYPE_CHECKING:
+    from ..config_sections import HiddenStatesConfig
+    from ..merge.export import ExportSummary
+    from ..storage import DataRoot
+
+# `hidden_states.engine` -> the engine that runs it (docs/hidden_states.md §10-13).
+ENGINES: dict[str, ShardEngine] = {
+    "in_process": InProcessEngine(),
+    "vllm": VLLMEngine(),
+    "torchrun": TorchrunEngine(),
+}
+PLAN_FILE = "plan.json"
+EXPORT_MANIFEST = "manifest.json"
+ALREADY_DONE = "none (already done)"
+
+
+def plan_run(
+    settings: HiddenStatesConfig, paths: ExtractionPaths, *, target_model_config: str | None, vocab_size: int
+) -> dict[str, ExtractionPlan]:
+    """The plans over the merged table ('target', 'this_run': `runtime.plan_for_run`), written to
+    `paths.out_dir/plan.json` for the shard runs' disk-budget check. Raises `runtime.PlanRefused` when the engine
+    cannot hold the weights (nothing is written then)."""
+    from ..merge.manifest import MergeManifest
+
+    manifest = MergeManifest.read(paths.merged_dir)
+    plans = plan_for_config(
+        settings,
+        target_model_config=target_model_config,
+        n_tokens=manifest.tokens_total,
+        n_samples=manifest.rows_total,
+        vocab_size=vocab_size,
+    )
+    write_json_atomic({k: p.to_dict() for k, p in plans.items()}, paths.out_dir / PLAN_FILE)
+    return plans
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """One shard run: the shard's summary (`skipped` when it was already done), where it ran, and the shard's
+    state as found before the run (`shards.ShardState.status`: done, stale, partial, missing)."""
+
+    summary: ShardSummary
+    device: str
+    status_before: str
+
+
+def run_shard(
+    settings: HiddenStatesConfig,
+    paths: ExtractionPaths,
+    shard: int,
+    *,
+    vocab_size: int,
+    progress: ProgressCallback | None = None,
+    log: Log | None = None,
+    engine: ShardEngine | None = None,
+    final_state: str | None = None,
+) -> ShardRun:
+    """Shard `shard` of the merged table under `settings` (the `hidden_states` section), through the engine
+    `settings.engine` names, or `engine` (a `ShardEngine`, e.g. `InProcessEngine(PreloadedModel(model))`).
+    `final_state` ('pre_norm' / 'post_norm') overrides the convention the engine stores by default
+    (`runtime.fingerprint_for_config`), e.g. to compare a torchrun shard byte for byte with an in-process one.
+
+    The wanted fingerprint is computed from the settings without loading the model, and the shard's state decided
+    before any engine starts (sparing minutes of loading a large target just to skip a done shard): a done shard
+    is reused; one extracted under other settings raises `shards.ShardMismatchError` or, with
+    `on_settings_change: redo`, is moved aside and redone; a partial one is redone."""
+    wanted = fingerprint_for_config(
+        settings, merged_dir=paths.merged_dir, vocab_size=vocab_size, final_state=final_state
+    )
+    decision = prepare_shard(paths.out_dir, shard, wanted, on_mismatch=settings.on_settings_change)
+    if decision.reuse is not None:
+        result = EngineResult(decision.reuse, ALREADY_DONE)
+    else:
+        chosen = engine if engine is not None else ENGINES[settings.engine]
+        result = chosen.extract(ShardJob(settings, paths, shard, vocab_size, wanted, progress, log))
+    return ShardRun(result.summary, result.device, decision.state.status)
+
+
+@dataclass(frozen=True)
+class TrainerExports:
+    """What `export_for_trainers` wrote: the manifest (also at exports/manifest.json) and each export's summary."""
+
+    manifest: dict[str, Any]
+    exported: dict[str, StatesExportSummary]  # specforge_offline / speculators_offline: each layout written
+    specforge_jsonl: ExportSummary
+    hf_parquet: ExportSummary
+    shard_keys: list[str]
+
+
+def export_for_trainers(
+    settings: HiddenStatesConfig, root: DataRoot, *, vocab_size: int, config_hash: str
+) -> TrainerExports:
+    """The trainer exports from the finished shards under `root`: SpecForge's JSONL, HF Parquet, and each state
+    layout (`settings.trainer_layouts`, plus the one extraction wrote directly, `settings.layout`), with the
+    draft vocabulary beside them when it was built; the manifest last.
+
+    Every shard is checked first (`shards.require_shards_ready`, raising `ShardsNotReadyError`): a refused export
+    leaves the previous one whole. The dtype is left open because this step may run on another host than the
+    extraction (a CPU pod after GPU pods)."""
+    from ..merge import export_hf_parquet, export_specforge_jsonl
+    from .audit import summarize_audits
+    from .shards import require_shards_ready
+    from .trainer_exports import export_specforge_states, export_speculators_states
+
+    out = root.exports_dir
+    wanted = fingerprint_for_config(settings, merged_dir=root.merged_dir, vocab_size=vocab_size, pin_dtype=False)
+    states = require_shards_ready(root.hidden_states_dir, root.merged_dir, wanted)
+    shard_keys = [f"{s.shard_index:05d}" for s in states]
+    spec = export_specforge_jsonl(root.merged_dir, out / "specforge" / "train.jsonl", split="train")
+    hf = export_hf_parquet(root.merged_dir, out / "hf_parquet")
+    # The layout extraction wrote directly is always completed (its small files); others are converted copies.
+    layouts = set(settings.trainer_layouts) | ({settings.layout} - {"shards"})
+    exported: dict[str, StatesExportSummary] = {}
+    # Copied beside the states when built (the draft_vocab asset); the export's summary records where it is, or None.
+    vocab_pt = root.draft_vocab_dir / "draft_vocab.pt"
+    if "specforge" in layouts:
+        exported["specforge_offline"] = export_specforge_states(
+            root.hidden_states_dir,
+            root.merged_dir,
+            out / "specforge",
+            draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
+        )
+    if "speculators" in layouts:
+        exported["speculators_offline"] = export_speculators_states(
+            root.hidden_states_dir,
+            root.merged_dir,
+            out / "speculators",
+            draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
+        )
+    manifest = {
+        "specforge_jsonl": spec.to_dict(),
+        "hf_parquet": hf.to_dict(),
+        **{name: e.to_dict() for name, e in exported.items()},
+        "hidden_state_audit": summarize_audits(root.hidden_states_dir),
+        "hidden_states_dir": str(root.hidden_states_dir),
+        "hidden_state_shards": shard_keys,
+        "draft_vocab_dir": str(root.draft_vocab_dir),
+        "config_hash": config_hash,
+    }
+    write_json_atomic(manifest, out / EXPORT_MANIFEST)
+    return TrainerExports(manifest, exported, spec, hf, shard_keys)
+
+
+def audit_shard_for_settings(settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int) -> dict[str, Any]:
+    """The semantic audit of shard `shard` (`audit.audit_shard_cached`: computed once, shared by its four checks)
+    under the settings: the configured aux layers, the teacher threshold, and whether the texts were written by the
+    extraction model (`audit.teacher_judgement`, from the merged rows' sources)."""
+    import pyarrow.parquet as pq
+
+    from .audit import audit_shard_cached, teacher_judgement
+    from .merged import merged_parts
+    from .runtime import resolve_device
+
+    h = settings
+    sources = {
+        s for p in merged_parts(paths.merged_dir) for s in pq.read_table(p, columns=["source"])["source"].to_pylist()
+    }
+    judgement = teacher_judgement(
+        extraction_model=h.model,
+        sources=sorted(sources, key=str),
+        texts_by_extraction_model=h.texts_by_extraction_model,
+    )
+    options: dict[str, Any] = {"expected_aux_layers": h.aux_layers, "judgement": judgement}
+    if h.teacher_min_top1 is not None:
+        options["min_top1"] = h.teacher_min_top1
+    return audit_shard_cached(paths.out_dir, shard, paths.merged_dir, device=resolve_device(h.device), **options)
