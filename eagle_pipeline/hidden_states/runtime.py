@@ -208,10 +208,9 @@ def fingerprint_for_config(
 
 
 def _engine_final_state(h: HiddenStatesConfig) -> str:
-    """The convention each engine stores: vLLM servers give the last layer's output before the norm; the torchrun
-    engine stores post-norm (its own default); in_process the one `h.layout` needs (pre-norm for shards)."""
-    if h.engine == "vllm":
-        return "pre_norm"
+    """The convention each engine stores: in_process and vllm the one `h.layout` needs (pre-norm for shards and
+    speculators: the servers' own; post-norm for SpecForge: the recorded norm applied); the torchrun engine stores
+    post-norm (its own default)."""
     if h.engine == "torchrun":
         return "post_norm"
     return final_state_for_layout(h.layout)

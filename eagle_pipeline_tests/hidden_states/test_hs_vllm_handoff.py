@@ -248,3 +248,136 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
             for key in ("aux_hidden_state", "hidden_state"):
                 assert got[key].shape == want[key].shape
                 assert_forwards_close(got[key], want[key], cfg, what=f"{sid} {key}")
+
+
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
+    layout, normed_model, merged_factory, tmp_path
+):
+    """extract_shard_vllm with a layout target: the shard is done with ids and masks only, shard_status checks the
+    trainer files' sizes and sha256, verify_shard reads them (open_shard), and the states equal in-process
+    extraction's; a rerun reuses the shard; no state file exists twice."""
+    from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
+    from eagle_pipeline.hidden_states.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, load_sample, plan_layout_target
+    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+
+    from ..tolerances import assert_forwards_close
+    from .conftest import make_rows
+
+    cfg = normed_model.config
+    n_layers, aux = cfg.num_hidden_layers, default_aux_layers(cfg.num_hidden_layers)
+    merged = merged_factory(make_rows(6, seed=4, min_len=3, max_len=30))
+    ref = tmp_path / "ref-hs"
+    extract_shard(
+        normed_model,
+        merged,
+        shard_index=0,
+        shard_size=6,
+        out_dir=ref,
+        aux_layers=aux,
+        final_state=final_state_for_layout(layout),
+        layout_target=plan_layout_target(layout, tmp_path / "ref-exports" / layout, merged),
+    )
+    ckpt = tmp_path / "ckpt"
+    normed_model.save_pretrained(ckpt)
+    hs, storage = tmp_path / "data" / "hidden_states", tmp_path / "data" / "connector"
+    target = plan_layout_target(layout, tmp_path / "data" / "exports" / layout, merged)
+
+    def run(url):
+        return _vllm_shard(merged, hs, storage, url, target, n_layers, aux, cfg.hidden_size, head_checkpoint=ckpt)
+
+    with VLLMHiddenStatesDouble(normed_model, layer_ids=vllm_layer_ids(aux, n_layers), storage_path=storage) as srv:
+        s = run(srv.url)
+        assert srv.total_requests == 6
+        again = run(srv.url)  # done under the same fingerprint: reused, no request
+        assert srv.total_requests == 6 and again.sha256 == s.sha256
+    assert s.fingerprint["layout"] == layout and s.fingerprint["final_state"] == final_state_for_layout(layout)
+    assert shard_status(hs, 0, check_hash=True) == "done"
+    assert all(r.passed for r in verify_shard(hs, 0, merged).values())
+    assert list(storage.iterdir()) == []
+    assert sum(p.stat().st_size for p in hs.glob("shard-*.safetensors")) < 6 * 30 * 5 + 4096  # ids and masks only
+    assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
+    for sid in target.file_of:
+        got, want = load_sample(hs, sid), load_sample(ref, sid)
+        for key, w in want.items():
+            if w.is_floating_point():
+                assert_forwards_close(got[key], w, cfg, what=f"{sid} {key}")
+            else:
+                assert torch.equal(got[key], w), key
+    victim = target.root / target.file_of[next(iter(target.file_of))]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte changed, its size kept: only the recorded sha256 disagrees
+    victim.write_bytes(bytes(data))
+    assert shard_status(hs, 0, check_hash=True) == "partial"
+
+
+def _vllm_shard(merged, out, storage, url, target, n_layers, aux, hidden, **kw):
+    """Shard 0 (all rows) of `merged` through the vLLM engine at `url`, its states in `target`'s layout."""
+    from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+
+    return extract_shard_vllm(
+        merged,
+        shard_index=0,
+        shard_size=8,
+        out_dir=out,
+        endpoints=[url],
+        storage_path=storage,
+        num_layers=n_layers,
+        aux_layers=aux,
+        hidden_size=hidden,
+        timeout_s=30.0,
+        backoff_base_s=0.01,
+        layout_target=target,
+        **kw,
+    )
+
+
+_ENGINE_CHILD = """
+import sys
+from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+merged, out, url, storage, exports = sys.argv[1:6]
+extract_shard_vllm(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
+                   num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1,
+                   layout_target=plan_layout_target("speculators", exports, merged))
+"""
+
+
+def test_kill_9_mid_shard_in_the_speculators_layout_resumes_with_identical_bytes(tiny_ds, merged_factory, tmp_path):
+    from eagle_pipeline.hidden_states import shard_status
+    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+
+    from .conftest import kill_after_requests, make_rows
+
+    merged = merged_factory(make_rows(8, seed=5, min_len=2, max_len=40), [3, 5])
+    ids = vllm_layer_ids((1, 3, 4), 8)
+
+    def engine(out, storage, exports, url):
+        target = plan_layout_target("speculators", exports, merged)
+        return _vllm_shard(merged, out, storage, url, target, 8, (1, 3, 4), 64)
+
+    clean = tmp_path / "clean"
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=clean / "s") as srv:
+        engine(clean / "hs", clean / "s", clean / "exports", srv.url)
+    want = {p.name: p.read_bytes() for p in (clean / "exports" / "hidden_states").iterdir()}
+    assert len(want) == 8
+
+    storage, out, exports = tmp_path / "s", tmp_path / "hs", tmp_path / "exports"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=storage, latency_s=0.3) as srv:
+        argv = [sys.executable, "-c", _ENGINE_CHILD, str(merged), str(out), srv.url, str(storage), str(exports)]
+        child = subprocess.Popen(argv, env=env)
+        kill_after_requests(srv, child, 4)
+        assert shard_status(out, 0) == "partial"
+        placed_before = sorted(p.name for p in (exports / "hidden_states").glob("hs_*.safetensors"))
+        assert 1 <= len(placed_before) < 8  # some rows were handed off, no index vouches for them
+        engine(out, storage, exports, srv.url)
+    assert shard_status(out, 0, check_hash=True) == "done"
+    got = {p.name: p.read_bytes() for p in (exports / "hidden_states").iterdir()}
+    assert got == want  # identical bytes, no temporary or stray file
+    assert list(storage.iterdir()) == [] and not (out / ".shard-00000.vllm-requests").exists()
+    assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
