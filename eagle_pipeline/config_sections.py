@@ -221,10 +221,6 @@ class HiddenStatesConfig(SpecBase):
         problems: list[Problem] = []
         if data.get("engine") == "vllm" and not field_value(data.get("vllm"), "endpoints"):
             problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
-        if data.get("layout", "shards") != "shards" and data.get("engine", "in_process") == "torchrun":
-            problems.append(
-                (("layout",), "a trainer layout is written by the in_process and vllm engines only (for now)")
-            )
         return problems
 
     @_field_validator("model")

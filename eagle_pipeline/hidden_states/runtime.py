@@ -208,11 +208,8 @@ def fingerprint_for_config(
 
 
 def _engine_final_state(h: HiddenStatesConfig) -> str:
-    """The convention each engine stores: in_process and vllm the one `h.layout` needs (pre-norm for shards and
-    speculators: the servers' own; post-norm for SpecForge: the recorded norm applied); the torchrun engine stores
-    post-norm (its own default)."""
-    if h.engine == "torchrun":
-        return "post_norm"
+    """The convention every engine stores: the one `h.layout` needs (pre-norm for shards and speculators, the vLLM
+    servers' own; post-norm for SpecForge)."""
     return final_state_for_layout(h.layout)
 
 

@@ -77,16 +77,9 @@ def test_a_trainer_layout_through_the_vllm_engine(layout, tmp_path, monkeypatch,
     import torch
     from safetensors.torch import load_file
 
-    from .test_scale_out import _run_shard
-
     storage = tmp_path / "connector"
     vllm = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
-    _config(tmp_path, monkeypatch, engine="vllm", vllm=vllm, layout=layout)
-    root = _merged(tmp_path, instance)
-    result = _run_shard(instance, "00001")
-    assert result.success
-    checks = result.get_asset_check_evaluations()
-    assert len(checks) == 7 and all(e.passed for e in checks)
+    root, _, _ = _engine_shard_run(tmp_path, monkeypatch, instance, "vllm", vllm, layout=layout)
     meta = read_index_meta(shard_paths(root.hidden_states_dir, 1)[1])
     assert meta["layout"] == layout and meta["engine"] == "vllm"
     assert meta["final_state"] == ("pre_norm" if layout == "speculators" else "post_norm")
