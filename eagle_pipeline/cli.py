@@ -3,15 +3,17 @@
     eagle-pipeline reconstruct --tokenizer DIR [--profile kimi-k2.5] --in responses.jsonl --out tokens.parquet
     eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
-    eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--tensor-parallel-size 8]
-    eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3]
+    eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--served-model-config PATH]
+                                [--tensor-parallel-size 8]
+    eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
+    eagle-pipeline check-drafter --export DIR --draft-config FILE
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
 Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
-its file is wrong), 2 usage or input error.
+its file is wrong; check-drafter: the draft config does not match the captured layers), 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -256,6 +258,7 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
             vocab_size=vocab,
             tensor_parallel_size=args.tensor_parallel_size or cfg.hidden_states.vllm.gpus_per_server,
             port=args.port,
+            served_config=args.served_model_config,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
@@ -266,18 +269,34 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     from eagle_pipeline.generation.failures import RequestFailure
     from eagle_pipeline.hidden_states.engine_vllm import smoke_request
-    from eagle_pipeline.hidden_states.layers import default_aux_layers
-    from eagle_pipeline.hidden_states.vllm_command import describe_engine_model, resolved_endpoints
-    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.layers import resolve_aux_layers
+    from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, describe_engine_model, resolved_endpoints
+    from eagle_pipeline.hidden_states.vllm_files import SIMULATED, vllm_layer_ids
+    from eagle_pipeline.hidden_states.vllm_served import (
+        check_same_model,
+        fetch_max_model_len,
+        fetch_server_version,
+        served_model,
+    )
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states
     endpoint = args.endpoint or (h.vllm.endpoints[0] if h.vllm.endpoints else None)
     if endpoint is None:
         raise CliError("no endpoint: pass --endpoint or set hidden_states.vllm.endpoints")
-    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
-    n_layers = int(desc["num_layers"])
-    layer_ids = vllm_layer_ids(h.aux_layers or default_aux_layers(n_layers), n_layers)
+    try:  # the file is checked against the served model's config.json, which must be the extraction model's
+        served = served_model(
+            h,
+            served_model=None,
+            served_config=args.served_model_config,
+            vocab_size=vocab,
+            simulated=endpoint == SIMULATED,
+        )
+        check_same_model(h, served, describe_engine_model(h.model, family=h.family, vocab_size=vocab))
+        n_layers = int(served.description["num_layers"])
+        layer_ids = vllm_layer_ids(resolve_aux_layers(h.aux_layers, n_layers), n_layers)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
     ids = [int(x) for x in args.ids.split(",")] if args.ids else list(range(100, 164))
     with resolved_endpoints(
         [endpoint],
@@ -287,25 +306,47 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
         seed=h.seed,
         vocab_size=vocab,
         layer_ids=layer_ids,
+        max_model_len=h.vllm.max_model_len,
     ) as (url,):
         try:
+            version = fetch_server_version(url, timeout_s=h.vllm.timeout_s)
+            max_len = fetch_max_model_len(url, timeout_s=h.vllm.timeout_s)
             facts = smoke_request(
                 url,
                 storage_path=h.vllm.storage_path,
                 ids=ids,
                 layer_ids=layer_ids,
-                hidden_size=int(desc["hidden_size"]),
+                hidden_size=int(served.description["hidden_size"]),
                 timeout_s=h.vllm.timeout_s,
             )
-        except RequestFailure as exc:
+        except (RequestFailure, OSError, ValueError) as exc:
             print(f"{PROG} vllm-smoke: FAILED against {endpoint}: {exc}", file=sys.stderr)
             return EXIT_BLOCKED
+    if version.split("+")[0] != PINNED_VLLM_VERSION:
+        print(
+            f"warning: the server runs vLLM {version}; the command is written for {PINNED_VLLM_VERSION}",
+            file=sys.stderr,
+        )
     print(
         f"OK {endpoint}: hidden_states [{facts.tokens}, {len(layer_ids)}, {facts.hidden_size}] {facts.dtype} for "
-        f"{len(ids)} ids, vLLM layer ids {list(layer_ids)} (aux + final pre-norm); finite, no all-zero state, "
-        f"token ids equal; file read from {h.vllm.storage_path} and deleted"
+        f"{len(ids)} ids, vLLM layer ids {list(layer_ids)} (aux + final pre-norm) of {served.label} "
+        f"({served.shape()}); finite, no all-zero state, token ids equal; file read from {h.vllm.storage_path} and "
+        f"deleted; vLLM {version}, max_model_len {max_len} (rows up to {max_len - 1} tokens)"
     )
     return EXIT_OK
+
+
+def cmd_check_drafter(args: argparse.Namespace) -> int:
+    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+
+    if not Path(args.draft_config).is_file():
+        raise CliError(f"{args.draft_config}: no such file")
+    try:
+        result = check_drafter(args.export, args.draft_config)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(result.describe(), file=sys.stdout if result.passed else sys.stderr)
+    return EXIT_OK if result.passed else EXIT_BLOCKED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_option(vc)
     vc.add_argument("--served-model", help="what `vllm serve` loads (default: hidden_states.model)")
+    served_config_help = (
+        "config.json (or local snapshot) of the model the server loads (default: hidden_states.vllm."
+        "served_model_config, the served model's directory, or hidden_states.model)"
+    )
+    vc.add_argument("--served-model-config", metavar="PATH", help=served_config_help)
     vc.add_argument(
         "--tensor-parallel-size", type=int, help="GPUs per server (default: hidden_states.vllm.gpus_per_server, 8)"
     )
@@ -383,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_option(vs)
     vs.add_argument("--endpoint", help="base URL (default: the first of hidden_states.vllm.endpoints)")
     vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
+    vs.add_argument("--served-model-config", metavar="PATH", help=served_config_help)
     vs.set_defaults(func=cmd_vllm_smoke)
 
     ret = sub.add_parser(
@@ -397,6 +444,21 @@ def build_parser() -> argparse.ArgumentParser:
     config_option(ret)
     ret.add_argument("--data-root", metavar="DIR", help="the data root, instead of the configuration's")
     ret.set_defaults(func=cmd_retire_responses)
+
+    chk = sub.add_parser(
+        "check-drafter",
+        help="refuse a draft config or flag file whose layer ids, layer count or width differ from the capture",
+        description="Exit status 0 when the draft config reads exactly the captured layers at the captured width, "
+        "1 when not (each mismatch named with both values), 2 on usage or input errors. docs/drafters.md.",
+    )
+    chk.add_argument("--export", required=True, metavar="DIR", help="a trainer export (exports/specforge, ...)")
+    chk.add_argument(
+        "--draft-config",
+        required=True,
+        metavar="FILE",
+        help="a draft JSON (SpecForge's, or a speculators config.json) or a file of speculators train.py flags",
+    )
+    chk.set_defaults(func=cmd_check_drafter)
     return parser
 
 

@@ -17,6 +17,7 @@ from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
+from eagle_pipeline.drafter_types import DEFAULT_DRAFTERS, DRAFTER_TYPES, drafter_problems, model_depth
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
@@ -151,6 +152,14 @@ class VLLMEngineConfig(SpecBase):
     timeout_s: Annotated[Float, Field(gt=0)] = 600.0
     max_retries: Annotated[Int, Field(ge=0)] = 4
     gpus_per_server: Annotated[Int, Field(ge=1)] = 8  # each server's TP size: the plan and `vllm-command`
+    # The config.json (or local snapshot) of the model the servers load, when `vllm serve` loads a hub id: its layer
+    # count and H give the layer ids (`vllm-command`) and the checks (`vllm-smoke`); None: read from the served
+    # model's directory or `model` (docs/hidden_states.md §10).
+    served_model_config: Str | None = None
+    max_model_len: Annotated[Int, Field(ge=2)] | None = None  # `--max-model-len`; None: max_position_embeddings
+    # Merged rows the servers cannot take (max_model_len tokens or more): refuse the shard before any request, or
+    # drop them (recorded in the shard's metadata as dropped_rows).
+    too_long_rows: Literal["refuse", "drop"] = "refuse"
 
     @_field_validator("endpoints")
     @classmethod
@@ -164,6 +173,11 @@ class VLLMEngineConfig(SpecBase):
     @classmethod
     def _resolve_storage(cls, value: str, info: ValidationInfo) -> str:
         return str(resolve_path(value, info))
+
+    @_field_validator("served_model_config")
+    @classmethod
+    def _resolve_served_config(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else str(resolve_path(value, info))
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
@@ -183,6 +197,28 @@ class TorchrunConfig(SpecBase):
         return []
 
 
+DrafterType = Literal[DRAFTER_TYPES]  # type: ignore[valid-type]
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class DrafterSpec(SpecBase):
+    """One entry of `hidden_states.drafters`: a drafter type the hand-off serves (a bare name in the file is
+    `{type: name}`), optionally the target-layer count it reads and the trainers it must be served by."""
+
+    label = "drafter"
+
+    type: DrafterType
+    layers: Annotated[Int, Field(ge=1)] | None = None  # target layers the draft reads (e.g. a 5-layer DFlash)
+    trainers: tuple[Literal["specforge", "speculators"], ...] | None = None  # None: every exported one that can
+
+
+def _drafter_entry(value: Any) -> Any:
+    return {"type": value} if isinstance(value, str) else value
+
+
+DrafterEntry = Annotated[DrafterSpec, BeforeValidator(_drafter_entry)]
+
+
 @dataclass(frozen=True, config=SPEC_CONFIG)
 class HiddenStatesConfig(SpecBase):
     """Hidden-state extraction: the model run, its shards, batching and disk budget."""
@@ -193,7 +229,9 @@ class HiddenStatesConfig(SpecBase):
     family: Literal["deepseek_v3", "llama"] = "deepseek_v3"
     seed: Int = 0
     shard_size: Annotated[Int, Field(ge=1)] = 256
-    aux_layers: tuple[Int, ...] | None = None  # None (or empty): low/mid/high
+    # Decoder-layer outputs to capture: a list of ids, a count n (SpecForge's DFlash rule spreads n over the model),
+    # or None (or empty): EAGLE-3's low/mid/high.
+    aux_layers: tuple[Int, ...] | Annotated[Int, Field(ge=1)] | None = None
     # hidden_states.batching.DEFAULT_MAX_TOKENS_PER_BATCH (that package loads torch; test_config checks they agree)
     max_tokens_per_batch: Annotated[Int, Field(ge=1)] = 8192
     progress_every_s: Annotated[Float, Field(ge=0)] = 30.0  # a shard's progress reports (log line + observation)
@@ -210,6 +248,11 @@ class HiddenStatesConfig(SpecBase):
     # Trainer layouts trainer_exports derives from the states beyond `layout`: each is a full copy (7.94 TB at Kimi
     # scale), so none unless listed.
     trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
+    # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
+    # `trainer_exports` check holds against the captured layers.
+    # (the default is validated into DrafterSpec like the file's names)
+    drafters: Annotated[tuple[DrafterEntry, ...], Field(validate_default=True)] = DEFAULT_DRAFTERS  # type: ignore[assignment]
+    draft_config: ResolvedPath | None = None
     # in_process: the model loaded in the shard run; vllm: HTTP clients of vLLM extract_hidden_states servers;
     # torchrun: one tensor-parallel transformers world per shard (docs/hidden_states.md §10-13).
     engine: Literal["in_process", "vllm", "torchrun"] = "in_process"
@@ -221,7 +264,7 @@ class HiddenStatesConfig(SpecBase):
         problems: list[Problem] = []
         if data.get("engine") == "vllm" and not field_value(data.get("vllm"), "endpoints"):
             problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
-        return problems
+        return problems + _drafters_problems(data)
 
     @_field_validator("model")
     @classmethod
@@ -230,8 +273,38 @@ class HiddenStatesConfig(SpecBase):
 
     @_field_validator("aux_layers")
     @classmethod
-    def _empty_is_default(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    def _empty_is_default(cls, value: tuple[int, ...] | int | None) -> tuple[int, ...] | int | None:
         return value or None
+
+
+def _drafters_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """`drafter_problems` over the raw or validated section: the drafters the captured layers and the exported
+    trainers cannot serve."""
+    entries = data.get("drafters", DEFAULT_DRAFTERS)
+    if not isinstance(entries, (list, tuple)):
+        return []
+    aux = data.get("aux_layers")
+    n_aux = aux if isinstance(aux, int) else len(aux) if isinstance(aux, (list, tuple)) and aux else 3
+    layouts = data.get("trainer_layouts", ("specforge", "speculators"))
+    layout = data.get("layout", "shards")
+    trainers = sorted(set(layouts if isinstance(layouts, (list, tuple)) else ()) | ({layout} - {"shards"}))
+    model = data.get("model")
+    return drafter_problems(
+        [
+            {"type": e, "layers": None, "trainers": None}
+            if isinstance(e, str)
+            else dataclasses.asdict(e)
+            if isinstance(e, DrafterSpec)
+            else e
+            if isinstance(e, Mapping)
+            else {}
+            for e in entries
+        ],
+        n_aux=n_aux,
+        trainers=trainers,
+        layout=str(layout),
+        num_layers=model_depth(str(model)) if isinstance(model, str) and model != "tiny-random" else None,
+    )
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,13 +26,19 @@ ERRORS_SUBDIR = "errors"  # a dataset's errors shards, under its responses direc
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it onto `path`."""
+    """Yield a temporary path beside `path`; on success fsync it and rename it onto `path`, with the mode a new file
+    gets under the umask (0666 less the umask) whatever the writer in between did to it."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _create_tmp(final)
+    mode = stat.S_IMODE(tmp.stat().st_mode)  # what this umask (and the directory's default ACL) gives a new file
     try:
         yield tmp
         with open(tmp, "rb") as fh:
+            # A writer that replaced the file by its own temporary (safetensors' save_file does: 0600) gets the
+            # mode every other file of the pipeline has; the rename would otherwise keep its 0600.
+            if stat.S_IMODE(os.fstat(fh.fileno()).st_mode) != mode:
+                os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         fsync_dir(final.parent)

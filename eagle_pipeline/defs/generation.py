@@ -153,7 +153,8 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
         # Committed rows stay on disk; the rerun resumes from them. A partial dataset is never materialized.
         raise dg.Failure(
             description=(
-                f"{ds.name}: generation stopped early ({summary.stopped_reason}) after {summary.completed} new rows; "
+                f"{ds.name}: generation stopped early ({summary.stopped_reason}) after {summary.completed} new rows"
+                f"{' (' + summary.stopped_detail + ')' if summary.stopped_detail else ''}; "
                 f"{cov.describe()}. Fix the cause and rerun to resume."
             ),
             metadata=metadata,

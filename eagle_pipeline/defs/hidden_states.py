@@ -247,3 +247,36 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
             "hidden_state_shards": len(done.shard_keys),
         }
     )
+
+
+@dg.asset_check(
+    asset=trainer_exports,
+    name="draft_config_matches_capture",
+    blocking=True,
+    description=(
+        "hidden_states.draft_config (a draft JSON or trainer flag file) reads exactly the captured layers, in its "
+        "trainer's convention, at the captured width: neither trainer checks this itself (docs/drafters.md)."
+    ),
+)
+def draft_config_matches_capture(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+
+    draft = pipeline.config().hidden_states.draft_config
+    if draft is None:
+        return dg.AssetCheckResult(
+            passed=True, description="Not judged: no hidden_states.draft_config.", metadata={"judged": False}
+        )
+    try:
+        result = check_drafter(pipeline.data_root().exports_dir, draft)
+    except (OSError, ValueError) as exc:  # no export of the draft config's trainer, an unreadable file
+        return dg.AssetCheckResult(passed=False, description=str(exc), metadata={"judged": True})
+    return dg.AssetCheckResult(
+        passed=result.passed,
+        description=result.describe(),
+        metadata={
+            "judged": True,
+            "export": dg.MetadataValue.path(result.export_dir),
+            "draft_config": dg.MetadataValue.path(str(draft)),
+            "problems": dg.MetadataValue.json(result.problems),
+        },
+    )

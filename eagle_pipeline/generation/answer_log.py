@@ -237,7 +237,7 @@ class AnswerLog:
         created = False
         for seg, frames in writes:
             if seg.fd is None:
-                seg.fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                seg.fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
                 created = True
             data = memoryview(b"".join(frames))
             while data:

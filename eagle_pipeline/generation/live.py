@@ -116,6 +116,7 @@ class LiveRun:
         self.progress_every_s = progress_every_s
         self.c = _Counters()
         self.stop_reason: str | None = None
+        self.stop_detail: str | None = None
         self.inflight = 0
         self.consecutive_failures = 0
         self.pause_until = 0.0
@@ -134,7 +135,7 @@ class LiveRun:
     def stop(self, reason: str, detail: str = "") -> None:
         """Stop issuing requests (the first reason wins); requests in flight finish, pending retries are cancelled."""
         if self.stop_reason is None:
-            self.stop_reason = reason
+            self.stop_reason, self.stop_detail = reason, detail or None
             self._stop_event.set()
             log.warning(
                 "[%s] stopping: %s%s (in flight: %d)",
@@ -270,7 +271,7 @@ class LiveRun:
 
     def _budget_reached(self, inflight: int) -> bool:
         if self.ledger.reached(inflight):
-            self.stop(F.STOP_BUDGET)
+            self.stop(F.STOP_BUDGET, self.ledger.why or "")
             return True
         return False
 
@@ -387,6 +388,7 @@ class LiveRun:
             prompt_tokens=c.prompt_tokens,
             completion_tokens=c.completion_tokens,
             stopped_reason=self.stop_reason,
+            stopped_detail=self.stop_detail,
             elapsed_s=0.0,
             backend=self.spec.name,
             simulated=self.spec.kind == "simulated",

@@ -37,6 +37,7 @@ from eagle_pipeline.generation.retire import complete_pending_retirements
 from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.spend_ledger import SharedSpend
 from eagle_pipeline.generation.stream_workers import stream_workers
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S, GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
@@ -179,7 +180,7 @@ async def agenerate_dataset(
     errors_dir: Path,
     render_prompt_ids: RenderPromptIds | None = None,
     budget_usd: float | None = None,
-    run_budget: SpendTracker | None = None,
+    run_budget: SpendTracker | SharedSpend | None = None,
     commit_every_rows: int = 500,
     commit_every_s: float = 10.0,
     progress: Callable[[ProgressEvent], None] | None = None,
@@ -218,19 +219,26 @@ async def agenerate_dataset(
             )
             label = "import"
         else:
-            summary = await _generate_live(
-                dataset=dataset,
-                plan=plan,
-                backend=backend,
-                sampling=sampling,
-                sink=sink,
-                render_prompt_ids=render_prompt_ids,
-                ledger=SpendLedger(committed_usd=committed_usd, budget_usd=budget_usd, run_budget=run_budget),
-                commit_every_rows=commit_every_rows,
-                commit_every_s=commit_every_s,
-                progress=progress,
-                progress_every_s=progress_every_s,
-            )
+            # A shared cap: this run takes its slot in the data root's spend ledger (refused there: nothing is
+            # requested) and leaves it once every row is committed.
+            with (
+                run_budget.join(dataset, committed_usd)
+                if run_budget is not None
+                else contextlib.nullcontext() as shared
+            ):
+                summary = await _generate_live(
+                    dataset=dataset,
+                    plan=plan,
+                    backend=backend,
+                    sampling=sampling,
+                    sink=sink,
+                    render_prompt_ids=render_prompt_ids,
+                    ledger=SpendLedger(committed_usd=committed_usd, budget_usd=budget_usd, run_budget=shared),
+                    commit_every_rows=commit_every_rows,
+                    commit_every_s=commit_every_s,
+                    progress=progress,
+                    progress_every_s=progress_every_s,
+                )
             label = "summary"
         summary.elapsed_s = time.monotonic() - t_start
         summary.shards_written = sink.shards_written
@@ -257,7 +265,7 @@ def generate_dataset(
     errors_dir: Path,
     render_prompt_ids: RenderPromptIds | None = None,
     budget_usd: float | None = None,
-    run_budget: SpendTracker | None = None,
+    run_budget: SpendTracker | SharedSpend | None = None,
     commit_every_rows: int = 500,
     commit_every_s: float = 10.0,
     progress: Callable[[ProgressEvent], None] | None = None,

@@ -109,6 +109,7 @@ class GenerationSummary:
     shards_written: int = 0
     recovered_from_log: int = 0  # answers of an interrupted run found in its answer log (counted in already_done)
     answer_log_s: float | None = None  # the answer log's write interval in this run; None: no log (an import)
+    stopped_detail: str | None = None  # what stopped it, with the figures (which budget, its cap, the spend)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

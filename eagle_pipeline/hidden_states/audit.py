@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .format import read_index, read_index_meta, shard_paths
-from .head import POST_NORM, PRE_NORM, TargetHead, load_target_head
+from .head import POST_NORM, PRE_NORM, TargetHead, load_target_head, recorded_head_sha256, stale_head_note
 from .merged import read_rows
 from .trainer_layouts import open_shard, shard_final_state
 from .verify import MAX_FAILING_IDS, CheckResult
@@ -145,7 +145,7 @@ def audit_shard(
     shard_index: int,
     merged_dir: str | Path,
     *,
-    expected_aux_layers: Sequence[int] | None,
+    expected_aux_layers: Sequence[int] | int | None,
     judgement: TeacherJudgement,
     min_top1: float = DEFAULT_MIN_TOP1,
     sample_rows: int = DEFAULT_SAMPLE_ROWS,
@@ -158,18 +158,14 @@ def audit_shard(
     `expected_aux_layers` None means the default for the shard's model depth. The target head (final norm +
     lm_head) is read from beside the shards unless given.
     """
-    from .layers import default_aux_layers
+    from .layers import resolve_aux_layers
 
     idx_path = shard_paths(out_dir, shard_index)[1]
     meta = read_index_meta(idx_path)
     index = read_index(idx_path)
     hidden, aux_layers = int(meta["hidden_size"]), [int(x) for x in meta["aux_layers"]]
     n_layers = meta.get("model", {}).get("num_layers")
-    expected = (
-        list(expected_aux_layers)
-        if expected_aux_layers is not None
-        else (list(default_aux_layers(int(n_layers))) if n_layers else aux_layers)
-    )
+    expected = list(resolve_aux_layers(expected_aux_layers, int(n_layers))) if n_layers else aux_layers
     convention = shard_final_state(meta)
     no_head = ""  # an engine that recorded no final norm / lm_head: those two checks say they cannot judge
     if head is None:
@@ -387,6 +383,7 @@ def audit_shard_cached(
         "shard_sha256": meta["sha256"],
         "sample_files_sha256": [f["sha256"] for f in meta.get("sample_files", [])],
         "target_head_sha256": meta.get("target_head_sha256"),
+        "recorded_head_sha256": recorded_head_sha256(out_dir),  # the head it is judged with now
         "merged_manifest_sha256": file_sha256(manifest) if manifest.exists() else None,
         "settings": {k: (asdict(v) if k == "judgement" else v) for k, v in sorted(settings.items()) if k != "device"},
     }
@@ -396,6 +393,9 @@ def audit_shard_cached(
         if stored.get("key") == json.loads(json.dumps(key)):
             return {name: AuditCheck(**d) for name, d in stored["checks"].items()}
     results = audit_shard(out_dir, shard_index, merged_dir, **settings)
+    stale = stale_head_note(out_dir, meta.get("target_head_sha256"))  # judged with a head it was not cut with
+    for name in ("norm_convention", "teacher_agreement") if stale else ():
+        results[name] = replace(results[name], passed=False, verdict=FAIL, failing_sample_ids=[], detail=stale or "")
     write_json_atomic({"key": key, "checks": {n: r.to_dict() for n, r in results.items()}}, path)
     return results
 

@@ -32,7 +32,7 @@ from .engine import EngineResult, ShardJob
 from .extract import default_state_dtype, extract_shard
 from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
 from .format import dtype_name, read_index_meta, shard_paths
-from .layers import default_aux_layers, validate_aux_layers
+from .layers import resolve_aux_layers
 from .model import describe_model_config, load_text_config
 from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import SHARDS as LAYOUT_SHARDS
@@ -59,7 +59,7 @@ class TorchrunShard:
     out_dir: Path
     tp_size: int
     ep_size: int | None = None
-    aux_layers: tuple[int, ...] | None = None
+    aux_layers: tuple[int, ...] | int | None = None  # ids, a count (layers.resolve_aux_layers) or None
     max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH
     final_state: str = "post_norm"
     model_identity: Mapping[str, Any] | None = None
@@ -73,7 +73,7 @@ class TorchrunShard:
             object.__setattr__(self, "exports_dir", Path(self.exports_dir))
         if self.layout != LAYOUT_SHARDS and self.exports_dir is None:
             raise ValueError(f"the {self.layout} layout needs exports_dir (where its files go)")
-        if self.aux_layers is not None:
+        if self.aux_layers is not None and not isinstance(self.aux_layers, int):
             object.__setattr__(self, "aux_layers", tuple(int(k) for k in self.aux_layers))
 
     def to_json(self) -> str:
@@ -117,7 +117,7 @@ def extract_shard_torchrun(
     the end of its output; rank 0's atomic writes leave no partial shard."""
     s = shard
     n_layers = int(describe_model_config(load_text_config(s.model_dir))["num_layers"])
-    aux = validate_aux_layers(s.aux_layers if s.aux_layers is not None else default_aux_layers(n_layers), n_layers)
+    aux = resolve_aux_layers(s.aux_layers, n_layers)
     identity = dict(s.model_identity) if s.model_identity is not None else model_dir_identity(s.model_dir)
     wanted = ExtractionFingerprint(
         model=identity,

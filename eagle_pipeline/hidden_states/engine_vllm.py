@@ -32,7 +32,7 @@ from ..storage import atomic_path
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, tensor_key
 from .head import PRE_NORM, CheckpointHead, TargetHead, checkpoint_head, save_target_head_from_checkpoint
-from .layers import default_aux_layers, validate_aux_layers
+from .layers import resolve_aux_layers
 from .merged import count_rows, read_rows, shard_row_range
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
@@ -47,6 +47,7 @@ from .vllm_files import (
 )
 from .vllm_layouts import VllmLayoutRows
 from .vllm_requests import ShardRequests
+from .vllm_served import apply_length_limit, endpoints_max_model_len
 
 
 def extract_shard_vllm(
@@ -58,7 +59,7 @@ def extract_shard_vllm(
     endpoints: Sequence[str],
     storage_path: str | Path,
     num_layers: int,
-    aux_layers: Sequence[int] | None = None,
+    aux_layers: Sequence[int] | int | None = None,
     hidden_size: int | None = None,
     model_description: dict[str, Any] | None = None,
     head_checkpoint: str | Path | None = None,
@@ -69,6 +70,7 @@ def extract_shard_vllm(
     fingerprint: ExtractionFingerprint | None = None,
     on_mismatch: str = "refuse",
     force: bool = False,
+    too_long_rows: str = "refuse",
     log: Callable[[str], None] | None = None,
     progress: ProgressCallback | None = None,
     layout_target: LayoutTarget | None = None,
@@ -91,6 +93,9 @@ def extract_shard_vllm(
     `layout_target` (`trainer_layouts.plan_layout_target`): each row's states go to that trainer's file instead of
     the shard (`vllm_layouts.VllmLayoutRows`: speculators' `hs_{i}` is the connector's file renamed; SpecForge's
     `.ckpt` needs `head_checkpoint` for its post-norm state); the shard keeps ids and masks.
+    Before the first request the servers' `max_model_len` is read (`vllm_served.endpoints_max_model_len`): rows the
+    servers cannot take stop the shard naming them, or with `too_long_rows='drop'` are left out and recorded in the
+    shard's metadata (`dropped_rows`); a done shard that dropped rows is reused only under 'drop'.
     """
     if not endpoints:
         raise ValueError("hidden_states.vllm.endpoints is empty")
@@ -104,7 +109,7 @@ def extract_shard_vllm(
     journal = journal_path(out_dir, shard_index)
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_journal(journal)  # files of a run killed before it could delete them
-    aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(num_layers), num_layers)
+    aux = resolve_aux_layers(aux_layers, num_layers)
     layout = layout_target.name if layout_target is not None else SHARDS
     final_state = final_state_for_layout(layout)
     if final_state != PRE_NORM and found_head is None:
@@ -125,17 +130,27 @@ def extract_shard_vllm(
         raise ValueError(f"fingerprint {wanted.to_dict()} is not one of this engine's shards (aux layers {aux})")
     decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
     if decision.reuse is not None:
+        _check_reused_drops(idx_path, shard_index, too_long_rows)
         return decision.reuse
 
     layer_ids = vllm_layer_ids(aux, num_layers)
     n_aux = len(aux)
-    rows = read_rows(merged_dir, row_start, row_stop)
+    max_model_len = endpoints_max_model_len(endpoints, timeout_s=timeout_s, log=log)
+    rows, dropped = apply_length_limit(
+        read_rows(merged_dir, row_start, row_stop), max_model_len, shard_index=shard_index, too_long_rows=too_long_rows
+    )
+    for d in dropped:
+        d["reason"] = f"{d['n_tokens']} tokens >= the servers' max_model_len {max_model_len} (too_long_rows: drop)"
+        if log is not None:
+            log(f"warning: shard {shard_index:05d}: merged row {d['row']} ({d['sample_id']}) dropped: {d['reason']}")
     lengths = rows.lengths
     order = list(range(len(rows)))
     header_extra = {
         **({"final_norm_eps": repr(found_head.eps)} if found_head is not None else {}),
         "engine": "vllm",
         "vllm_layer_ids": json.dumps(list(layer_ids)),
+        "vllm_max_model_len": str(max_model_len),
+        "dropped_rows": json.dumps(dropped),
         "vllm_layer_ids_convention": "id k = residual entering decoder layer k (= output of layer k-1); "
         "aux layer k -> id k+1; the final state is id num_hidden_layers, the last layer's output before the "
         "final norm (apply the target's final norm for lm_head targets)",
@@ -188,7 +203,7 @@ def extract_shard_vllm(
         first: FileFacts = state["facts"]
         if (facts.hidden_size, facts.dtype) != (first.hidden_size, first.dtype):
             raise EngineShardError(
-                f"shard {shard_index:05d}, merged row {row_start + i} ({rows.sample_ids[i]}): {path} holds "
+                f"shard {shard_index:05d}, merged row {rows.global_row(i)} ({rows.sample_ids[i]}): {path} holds "
                 f"{facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} H={first.hidden_size}: "
                 "the endpoints serve different models"
             )
@@ -252,6 +267,8 @@ def extract_shard_vllm(
                 "engine": "vllm",
                 "vllm_layer_ids": list(layer_ids),
                 "vllm_endpoints": list(endpoints),
+                "vllm_max_model_len": max_model_len,
+                "dropped_rows": dropped,
                 "retries": run.retries,
                 "final_state": final_state,
             }
@@ -285,6 +302,21 @@ def _final_norm(found: CheckpointHead | None) -> Callable[[torch.Tensor], torch.
     with safe_open(str(found.norm_file), framework="pt") as f:
         weight = f.get_tensor(found.norm_key)
     return TargetHead(weight, found.eps, torch.empty(0), {}).final_norm
+
+
+def _check_reused_drops(idx_path: Path, shard_index: int, too_long_rows: str) -> None:
+    """A done shard that left rows out (`too_long_rows: drop`) is not the whole range: taken as done only while
+    dropping is still the choice."""
+    from .format import read_index_meta
+
+    dropped = read_index_meta(idx_path).get("dropped_rows") or []
+    if dropped and too_long_rows != "drop":
+        named = ", ".join(f"{d['row']} ({d['sample_id']})" for d in dropped[:10])
+        raise EngineShardError(
+            f"shard {shard_index:05d} is done without {len(dropped)} merged rows, dropped under too_long_rows: drop "
+            f"({named}); with too_long_rows: {too_long_rows} it would need them: set it back to drop, or delete the "
+            "shard's files and rerun it against servers started with a larger --max-model-len"
+        )
 
 
 def smoke_request(

@@ -24,10 +24,9 @@ from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_mod
 from .layers import (
     _layer_output,
     decoder_layers,
-    default_aux_layers,
     get_backbone,
+    resolve_aux_layers,
     token_embedding,
-    validate_aux_layers,
 )
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
@@ -62,12 +61,12 @@ class _Target:
     vocab: int
 
     @classmethod
-    def of(cls, model: torch.nn.Module, aux_layers: Sequence[int] | None) -> _Target:
+    def of(cls, model: torch.nn.Module, aux_layers: Sequence[int] | int | None) -> _Target:
         backbone = get_backbone(model)
         layers = decoder_layers(backbone)
         embed = token_embedding(backbone)
         n = len(layers)
-        aux = validate_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(n), n)
+        aux = resolve_aux_layers(aux_layers, n)
         return cls(backbone, layers, aux, int(embed.embedding_dim), int(embed.num_embeddings))
 
 
@@ -89,7 +88,7 @@ def extract_shard(
     shard_index: int,
     shard_size: int,
     out_dir: str | Path,
-    aux_layers: Sequence[int] | None = None,
+    aux_layers: Sequence[int] | int | None = None,
     max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH,
     device: str = "cpu",
     dtype: torch.dtype | None = None,

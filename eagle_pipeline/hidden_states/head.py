@@ -362,6 +362,49 @@ def final_norm_eps(model: torch.nn.Module) -> float:
     return float(eps)
 
 
+_SHA_CACHE: dict[str, tuple[tuple[int, ...], str]] = {}
+
+
+def recorded_head_sha256(out_dir: str | Path) -> str | None:
+    """The sha256 of the head recorded in `out_dir` (None: none is), hashed once per process for each version of
+    the file (device, inode, size, mtime, ctime: an atomic rewrite is a new inode)."""
+    path = Path(out_dir) / TARGET_HEAD_FILE
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    cached = _SHA_CACHE.get(str(path))
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    sha = file_sha256(path)
+    _SHA_CACHE[str(path)] = (version, sha)
+    return sha
+
+
+def head_changed(out_dir: str | Path, shard_head_sha256: str | None) -> str | None:
+    """The sha256 of the head recorded in `out_dir` now when it is not the one a shard was cut with
+    (`shard_head_sha256`, from its index): the shard's states and checks belong to another final norm / lm_head
+    (a checkpoint rewritten in place, another checkpoint), so it is stale. None when they agree, or when the shard
+    recorded no head or none is recorded now (nothing to compare)."""
+    if not shard_head_sha256:
+        return None
+    current = recorded_head_sha256(out_dir)
+    return current if current is not None and current != shard_head_sha256 else None
+
+
+def stale_head_note(out_dir: str | Path, shard_head_sha256: str | None) -> str | None:
+    """What the head checks of a shard cut with another head than the one recorded now say (None: same head)."""
+    current = head_changed(out_dir, shard_head_sha256)
+    if current is None:
+        return None
+    return (
+        f"STALE: the shard was cut with target head {str(shard_head_sha256)[:12]}..., the head recorded beside the "
+        f"shards is now {current[:12]}... (its checkpoint changed): extract the shard again "
+        "(hidden_states.on_settings_change: redo)"
+    )
+
+
 def load_target_head(out_dir: str | Path, *, device: str = "cpu") -> TargetHead:
     from safetensors import safe_open
 

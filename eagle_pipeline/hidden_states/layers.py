@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..drafter_types import resample_layer_ids
+
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's low/mid/high capture layers `(1, L//2 - 1, L - 4)` as decoder-layer output indices.
@@ -40,6 +42,18 @@ def validate_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int
     if len(set(layers)) != len(layers):
         raise ValueError(f"aux layers repeat: {layers}")
     return layers
+
+
+def resolve_aux_layers(setting: Sequence[int] | int | None, num_layers: int) -> tuple[int, ...]:
+    """The capture layers a `hidden_states.aux_layers` setting names for a `num_layers`-layer model: the ids as
+    given; a count n spread by SpecForge's DFlash rule (`drafter_types.resample_layer_ids`: 5 of 61 layers give
+    [1, 15, 30, 44, 58]); None or empty: EAGLE-3's low/mid/high. Validated (in range, no repeats)."""
+    if isinstance(setting, int):
+        try:
+            return validate_aux_layers(resample_layer_ids(setting, num_layers), num_layers)
+        except ValueError as exc:
+            raise ValueError(f"aux_layers: {exc}") from None
+    return validate_aux_layers(setting or default_aux_layers(num_layers), num_layers)
 
 
 def aux_layer_to_hf_index(layer: int, num_layers: int) -> int | None:

@@ -6,7 +6,7 @@ range; then only the overlapping row groups of the overlapping files are decoded
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,16 +48,33 @@ def shard_row_range(shard_index: int, shard_size: int, n_rows: int) -> tuple[int
 
 @dataclass
 class MergedRows:
-    """Rows [start, stop) of the merged table: ids/masks as numpy arrays (one per row)."""
+    """Rows [start, stop) of the merged table: ids/masks as numpy arrays (one per row). `row_index` holds each
+    row's global index when some rows of the range were left out (`select`); None means start, start + 1, ..."""
 
     row_start: int
     sample_ids: list[str]
     datasets: list[str]
     input_ids: list[np.ndarray]
     loss_mask: list[np.ndarray]
+    row_index: list[int] | None = field(default=None)
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    def global_row(self, i: int) -> int:
+        """The merged-table row of row `i` of this selection."""
+        return self.row_index[i] if self.row_index is not None else self.row_start + i
+
+    def select(self, keep: list[int]) -> MergedRows:
+        """The rows at positions `keep` (ascending), keeping their global row indices."""
+        return MergedRows(
+            row_start=self.row_start,
+            sample_ids=[self.sample_ids[i] for i in keep],
+            datasets=[self.datasets[i] for i in keep],
+            input_ids=[self.input_ids[i] for i in keep],
+            loss_mask=[self.loss_mask[i] for i in keep],
+            row_index=[self.global_row(i) for i in keep],
+        )
 
     @property
     def lengths(self) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage import read_json
-from .layers import default_aux_layers
+from .layers import resolve_aux_layers
 
 IDS_BYTES = 4  # int32 input_ids
 MASK_BYTES = 1  # int8 loss_mask
@@ -54,6 +54,8 @@ class ExtractionPlan:
     observed_tokens_per_gpu_s: tuple[float, float] = OBSERVED_TOKENS_PER_GPU_S
     observed_wall_hours: tuple[float, float] = (0.0, 0.0)  # wall hours at the observed rates (slow, fast)
     assumptions: dict[str, Any] = field(default_factory=dict)
+    # The disk of other layer choices over the same tokens (docs/drafters.md): {choice, aux_layers, bytes_on_disk}.
+    layer_choices: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -90,6 +92,17 @@ class ExtractionPlan:
             "",
         ]
         lines += [f"- {k}: {v}" for k, v in self.assumptions.items()]
+        if self.layer_choices:
+            lines += [
+                "",
+                "Disk by layer choice (the same tokens):",
+                "",
+                "| choice | aux layers | disk |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| {c['choice']} | {c['aux_layers']} | {_bytes(c['bytes_on_disk'])} |" for c in self.layer_choices
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -108,7 +121,7 @@ def plan_extraction(
     active_params: float,
     n_tokens: int,
     n_samples: int,
-    aux_layers: Sequence[int] | None = None,
+    aux_layers: Sequence[int] | int | None = None,
     dtype_bytes: int = 2,
     save_final_state: bool = True,
     gpu_bf16_peak_tflops: float = 989.0,
@@ -120,6 +133,7 @@ def plan_extraction(
     gpu_memory_bytes: float = 141e9,
     engine: str = "in_process",
     gpus_per_model: int = 1,
+    layer_counts: Sequence[int] = (),
 ) -> ExtractionPlan:
     """Estimate disk and GPU time of extracting `n_tokens` tokens.
 
@@ -129,6 +143,8 @@ def plan_extraction(
     GPU-hours = FLOPs / (peak_bf16 x mfu) / 3600; wall hours = GPU-hours / n_gpus.
     min GPUs for weights = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)); the plan fits the
     engine when that is <= `gpus_per_model` (1 in process, a server's GPUs for vLLM); `n_gpus` is the total.
+    `layer_choices`: the disk of the configured layers, EAGLE-3's low/mid/high and SpecForge's 1- and 5-layer
+    DFlash spreads (and of each count in `layer_counts`), by the same formula.
     """
     if n_tokens < 0 or n_samples < 0:
         raise ValueError("n_tokens and n_samples must be non-negative")
@@ -136,13 +152,15 @@ def plan_extraction(
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     if n_gpus < 1 or shard_size < 1 or gpus_per_model < 1:
         raise ValueError("n_gpus, gpus_per_model and shard_size must be >= 1")
-    aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
-    n_states = len(aux) + (1 if save_final_state else 0)
-    hidden_per_token = n_states * hidden_size * dtype_bytes
+    aux = resolve_aux_layers(aux_layers, num_layers)
+    final = 1 if save_final_state else 0
+    hidden_per_token = (len(aux) + final) * hidden_size * dtype_bytes
     bytes_per_token = hidden_per_token + IDS_BYTES + MASK_BYTES
     hidden_bytes = n_tokens * hidden_per_token
     overhead = n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PER_SAMPLE_OVERHEAD_BYTES
     total = hidden_bytes + overhead
+    choices = _layer_choices(aux, num_layers, layer_counts)
+    per_layer = n_tokens * hidden_size * dtype_bytes
     flops = 2.0 * active_params * n_tokens
     gpu_hours = flops / (gpu_bf16_peak_tflops * 1e12 * mfu) / 3600.0
     n_shards = max(math.ceil(n_samples / shard_size), 1) if n_samples else 0
@@ -197,7 +215,26 @@ def plan_extraction(
             "no compression": "hidden states are stored raw; bf16 activations compress poorly",
             "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
         },
+        layer_choices=[
+            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer}
+            for name, ids in choices.items()
+        ],
     )
+
+
+def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """Choice name -> its layer ids: the configured ones first, then those that differ from them."""
+    out: dict[str, tuple[int, ...]] = {"configured": tuple(aux)}
+    candidates: list[tuple[str, Sequence[int] | int | None]] = [("EAGLE-3 low/mid/high", None)]
+    candidates += [(f"{n} layers (SpecForge's DFlash spread)", n) for n in dict.fromkeys([1, 5, *counts])]
+    for name, setting in candidates:
+        try:
+            ids = resolve_aux_layers(setting, num_layers)
+        except ValueError:  # a count this depth cannot hold
+            continue
+        if ids not in out.values():
+            out[name] = ids
+    return out
 
 
 def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, **kwargs: Any) -> ExtractionPlan:

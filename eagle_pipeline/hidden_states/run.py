@@ -17,7 +17,7 @@ from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from .engine_in_process import InProcessEngine
 from .engine_torchrun import TorchrunEngine
 from .plan import ExtractionPlan
-from .runtime import fingerprint_for_config, plan_for_config
+from .runtime import TINY_RANDOM, fingerprint_for_config, plan_for_config
 from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import StatesExportSummary
 from .vllm_command import VLLMEngine
@@ -143,6 +143,8 @@ def export_for_trainers(
             root.merged_dir,
             out / "specforge",
             draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
+            drafters=settings.drafters,
+            layout=settings.layout,
         )
     if "speculators" in layouts:
         exported["speculators_offline"] = export_speculators_states(
@@ -150,6 +152,8 @@ def export_for_trainers(
             root.merged_dir,
             out / "speculators",
             draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
+            drafters=settings.drafters,
+            verifier=settings.model if settings.model != TINY_RANDOM else None,
         )
     manifest = {
         "specforge_jsonl": spec.to_dict(),

@@ -17,7 +17,7 @@ import torch
 from .extract import default_state_dtype
 from .fingerprint import ExtractionFingerprint, config_sha256, merged_version, model_dir_identity
 from .format import dtype_name
-from .layers import default_aux_layers, validate_aux_layers
+from .layers import resolve_aux_layers
 from .model import KIMI_K25_TEXT_CONFIG, build_tiny_model, describe_model_config, load_text_config, tiny_config
 from .plan import ExtractionPlan, plan_for_model
 from .trainer_layouts import final_state_for_layout
@@ -193,7 +193,7 @@ def fingerprint_for_config(
     `pin_dtype=False` leaves the dtype open, for a check that runs on a host other than the extraction's (a CPU
     step checking shards written on a GPU host); otherwise it is the dtype this host's device would store."""
     n_layers = _num_layers(h.model, h.family, vocab_size)
-    aux = validate_aux_layers(h.aux_layers if h.aux_layers else default_aux_layers(n_layers), n_layers)
+    aux = resolve_aux_layers(h.aux_layers, n_layers)
     vllm = h.engine == "vllm"  # the servers give the last layer's output before the norm, in their model's dtype
     return ExtractionFingerprint(
         model=model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
@@ -319,8 +319,9 @@ def plan_for_run(
     extraction_model: str,
     extraction_family: str,
     vocab_size: int,
-    aux_layers: tuple[int, ...] | None,
+    aux_layers: tuple[int, ...] | int | None,
     shard_size: int,
+    layer_counts: Sequence[int] = (),
     disk_budget_gb: float | None,
     engine: str = "in_process",
     n_servers: int = 1,
@@ -328,7 +329,8 @@ def plan_for_run(
     tp_size: int = 2,
 ) -> dict[str, ExtractionPlan]:
     """Two plans over the merged tokens: 'target' (the real target model, what a production run costs) and
-    'this_run' (the model configured for extraction here; the disk budget applies to it), both under the configured
+    'this_run' (the model configured for extraction here; the disk budget applies to it; each with the disk of
+    other layer choices, `layer_counts` among them), both under the configured
     engine: in process one GPU holds one model; with vLLM, `n_servers` servers of `gpus_per_server` GPUs each; under
     torchrun, one world of `tp_size` GPUs.
     Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU)."""
@@ -344,11 +346,13 @@ def plan_for_run(
     else:
         this_run = _facts(load_text_config(extraction_model), extraction_model)
         dtype_bytes = 2
-    common = dict(n_tokens=n_tokens, n_samples=n_samples, shard_size=shard_size)
+    common: dict[str, Any] = dict(
+        n_tokens=n_tokens, n_samples=n_samples, shard_size=shard_size, layer_counts=tuple(layer_counts)
+    )
     plans = {
         "target": plan_for_model(
             target,
-            aux_layers=None,
+            aux_layers=aux_layers if isinstance(aux_layers, int) else None,  # a count fits any depth; ids do not
             disk_budget_bytes=None,
             **_engine_layout(engine, target, n_servers, gpus_per_server, tp_size),
             **common,
@@ -392,6 +396,7 @@ def plan_for_config(
         extraction_family=h.family,
         vocab_size=vocab_size,
         aux_layers=h.aux_layers,
+        layer_counts=[d.layers for d in h.drafters if d.layers],
         shard_size=h.shard_size,
         disk_budget_gb=h.disk_budget_gb,
         engine=h.engine,

@@ -145,7 +145,7 @@ def write_shard_index(
         {
             "sample_id": rows.sample_ids,
             "dataset": rows.datasets,
-            "row_index": [rows.row_start + i for i in range(len(rows))],
+            "row_index": [rows.global_row(i) for i in range(len(rows))],
             "n_tokens": rows.lengths,
             "n_supervised": [int((m != 0).sum()) for m in rows.loss_mask],
             "n_nonfinite": nonfinite.tolist(),

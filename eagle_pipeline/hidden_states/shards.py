@@ -2,7 +2,8 @@
 
 One decision for every caller (the Python API's `extract_shard`, the Dagster asset before it loads a model, the
 export guard): a shard is `done` (its files match its index and its fingerprint is the wanted one), `stale` (done,
-but extracted under other settings), `partial` or `missing` (`format.shard_status`).
+but extracted under other settings, or cut with another target head than the one recorded beside it now), `partial`
+or `missing` (`format.shard_status`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any
 
 from .fingerprint import ExtractionFingerprint, describe_diff
 from .format import read_index_meta, remove_shard, shard_paths, shard_status
+from .head import TARGET_HEAD_FILE, head_changed
 from .merged import count_rows, num_shards
 
 ON_MISMATCH = ("refuse", "redo")
 SUPERSEDED_DIR = "superseded"
 FINGERPRINT_META_KEY = "fingerprint"
+HEAD_META_KEY = "target_head_sha256"  # the index's record of the head file the shard was cut with
 
 
 @dataclass
@@ -65,9 +68,15 @@ class ShardMismatchError(ValueError):
         self.shard_index = shard_index
         self.differences = differences
         st_path, _ = shard_paths(out_dir, shard_index)
+        head = (
+            f" (the target's final norm / lm_head in {Path(out_dir) / TARGET_HEAD_FILE} was rewritten since: its "
+            "checkpoint changed in place or another one was used)"
+            if HEAD_META_KEY in differences
+            else ""
+        )
         super().__init__(
             f"hidden-state shard {shard_index:05d} ({st_path}) was extracted with other settings: "
-            f"{describe_diff(differences)}. It is neither reused nor overwritten. To extract it again under the "
+            f"{describe_diff(differences)}{head}. It is neither reused nor overwritten. To extract it again under the "
             f"current settings, set hidden_states.on_settings_change: redo (Python API: on_mismatch='redo'); the "
             f"old files are then moved to {Path(out_dir) / SUPERSEDED_DIR}/. To keep the old states, restore the "
             "settings they were extracted with."
@@ -102,7 +111,15 @@ def shard_state(
     status = shard_status(out_dir, shard_index, check_hash=check_hash)
     if status != "done":
         return ShardState(shard_index, status)
-    differences = wanted.diff(stored_fingerprint(out_dir, shard_index))
+    meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
+    raw = meta.get(FINGERPRINT_META_KEY)
+    differences = wanted.diff(ExtractionFingerprint.from_dict(raw) if raw else None)
+    # The head recorded beside the shards was rewritten since this shard was cut (its checkpoint changed in place):
+    # its states, and every check judged with its head, belong to the old one.
+    recorded = meta.get(HEAD_META_KEY)
+    current = head_changed(out_dir, recorded)
+    if current is not None:
+        differences[HEAD_META_KEY] = (recorded, current)
     return ShardState(shard_index, "stale", differences) if differences else ShardState(shard_index, "done")
 
 

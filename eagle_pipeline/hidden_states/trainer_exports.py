@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from ..drafter_types import DEFAULT_DRAFTERS, SF_EAGLE3_KEYS, specforge_aliases
 from ..storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
+from .drafters import capture_of_shards, capture_record, handoff, handoff_markdown
 from .head import POST_NORM, PRE_NORM, load_target_head
 from .layers import aux_layer_to_vllm_id
 from .trainer_layouts import (
     EXPORT_JSON,
     LAYOUT_FINAL_STATE,
+    SHARDS,
     SPECFORGE,
     SPECULATORS,
     SPECULATORS_HS_DIR,
@@ -34,10 +38,18 @@ from .trainer_layouts import (
 )
 
 
-def write_layout(layout: str, hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path) -> tuple[int, int]:
+def write_layout(
+    layout: str,
+    hs_dir: str | Path,
+    merged_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    aliases: Mapping[str, str] | None = None,
+) -> tuple[int, int]:
     """Put every merged row's states in `layout` under `out_dir`: samples extraction wrote there directly are
     checked and left alone, every other shard's samples are converted (the final state brought to the trainer's
-    convention); files of rows no longer merged are removed. Returns (bytes written, samples written directly)."""
+    convention; SpecForge's `aliases` added, see `serialise`); files of rows no longer merged are removed.
+    Returns (bytes written, samples written directly)."""
     out_dir = Path(out_dir)
     target = plan_layout_target(layout, out_dir, merged_dir)
     assert target is not None
@@ -62,7 +74,7 @@ def write_layout(layout: str, hs_dir: str | Path, merged_dir: str | Path, out_di
         if have != want:
             head = head or load_target_head(hs_dir)
             t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
-        data = serialise(layout, t, len(meta["aux_layers"]), int(meta["hidden_size"]))
+        data = serialise(layout, t, len(meta["aux_layers"]), int(meta["hidden_size"]), aliases)
         write_bytes_atomic(data, out_dir / rel)
         nbytes += len(data)
         found.add(sid)
@@ -120,13 +132,28 @@ def _check_complete(found: set[str], expected: dict[str, str], hs_dir: str | Pat
 
 
 def export_specforge_states(
-    hs_dir: str | Path, merged_dir: str | Path, out_dir: str | Path, *, draft_vocab_pt: str | Path | None = None
+    hs_dir: str | Path,
+    merged_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    draft_vocab_pt: str | Path | None = None,
+    drafters: Sequence[Any] = DEFAULT_DRAFTERS,
+    layout: str = SHARDS,
 ) -> StatesExportSummary:
-    """SpecForge's offline features under `{out_dir}/train/` and `{out_dir}/eval/` (see the module docstring)."""
+    """SpecForge's offline features under `{out_dir}/train/` and `{out_dir}/eval/` (see the module docstring), with
+    the keys and hand-off of each drafter type in `drafters` it serves (docs/drafters.md)."""
     out_dir = Path(out_dir)
-    nbytes, n_direct = write_layout(SPECFORGE, hs_dir, merged_dir, out_dir)
+    record = capture_record(capture_of_shards(hs_dir), SPECFORGE, POST_NORM)
     dirs = {s: out_dir / s for s in SPLITS}
     rows, tokens = _split_counts(merged_dir)
+    paths = {
+        "train": dirs["train"],
+        "eval": dirs["eval"] if rows["eval"] else None,
+        "vocab_mapping": out_dir / "draft_vocab.pt" if draft_vocab_pt is not None else None,
+    }
+    entries = handoff(record, drafters, paths=paths, layout=layout)
+    aliases = specforge_aliases([e["type"] for e in entries if e["served"]])
+    nbytes, n_direct = write_layout(SPECFORGE, hs_dir, merged_dir, out_dir, aliases=aliases)
     if draft_vocab_pt is not None:
         with atomic_path(out_dir / "draft_vocab.pt") as tmp:
             shutil.copyfile(draft_vocab_pt, tmp)
@@ -145,9 +172,24 @@ def export_specforge_states(
                 "model.vocab_mapping_path": str(out_dir / "draft_vocab.pt") if draft_vocab_pt is not None else None,
             },
             "note": "an offline config with an eval path also needs training.eval_interval",
+            "keys": [*SF_EAGLE3_KEYS, *aliases],
+            "key_aliases": aliases,
+            "capture": record,
+            "drafters": entries,
         },
     )
     write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
+    _write_readme(
+        out_dir,
+        [
+            "# SpecForge offline features (written by eagle-pipeline)",
+            "",
+            f"Rows: {rows['train']} train (`train/`), {rows['eval']} eval (`eval/`); one `{{sample_id}}.ckpt` each, "
+            f"keys {summary.extra['keys']} (aliases share one storage: {aliases or 'none'}).",
+            "",
+            *handoff_markdown(record, entries),
+        ],
+    )
     return summary
 
 
@@ -187,15 +229,19 @@ def export_speculators_states(
     out_dir: str | Path,
     *,
     draft_vocab_dir: str | Path | None = None,
+    drafters: Sequence[Any] = DEFAULT_DRAFTERS,
+    verifier: str | None = None,
 ) -> StatesExportSummary:
-    """speculators' offline data directory at `out_dir` (see the module docstring)."""
+    """speculators' offline data directory at `out_dir` (see the module docstring), with the flags and command of
+    each drafter type in `drafters` it serves (docs/drafters.md); `verifier` names the target for the commands."""
     import datasets
 
     out_dir = Path(out_dir)
+    record = capture_record(capture_of_shards(hs_dir), SPECULATORS, PRE_NORM)
     nbytes, n_direct = write_layout(SPECULATORS, hs_dir, merged_dir, out_dir)
     table, n_train = _speculators_table(merged_dir)
     n_eval = table.num_rows - n_train
-    aux_layers = next((list(meta["aux_layers"]) for _s, meta, _ids in shard_indexes(hs_dir)), [])
+    aux_layers = list(record["aux_layers"])
     _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
     if draft_vocab_dir is not None:
         for name in ("d2t.npy", "t2d.npy"):
@@ -203,6 +249,14 @@ def export_speculators_states(
                 shutil.copyfile(Path(draft_vocab_dir) / name, tmp)
     ratio = train_data_ratio(n_train, n_eval)
     vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
+    paths = {
+        "data": out_dir,
+        "hidden_states": out_dir / SPECULATORS_HS_DIR,
+        "train_data_ratio": ratio,
+        "d2t": out_dir / "d2t.npy" if draft_vocab_dir is not None else None,
+        "t2d": out_dir / "t2d.npy" if draft_vocab_dir is not None else None,
+        "verifier": verifier,
+    }
     summary = StatesExportSummary(
         format="speculators_offline",
         path=str(out_dir),
@@ -216,6 +270,8 @@ def export_speculators_states(
             "aux_layers_0_based_outputs": aux_layers,
             "aux_layer_ids_vllm": vllm_ids,
             "args": f"--data-path {out_dir}" + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
+            "capture": record,
+            "drafters": handoff(record, drafters, paths=paths),
         },
     )
     write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
@@ -259,6 +315,11 @@ def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
         f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
         f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
         "",
+        *handoff_markdown(s.extra["capture"], s.extra["drafters"]),
     ]
+    _write_readme(out_dir, lines)
+
+
+def _write_readme(out_dir: Path, lines: list[str]) -> None:
     with atomic_path(out_dir / "README.md") as tmp:
         tmp.write_text("\n".join(lines))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -116,9 +116,12 @@ def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | P
     return LayoutTarget(layout, Path(export_root), files)
 
 
-def serialise(layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> bytes:
+def serialise(
+    layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int, aliases: Mapping[str, str] | None = None
+) -> bytes:
     """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
-    trainer's convention)."""
+    trainer's convention). SpecForge: `aliases` (`drafter_types.specforge_aliases`) adds the DFlash family's key
+    names for EAGLE-3's tensors; torch.save writes a storage once however many keys name it."""
     n_tok = int(t["input_ids"].numel())
     if layout == SPECULATORS:
         from safetensors.torch import save
@@ -133,6 +136,7 @@ def serialise(layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int) 
         "aux_hidden_state": t["aux_hidden_states"].contiguous().unsqueeze(0),
         "hidden_state": t["final_hidden_state"].contiguous().unsqueeze(0),
     }
+    record.update({alias: record[src] for alias, src in (aliases or {}).items()})
     buf = io.BytesIO()
     torch.save(record, buf)
     return buf.getvalue()

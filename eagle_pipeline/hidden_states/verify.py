@@ -53,8 +53,9 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
     - `shapes`: every sample has its four tensors, aux [T, n_aux*H], final [T, H], ids and mask [T],
       T = the index's n_tokens;
     - `finite`: no NaN/Inf in aux or final;
-    - `ids_match`: the shard holds exactly the merged rows of its range, and each sample's stored ids and loss
-      mask equal the merged table's.
+    - `ids_match`: the shard holds exactly the merged rows of its range, less those its metadata records as dropped
+      by choice (`dropped_rows`: the vllm engine's `too_long_rows: drop`, named in the detail), and each sample's
+      stored ids and loss mask equal the merged table's.
     """
     from .trainer_layouts import open_shard
 
@@ -67,8 +68,11 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
 
     shapes, finite, ids_match = _Tally("shapes"), _Tally("finite"), _Tally("ids_match")
     index_ids = index.column("sample_id").to_pylist()
-    for sid in set(merged.sample_ids) - set(index_ids):
+    dropped = {str(d["sample_id"]) for d in meta.get("dropped_rows") or []}
+    for sid in sorted(set(merged.sample_ids) - set(index_ids) - dropped):
         ids_match.record(sid, False, "merged row missing from shard")
+    if dropped:
+        ids_match.notes.append(f"{len(dropped)} rows dropped by choice (dropped_rows): {', '.join(sorted(dropped))}")
 
     with open_shard(out_dir, shard_index) as reader:
         for sid, t in zip(index_ids, index.column("n_tokens").to_pylist()):

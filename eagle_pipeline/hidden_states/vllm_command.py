@@ -12,14 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from .engine import EngineResult, ShardJob
 from .engine_vllm import extract_shard_vllm
-from .layers import default_aux_layers
+from .layers import resolve_aux_layers
 from .vllm_files import SIMULATED, vllm_layer_ids
 
 if TYPE_CHECKING:
     from ..config_sections import HiddenStatesConfig
 
-# Model-Optimizer's Kimi-K2.5 recipe: cold MoE kernels stall the first steps past vLLM's default timeouts.
-COLD_START_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200", "VLLM_ENGINE_ITERATION_TIMEOUT_S": "1200"}
+# The vLLM release the command's flags and environment are written for (docs/hidden_states.md §10: why each flag).
+PINNED_VLLM_VERSION = "0.32.0"
+# Model-Optimizer's Kimi-K2.5 recipe: cold MoE kernels stall the first steps past vLLM's default timeouts. Its
+# VLLM_ENGINE_ITERATION_TIMEOUT_S is not read by vLLM 0.32 (not in vllm/envs.py: "Unknown vLLM environment variable
+# detected" at start, then ignored), so only the execute-model RPC timeout is set.
+COLD_START_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200"}
 _DEEPSEEK_BACKBONE = {"deepseek_v3", "deepseek_v2", "kimi_k2", "kite_text"}
 
 
@@ -29,11 +33,13 @@ class ServeCommand:
 
     env: dict[str, str]
     argv: list[str]
+    comments: tuple[str, ...] = ()  # printed first as `# ...` lines: the command stays pasteable
 
     def shell(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
         args = " \\\n  ".join(_pairs(self.argv))
-        return f"{env} \\\n{args}" if env else args
+        head = "".join(f"# {c}\n" for c in self.comments)
+        return head + (f"{env} \\\n{args}" if env else args)
 
 
 def _pairs(argv: list[str]) -> list[str]:
@@ -57,10 +63,13 @@ def vllm_serve_command(
     tensor_parallel_size: int = 8,
     port: int = 8000,
     model_type: str = "",
+    max_model_len: int | None = None,
 ) -> ServeCommand:
-    """The exact server command: the extract_hidden_states speculative config with `layer_ids`, the connector
-    writing to `storage_path`, prefix caching and chunked prefill off (short states otherwise), remote code on,
-    and, for the DeepSeek/Kimi backbone, Model-Optimizer's cold-start knobs."""
+    """The exact server command for vLLM `PINNED_VLLM_VERSION`: the extract_hidden_states speculative config with
+    `layer_ids`, the connector writing to `storage_path`, prefix caching off (short states otherwise), remote code
+    on, `--max-model-len` when given, and, for the DeepSeek/Kimi backbone, Model-Optimizer's cold-start knobs.
+    Chunked prefill keeps 0.32's default (on): its connector fills the file from the KV cache once the whole prompt
+    is in, and 0.32 warns that turning it off may crash the engine or give incorrect outputs."""
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -85,8 +94,9 @@ def vllm_serve_command(
         "--kv-transfer-config",
         json.dumps(kv),
         "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill",
     ]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
     deepseek = model_type in _DEEPSEEK_BACKBONE
     if deepseek:
         argv += ["--enforce-eager", "--no-enable-flashinfer-autotune"]
@@ -94,25 +104,51 @@ def vllm_serve_command(
 
 
 def serve_command_from_config(
-    h: HiddenStatesConfig, *, served_model: str | None, vocab_size: int, tensor_parallel_size: int = 8, port: int = 8000
+    h: HiddenStatesConfig,
+    *,
+    served_model: str | None,
+    vocab_size: int,
+    tensor_parallel_size: int = 8,
+    port: int = 8000,
+    served_config: str | None = None,
 ) -> ServeCommand:
-    """`vllm_serve_command` for the `hidden_states` config section: its model's layers, aux layers, storage path."""
+    """`vllm_serve_command` for the `hidden_states` config section: the layer ids of the model the server loads
+    (`vllm_served.served_model`: its config.json), which must be the extraction model (`hidden_states.model`, else
+    refused naming the key), the aux layers, the storage path and `--max-model-len`. Its comments name the vLLM
+    version, the served model, its layer count and where its shape was read."""
     from .runtime import TINY_RANDOM
+    from .vllm_served import check_same_model, server_max_model_len
+    from .vllm_served import served_model as find_served
 
-    desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
-    n_layers = int(desc["num_layers"])
-    aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
     model = served_model or (h.model if h.model != TINY_RANDOM else None)
     if model is None:
         raise ValueError("hidden_states.model is tiny-random: name the model the server loads (--served-model)")
-    return vllm_serve_command(
+    served = find_served(h, served_model=served_model, served_config=served_config, vocab_size=vocab_size)
+    check_same_model(h, served, describe_engine_model(h.model, family=h.family, vocab_size=vocab_size))
+    desc = served.description
+    n_layers = int(desc["num_layers"])
+    aux = resolve_aux_layers(h.aux_layers, n_layers)
+    ids = vllm_layer_ids(aux, n_layers)
+    max_len = server_max_model_len(h, served)
+    command = vllm_serve_command(
         model,
-        layer_ids=vllm_layer_ids(aux, n_layers),
+        layer_ids=ids,
         storage_path=h.vllm.storage_path,
         tensor_parallel_size=tensor_parallel_size,
         port=port,
         model_type=str(desc["model_type"]),
+        max_model_len=max_len,
     )
+    comments = (
+        f"vLLM {PINNED_VLLM_VERSION} (the flags and environment below are for this release; check a server with "
+        "`eagle-pipeline vllm-smoke`)",
+        f"serves {model}: {served.shape()}, {desc['model_type']} (shape read from {served.source})",
+        f"layer ids {list(ids)}: aux layers {list(aux)} + 1, and the final id {n_layers} (pre-norm)",
+        f"rows of up to {max_len - 1} tokens (--max-model-len {max_len}; one output token is asked for)"
+        if max_len is not None
+        else "no --max-model-len: the served config has no max_position_embeddings (hidden_states.vllm.max_model_len)",
+    )
+    return ServeCommand(command.env, command.argv, comments)
 
 
 @contextlib.contextmanager
@@ -125,9 +161,11 @@ def resolved_endpoints(
     seed: int,
     vocab_size: int,
     layer_ids: Sequence[int],
+    max_model_len: int | None = None,
 ) -> Iterator[list[str]]:
     """`endpoints` with `simulated` replaced by a loopback double of the vLLM server (the demo and tests) serving
-    the tiny model `hidden_states.model: tiny-random` would build in process."""
+    the tiny model `hidden_states.model: tiny-random` would build in process, started with `max_model_len` (None:
+    the model's max_position_embeddings, as vLLM)."""
     if SIMULATED not in endpoints:
         yield list(endpoints)
         return
@@ -137,7 +175,9 @@ def resolved_endpoints(
     if model != TINY_RANDOM:
         raise ValueError(f"hidden_states.vllm.endpoints: 'simulated' serves tiny-random only, model is {model!r}")
     tiny = load_extraction_model(model, family=family, seed=seed, vocab_size=vocab_size, device="cpu")
-    with VLLMHiddenStatesDouble(tiny, layer_ids=layer_ids, storage_path=storage_path) as double:
+    with VLLMHiddenStatesDouble(
+        tiny, layer_ids=layer_ids, storage_path=storage_path, max_model_len=max_model_len
+    ) as double:
         yield [double.url if e == SIMULATED else e for e in endpoints]
 
 
@@ -165,7 +205,7 @@ class VLLMEngine:
         h, v, vocab = job.settings, job.settings.vllm, job.vocab_size
         desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
         n_layers = int(desc["num_layers"])
-        aux = h.aux_layers if h.aux_layers is not None else default_aux_layers(n_layers)
+        aux = resolve_aux_layers(h.aux_layers, n_layers)
         ids = vllm_layer_ids(aux, n_layers)
         checkpoint = materialized_model_dir(
             h.model, family=h.family, seed=h.seed, vocab_size=vocab, cache_dir=job.paths.cache_dir
@@ -178,6 +218,7 @@ class VLLMEngine:
             seed=h.seed,
             vocab_size=vocab,
             layer_ids=ids,
+            max_model_len=v.max_model_len,
         ) as endpoints:
             summary = extract_shard_vllm(
                 job.paths.merged_dir,
@@ -196,6 +237,7 @@ class VLLMEngine:
                 concurrency=v.concurrency,
                 timeout_s=v.timeout_s,
                 max_retries=v.max_retries,
+                too_long_rows=v.too_long_rows,
                 log=job.log,
                 progress=job.progress,
                 layout_target=plan_layout_target(h.layout, job.paths.exports_dir / h.layout, job.paths.merged_dir),

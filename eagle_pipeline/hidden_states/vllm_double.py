@@ -5,7 +5,10 @@ It answers as `vllm serve --speculative-config '{"method": "extract_hidden_state
 
 * `POST /v1/completions` with `prompt` = token ids: one forward of the prompt, the next token from the lm_head,
   `choices[0].prompt_token_ids` (with `return_token_ids`) and a top-level `kv_transfer_params.hidden_states_path`;
-* `GET /v1/models`, `GET /version`, `GET /health` (the readiness probe);
+* `GET /v1/models` (vLLM's model card, with `max_model_len`), `GET /version`, `GET /health` (the readiness probe);
+* vLLM 0.32's refusals, with its error body `{"error": {"message", "type", "param", "code"}}`: 404 for a `model`
+  other than the served name, 400 for a prompt of `max_model_len` tokens or more (at exactly the limit no output
+  token is left: "max_tokens must be at least 1, got 0"; over it: "maximum context length");
 * the connector's file `{storage_path}/{request id}.safetensors` with `hidden_states` [T, n_ids, H] in the model's
   dtype and `token_ids` [T] int64, written by writer threads while an exclusive `flock` on `{path}.lock` is held;
   the lock is taken before the response leaves.
@@ -57,7 +60,7 @@ PERSISTENT_FAULTS = (
 )
 ALL_FAULTS = TRANSIENT_FAULTS + PERSISTENT_FAULTS
 _OPTIONS = ("select", "fail_first_n_attempts", "timeout_sleep_s", "late_file_s", "block_size", "die_after_requests")
-DOUBLE_VERSION = "0.22.0+eagle-double"
+DOUBLE_VERSION = "0.32.0+eagle-double"  # the vLLM release it answers as (vllm_command.PINNED_VLLM_VERSION)
 BOS_ID = 1
 
 
@@ -119,6 +122,7 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
         latency_s: float = 0.0,
         num_writer_threads: int = 2,
         port: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__(port=port)
         self.model = model.eval()
@@ -132,6 +136,8 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
         self.storage_path = Path(storage_path)
         self.storage_path.mkdir(parents=True, exist_ok=True)
         self.served_model_name = served_model_name
+        # vLLM's default: the model's max_position_embeddings (`--max-model-len` sets it)
+        self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", 0) or 2**31 - 1)
         self.faults = _Faults(faults)
         self.latency_s = float(latency_s)
         self.vocab_size = int(backbone.embed_tokens.num_embeddings)
@@ -177,8 +183,8 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
                         "owned_by": "vllm",
                         "root": self.served_model_name,
                         "parent": None,
-                        "max_model_len": int(getattr(self.model.config, "max_position_embeddings", 0) or 0),
-                        "permission": [],
+                        "max_model_len": self.max_model_len,
+                        "permission": [_model_permission()],
                     }
                 ],
             }
@@ -202,8 +208,15 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
         prompt = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(prompt, list) or not prompt or not all(isinstance(x, int) for x in prompt):
             return _error(400, "prompt must be a non-empty list of token ids")
+        model = body.get("model")
+        if model and model != self.served_model_name:  # vLLM checks the name first
+            message = f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}."
+            return _error(404, message, "NotFoundError", param="model")
         if any(not 0 <= x < self.vocab_size for x in prompt):
             return _error(400, f"token id out of vocabulary [0, {self.vocab_size})")
+        refused = self._length_refusal(len(prompt), body.get("max_tokens"))
+        if refused is not None:
+            return refused
         key = ids_key(prompt)
         with self._lock:
             attempt, n_seen = self._count_locked(key)
@@ -259,6 +272,23 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
             self._writers.submit(self._write, path, states, token_ids, lock, hits)
             out["kv_transfer_params"] = {"hidden_states_path": str(path)}
         return web.json_response(out)
+
+    def _length_refusal(self, n: int, max_tokens: Any) -> web.Response | None:
+        """vLLM 0.32's two length errors: a prompt over max_model_len, and no room left for one output token (the
+        output budget is min(max_tokens, max_model_len - prompt), which must be at least 1)."""
+        limit = self.max_model_len
+        if n > limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains {n} input "
+                "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+                f"input prompt. (parameter=input_tokens, value={n})"
+            )
+            return _error(400, message, param="input_tokens")
+        budget = limit - n if max_tokens is None else min(int(max_tokens), limit - n)
+        if budget < 1:
+            message = f"max_tokens must be at least 1, got {budget}. (parameter=max_tokens, value={budget})"
+            return _error(400, message, param="max_tokens")
+        return None
 
     # ---- compute and files -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -328,7 +358,25 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
                     lock.close()
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+def _error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
     )
+
+
+def _model_permission() -> dict[str, Any]:
+    """vLLM's ModelPermission, as each model card lists it."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": int(time.time()),
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }

@@ -119,8 +119,8 @@ def check_states(
     if t != t_want:
         raise bad(
             INVALID_STATES,
-            f"states for {t} positions, {t_want} sent (short by {t_want - t}): prefix caching on? start the server "
-            "with --no-enable-prefix-caching --no-enable-chunked-prefill",
+            f"states for {t} positions, {t_want} sent (short by {t_want - t}): prefix caching on? restart the server "
+            "with the command `eagle-pipeline vllm-command` prints (--no-enable-prefix-caching)",
         )
     if tok.shape != (t_want,) or not torch.equal(tok.to(torch.int64), torch.as_tensor(list(ids), dtype=torch.int64)):
         raise bad(INVALID_STATES, "token_ids in the file differ from the ids sent")

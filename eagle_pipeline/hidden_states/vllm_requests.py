@@ -83,7 +83,7 @@ class ShardRequests:
         self._rng = random.Random(shard_index)
 
     def _where(self, i: int) -> str:
-        return f"shard {self.shard_index:05d}, merged row {self.rows.row_start + i} ({self.rows.sample_ids[i]})"
+        return f"shard {self.shard_index:05d}, merged row {self.rows.global_row(i)} ({self.rows.sample_ids[i]})"
 
     def _backoff(self, attempt: int, f: RequestFailure) -> float:
         if f.retry_after_s is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from eagle_pipeline.hidden_states.layers import default_aux_layers
-from eagle_pipeline.hidden_states.vllm_command import vllm_serve_command
+from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "vllm-server.yaml"
@@ -28,9 +28,16 @@ def test_vllm_server_manifest_runs_the_printed_command_with_probes_and_the_share
         tensor_parallel_size=8,
         port=8000,
         model_type="kimi_k2",
+        max_model_len=262144,  # Kimi-K2.5's max_position_embeddings
     )
     assert c["command"] == expected.argv
-    assert {e["name"]: e["value"] for e in c["env"]}.items() >= expected.env.items()
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env.items() >= expected.env.items()
+    # vLLM 0.32 warns about (and ignores) VLLM_* variables it does not read: only the ones the command sets.
+    assert {k for k in env if k.startswith("VLLM_")} == set(expected.env)
+    # The image is the pinned release: builds cut before vLLM PR #46973 (2026-06-28; v0.22.0 is 2026-05-30) drop
+    # Kimi's final layer (docs/hidden_states.md §10).
+    assert c["image"] == f"vllm/vllm-openai:v{PINNED_VLLM_VERSION}"
     spec = json.loads(c["command"][c["command"].index("--speculative-config") + 1])
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == c["command"][c["command"].index("--tensor-parallel-size") + 1]

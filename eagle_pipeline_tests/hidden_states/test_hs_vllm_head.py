@@ -1,6 +1,7 @@
 """The vLLM engine records the target's final norm and lm_head from the checkpoint's safetensors files (only those
 two tensors), so the audit's norm and teacher checks judge engine shards as they judge in-process ones: a tiny target
-served by the loopback double over real HTTP passes every check JUDGED; a head from another checkpoint fails."""
+served by the loopback double over real HTTP passes every check JUDGED; a head from another checkpoint fails; a head
+rewritten in place makes the shards cut with the old one stale."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_pipeline.hidden_states import extract_shard
-from eagle_pipeline.hidden_states.audit import NOT_JUDGED, PASS, TeacherJudgement, audit_shard
+from eagle_pipeline.hidden_states.audit import FAIL, NOT_JUDGED, PASS, TeacherJudgement, audit_shard, audit_shard_cached
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.head import (
@@ -30,6 +31,13 @@ from eagle_pipeline.hidden_states.head import (
     save_target_head,
     save_target_head_from_checkpoint,
     verified_head_sha256,
+)
+from eagle_pipeline.hidden_states.shards import (
+    ShardMismatchError,
+    ShardsNotReadyError,
+    require_shards_ready,
+    shard_state,
+    stored_fingerprint,
 )
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
@@ -46,8 +54,9 @@ def texts(normed_model):
     return greedy_rows(normed_model, 8, seed=11)
 
 
-def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng", shard_index=0):
-    """Shard `shard_index` of `n` rows through the double, its head recorded from `checkpoint`."""
+def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng", shard_index=0, **kw):
+    """Shard `shard_index` of `n` rows through the double, its head recorded from `checkpoint` (`kw`: more
+    arguments of `extract_shard_vllm`)."""
     storage = tmp_path / "storage"
     with VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(AUX, L), storage_path=storage) as srv:
         return extract_shard_vllm(
@@ -63,6 +72,7 @@ def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng", shard_index
             head_checkpoint=checkpoint,
             backoff_base_s=0.01,
             timeout_s=10.0,
+            **kw,
         )
 
 
@@ -359,3 +369,47 @@ def test_a_damaged_recorded_head_is_named_and_rewritten(tmp_path, damage):
     assert torch.equal(recorded.lm_head, tensors["language_model.lm_head.weight"])
     # Sound again, under the key (not byte for byte the first file: safetensors orders its metadata at random).
     assert verified_head_sha256(path, checkpoint_head_key(found)) == rewritten == file_sha256(path)
+
+
+def test_a_head_rewritten_in_place_makes_the_shards_cut_with_the_old_one_stale(
+    normed_model, tiny_ds, texts, merged_factory, tmp_path
+):
+    """Like any other setting change: the state says so, asking for the shard again is refused with what to redo,
+    the export guard names it, its head checks fail saying to extract it again, and `redo` does."""
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "eng"
+    normed_model.save_pretrained(checkpoint)
+    merged = merged_factory(texts)
+    n = len(texts) // 2
+    first = _engine_shard(normed_model, checkpoint, merged, tmp_path, n)
+    wanted = stored_fingerprint(out, 0)
+    assert wanted is not None and shard_state(out, 0, wanted).status == "done"
+    judge = dict(expected_aux_layers=AUX, judgement=JUDGE)
+    assert all(r.passed for r in audit_shard_cached(out, 0, merged, **judge).values())
+
+    # The checkpoint rewritten in place: same directory, same shapes, other weights. Nothing in the fingerprint
+    # names them; the next shard records the new head beside the shards.
+    tiny_ds.save_pretrained(checkpoint)
+    second = _engine_shard(normed_model, checkpoint, merged, tmp_path, n, shard_index=1)
+    old, new = (read_index_meta(s.index_path)["target_head_sha256"] for s in (first, second))
+    assert old != new == file_sha256(out / TARGET_HEAD_FILE)
+
+    state = shard_state(out, 0, wanted)
+    assert state.status == "stale" and state.differences == {"target_head_sha256": (old, new)}
+    assert shard_state(out, 1, wanted).status == "done"
+    with pytest.raises(ShardMismatchError, match=r"target_head_sha256: .* was rewritten since.*on_settings_change"):
+        _engine_shard(normed_model, checkpoint, merged, tmp_path, n)
+    with pytest.raises(ShardsNotReadyError, match=r"other settings: 00000 \(target_head_sha256"):
+        require_shards_ready(out, merged, wanted)
+    # Its checks, which judged it with the old head (cached), now say it is stale and what to do.
+    results = audit_shard_cached(out, 0, merged, **judge)
+    for name in ("norm_convention", "teacher_agreement"):
+        assert results[name].verdict == FAIL and "STALE" in results[name].detail, results[name]
+        assert "on_settings_change: redo" in results[name].detail
+    assert results["degenerate_states"].passed and results["layer_layout"].passed  # the states themselves are sound
+
+    # redo: moved aside and extracted again; cut with the head recorded now, it is done.
+    again = _engine_shard(normed_model, checkpoint, merged, tmp_path, n, on_mismatch="redo")
+    assert read_index_meta(again.index_path)["target_head_sha256"] == new
+    assert shard_state(out, 0, wanted).status == "done"
+    assert [s.status for s in require_shards_ready(out, merged, wanted)] == ["done", "done"]
+    assert not any("STALE" in r.detail for r in audit_shard_cached(out, 0, merged, **judge).values())

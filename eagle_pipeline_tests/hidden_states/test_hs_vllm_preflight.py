@@ -1,0 +1,135 @@
+"""The length pre-flight of the vLLM engine (the servers' max_model_len from GET /v1/models; rows over it refused
+before any request, or dropped and recorded), and the double answering as vLLM 0.32's OpenAI server does: the
+model card, the two length errors and 404 for a model it does not serve (shapes from vLLM 0.32.0's
+entrypoints/serve: ModelCard, ErrorResponse, get_max_tokens, TokenizeParams._token_len_check)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from eagle_pipeline.hidden_states import shard_status, verify_shard
+from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+from eagle_pipeline.hidden_states.format import read_index, read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+from eagle_pipeline.hidden_states.vllm_files import EngineShardError, vllm_layer_ids
+
+from .conftest import make_rows
+
+L, AUX = 8, (1, 3, 4)
+IDS = vllm_layer_ids(AUX, L)
+LIMIT = 30  # the servers' max_model_len in these tests
+
+
+@pytest.fixture
+def rows():
+    rows = make_rows(8, seed=5, min_len=2, max_len=20)
+    for i, n in ((2, LIMIT), (5, LIMIT + 7), (6, LIMIT - 1)):  # exactly the limit, over it, the longest that fits
+        rows[i]["input_ids"] = (rows[i]["input_ids"] * 40)[:n]
+        rows[i]["loss_mask"] = [0] + [1] * (n - 1)
+        rows[i]["n_tokens"], rows[i]["n_prompt_tokens"] = n, 1
+    return rows
+
+
+def _engine(merged, out, srv, storage, **kw):
+    return extract_shard_vllm(
+        merged,
+        shard_index=0,
+        shard_size=8,
+        out_dir=out,
+        endpoints=[srv.url],
+        storage_path=storage,
+        num_layers=L,
+        aux_layers=AUX,
+        hidden_size=64,
+        backoff_base_s=0.01,
+        timeout_s=10.0,
+        **kw,
+    )
+
+
+def test_double_answers_like_vllm(tiny_ds, tmp_path):
+    with VLLMHiddenStatesDouble(
+        tiny_ds, layer_ids=IDS, storage_path=tmp_path / "s", served_model_name="m", max_model_len=LIMIT
+    ) as srv:
+        (card,) = httpx.get(f"{srv.url}/v1/models", timeout=60).json()["data"]
+        assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+        assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == ("m", "model", "vllm", LIMIT)
+        (perm,) = card["permission"]
+        assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+
+        def post(n: int, **body):
+            body = {"prompt": [7] * n, "max_tokens": 1, **body}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+
+        assert post(LIMIT - 1).status_code == 200
+        at, over = post(LIMIT), post(LIMIT + 1)
+        assert at.status_code == over.status_code == 400
+        assert at.json() == {
+            "error": {
+                "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+                "code": 400,
+            }
+        }
+        err = over.json()["error"]
+        assert err["message"].startswith(
+            f"This model's maximum context length is {LIMIT} tokens. However, your prompt contains {LIMIT + 1} input "
+            "tokens, which exceeds this limit even without any output tokens."
+        )
+        assert (err["type"], err["param"], err["code"]) == ("BadRequestError", "input_tokens", 400)
+        assert post(3, model="m").status_code == 200
+        unknown = post(3, model="/models/Kimi-K2.5")  # a local directory served without --served-model-name
+        assert unknown.status_code == 404
+        assert unknown.json() == {
+            "error": {
+                "message": "The model `/models/Kimi-K2.5` does not exist. Valid aliases: m.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            }
+        }
+        assert srv.total_requests == 2  # the refused requests computed nothing and are not counted
+
+
+def test_rows_the_servers_cannot_take_are_refused_before_any_request(tiny_ds, merged_factory, rows, tmp_path):
+    merged = merged_factory(rows, [3, 5])
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=tmp_path / "s", max_model_len=LIMIT) as srv:
+        with pytest.raises(EngineShardError) as err:
+            _engine(merged, tmp_path / "out", srv, tmp_path / "s")
+        assert srv.total_requests == 0
+    msg = str(err.value)
+    assert "2 merged rows" in msg and f"max_model_len {LIMIT}" in msg and "too_long_rows: drop" in msg
+    assert f"2 ({rows[2]['sample_id']}, {LIMIT} tokens)" in msg and f"5 ({rows[5]['sample_id']}, {LIMIT + 7}" in msg
+    assert rows[6]["sample_id"] not in msg  # LIMIT - 1 tokens fit: one output token is asked for
+    assert shard_status(tmp_path / "out", 0) == "missing"
+
+
+def test_dropped_rows_are_recorded_and_never_silent(tiny_ds, merged_factory, rows, tmp_path):
+    merged = merged_factory(rows, [3, 5])
+    out, storage = tmp_path / "out", tmp_path / "s"
+    logs: list[str] = []
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, max_model_len=LIMIT) as srv:
+        s = _engine(merged, out, srv, storage, too_long_rows="drop", log=logs.append)
+        assert srv.total_requests == 6 and s.rows == 6
+        meta = read_index_meta(shard_paths(out, 0)[1])
+        want = [
+            {"row": 2, "sample_id": rows[2]["sample_id"], "n_tokens": LIMIT},
+            {"row": 5, "sample_id": rows[5]["sample_id"], "n_tokens": LIMIT + 7},
+        ]
+        assert (
+            meta["vllm_max_model_len"] == LIMIT and [{k: d[k] for k in want[0]} for d in meta["dropped_rows"]] == want
+        )
+        assert all("max_model_len" in d["reason"] for d in meta["dropped_rows"])
+        index = read_index(shard_paths(out, 0)[1])
+        assert index.column("row_index").to_pylist() == [0, 1, 3, 4, 6, 7]
+        checks = verify_shard(out, 0, merged)
+        assert all(c.passed for c in checks.values()) and rows[5]["sample_id"] in checks["ids_match"].detail
+        assert any(rows[2]["sample_id"] in line for line in logs)
+        # Reused under drop; under refuse the shard that lacks rows is not taken as done.
+        _engine(merged, out, srv, storage, too_long_rows="drop")
+        assert srv.total_requests == 6
+        with pytest.raises(EngineShardError, match="too_long_rows: drop"):
+            _engine(merged, out, srv, storage)
+        assert srv.total_requests == 6
