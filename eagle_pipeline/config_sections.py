@@ -245,9 +245,7 @@ class HiddenStatesConfig(SpecBase):
     teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
     # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
     layout: Literal["shards", "specforge", "speculators"] = "shards"
-    # Trainer layouts trainer_exports derives from the states beyond `layout`: each is a full copy (7.94 TB at Kimi
-    # scale), so none unless listed.
-    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
+    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ("specforge", "speculators")  # derived copies
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
     # `trainer_exports` check holds against the captured layers.
     # (the default is validated into DrafterSpec like the file's names)

@@ -431,10 +431,6 @@ def test_hidden_states_layout_and_audit_keys(tmp_path):
         None,
         None,
     )
-    # The code's default derives no trainer copy (a full copy of the states each); the shipped file lists both.
-    del raw["hidden_states"]["trainer_layouts"]
-    p.write_text(yaml.safe_dump(raw))
-    assert load_config(p).hidden_states.trainer_layouts == ()
     raw["hidden_states"].update(layout="speculators", trainer_layouts=["specforge"], texts_by_extraction_model=False)
     p.write_text(yaml.safe_dump(raw))
     cfg = load_config(p).hidden_states
