@@ -61,6 +61,7 @@ bench: venv
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_extract.py
 	$(PY) benchmarks/bench_extract_engine.py
+	$(PY) benchmarks/bench_layout_copy.py
 	$(PY) benchmarks/bench_teacher_agreement.py
 
 gpu-check: venv

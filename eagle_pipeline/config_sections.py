@@ -262,8 +262,6 @@ class HiddenStatesConfig(SpecBase):
         problems: list[Problem] = []
         if data.get("engine") == "vllm" and not field_value(data.get("vllm"), "endpoints"):
             problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
-        if data.get("layout", "shards") != "shards" and data.get("engine", "in_process") != "in_process":
-            problems.append((("layout",), "a trainer layout is written by the in_process engine only (for now)"))
         return problems + _drafters_problems(data)
 
     @_field_validator("model")

@@ -35,6 +35,8 @@ from .format import dtype_name, read_index_meta, shard_paths
 from .layers import resolve_aux_layers
 from .model import describe_model_config, load_text_config
 from .shards import ShardSummary, prepare_shard
+from .trainer_layouts import SHARDS as LAYOUT_SHARDS
+from .trainer_layouts import plan_layout_target
 
 ENGINE_TORCHRUN = "torchrun"
 
@@ -61,10 +63,16 @@ class TorchrunShard:
     max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH
     final_state: str = "post_norm"
     model_identity: Mapping[str, Any] | None = None
+    layout: str = LAYOUT_SHARDS  # a trainer's layout: rank 0 writes its files under exports_dir / layout
+    exports_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_dir", "merged_dir", "out_dir"):
             object.__setattr__(self, name, Path(getattr(self, name)))
+        if self.exports_dir is not None:
+            object.__setattr__(self, "exports_dir", Path(self.exports_dir))
+        if self.layout != LAYOUT_SHARDS and self.exports_dir is None:
+            raise ValueError(f"the {self.layout} layout needs exports_dir (where its files go)")
         if self.aux_layers is not None and not isinstance(self.aux_layers, int):
             object.__setattr__(self, "aux_layers", tuple(int(k) for k in self.aux_layers))
 
@@ -119,6 +127,7 @@ def extract_shard_torchrun(
         dtype=dtype_name(default_state_dtype("cuda" if torch.cuda.is_available() else "cpu")),
         merged_version=merged_version(s.merged_dir),
         engine=ENGINE_TORCHRUN,
+        layout=s.layout,
     )
     decision = prepare_shard(s.out_dir, s.shard_index, wanted, on_mismatch=on_mismatch)
     if decision.reuse is not None:
@@ -168,6 +177,8 @@ class TorchrunEngine:
             max_tokens_per_batch=h.max_tokens_per_batch,
             final_state=job.wanted.final_state,
             model_identity=job.wanted.model,
+            layout=h.layout,
+            exports_dir=job.paths.exports_dir,
         )
         summary = extract_shard_torchrun(world, on_mismatch=h.on_settings_change, log=job.log)
         return EngineResult(summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else ""))
@@ -220,6 +231,9 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
     ).eval()
     # Every rank runs the same forwards (the collectives need all of them); only rank 0 keeps what it writes.
     out = s.out_dir if rank == 0 else Path(tempfile.mkdtemp(prefix=f"eagle-tp-rank{rank}-"))
+    # Rank 0 writes the trainer's files where the trainer reads them; the others into their scratch folder.
+    exports = (s.exports_dir if rank == 0 else out / "exports") if s.exports_dir is not None else None
+    target = plan_layout_target(s.layout, exports / s.layout, s.merged_dir) if exports is not None else None
     try:
         summary = extract_shard(
             model,
@@ -234,6 +248,7 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
             force=rank != 0,
             model_identity=s.model_identity,
             engine=ENGINE_TORCHRUN,
+            layout_target=target,
         )
     finally:
         if rank != 0:

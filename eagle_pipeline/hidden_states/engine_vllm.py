@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,11 +31,12 @@ from ..progress import ProgressCallback
 from ..storage import atomic_path
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, tensor_key
-from .head import PRE_NORM, checkpoint_head, save_target_head_from_checkpoint
+from .head import PRE_NORM, CheckpointHead, TargetHead, checkpoint_head, save_target_head_from_checkpoint
 from .layers import resolve_aux_layers
 from .merged import count_rows, read_rows, shard_row_range
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
+from .trainer_layouts import SHARDS, LayoutTarget, final_state_for_layout, without_states
 from .vllm_files import (
     EngineShardError,
     FileFacts,
@@ -43,6 +45,7 @@ from .vllm_files import (
     journal_path,
     vllm_layer_ids,
 )
+from .vllm_layouts import VllmLayoutRows
 from .vllm_requests import ShardRequests
 from .vllm_served import apply_length_limit, endpoints_max_model_len
 
@@ -70,6 +73,7 @@ def extract_shard_vllm(
     too_long_rows: str = "refuse",
     log: Callable[[str], None] | None = None,
     progress: ProgressCallback | None = None,
+    layout_target: LayoutTarget | None = None,
 ) -> ShardSummary:
     """Extract shard `shard_index` through vLLM servers into `out_dir/shard-NNNNN.safetensors` + `.index.parquet`.
 
@@ -86,6 +90,9 @@ def extract_shard_vllm(
     then, naming the file). Without it no head is recorded and the audit's norm and teacher checks cannot judge.
     The two tensors are read from the checkpoint only when the recorded head does not carry the checkpoint's current
     key (`head.save_target_head_from_checkpoint`): a later shard run only verifies the recorded file.
+    `layout_target` (`trainer_layouts.plan_layout_target`): each row's states go to that trainer's file instead of
+    the shard (`vllm_layouts.VllmLayoutRows`: speculators' `hs_{i}` is the connector's file renamed; SpecForge's
+    `.ckpt` needs `head_checkpoint` for its post-norm state); the shard keeps ids and masks.
     Before the first request the servers' `max_model_len` is read (`vllm_served.endpoints_max_model_len`): rows the
     servers cannot take stop the shard naming them, or with `too_long_rows='drop'` are left out and recorded in the
     shard's metadata (`dropped_rows`); a done shard that dropped rows is reused only under 'drop'.
@@ -103,16 +110,23 @@ def extract_shard_vllm(
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_journal(journal)  # files of a run killed before it could delete them
     aux = resolve_aux_layers(aux_layers, num_layers)
+    layout = layout_target.name if layout_target is not None else SHARDS
+    final_state = final_state_for_layout(layout)
+    if final_state != PRE_NORM and found_head is None:
+        raise ValueError(
+            f"the {layout} layout holds the {final_state} final state: pass head_checkpoint (its final norm)"
+        )
     wanted = fingerprint or ExtractionFingerprint(
         model=dict(model_description or {}),
         aux_layers=aux,
-        final_state="pre_norm",
+        final_state=final_state,
+        layout=layout,
         shard_size=shard_size,
         dtype=None,
         merged_version=merged_version(merged_dir),
         engine="vllm",
     )
-    if (wanted.engine, wanted.final_state, tuple(wanted.aux_layers)) != ("vllm", "pre_norm", aux):
+    if (wanted.engine, wanted.final_state, tuple(wanted.aux_layers)) != ("vllm", final_state, aux):
         raise ValueError(f"fingerprint {wanted.to_dict()} is not one of this engine's shards (aux layers {aux})")
     decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
     if decision.reuse is not None:
@@ -141,6 +155,19 @@ def extract_shard_vllm(
         "aux layer k -> id k+1; the final state is id num_hidden_layers, the last layer's output before the "
         "final norm (apply the target's final norm for lm_head targets)",
     }
+    if layout_target is not None:
+        header_extra["layout"] = layout_target.name
+    placed = (
+        VllmLayoutRows(
+            layout_target,
+            out_dir,
+            dict(zip(rows.sample_ids, rows.loss_mask)),
+            n_aux,
+            final_norm=_final_norm(found_head) if final_state != PRE_NORM else None,
+        )
+        if layout_target is not None
+        else None
+    )
     state: dict[str, Any] = {}
 
     def write_row(i: int, path: Path, facts: FileFacts) -> None:
@@ -155,7 +182,7 @@ def extract_shard_vllm(
                 num_layers=num_layers,
                 hidden_size=facts.hidden_size,
                 dtype=facts.dtype,
-                final_state=PRE_NORM,
+                final_state=final_state,
                 model=model_description or {},
                 fingerprint=wanted,
                 extra=header_extra,
@@ -170,6 +197,8 @@ def extract_shard_vllm(
                 ids_dtype=IDS_DTYPE,
                 mask_dtype=MASK_DTYPE,
             )
+            if placed is not None:  # the states go to the trainer's files; the shard keeps ids and masks
+                layout = without_states(layout)
             state["writer"] = StreamingSafetensorsWriter(state["fh"], layout, meta)
         first: FileFacts = state["facts"]
         if (facts.hidden_size, facts.dtype) != (first.hidden_size, first.dtype):
@@ -178,9 +207,13 @@ def extract_shard_vllm(
                 f"{facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} H={first.hidden_size}: "
                 "the endpoints serve different models"
             )
+        t, sid, w = facts.tokens, rows.sample_ids[i], state["writer"]
+        if placed is not None:
+            w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+            placed.place(sid, path, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
+            return
         with safe_open(str(path), framework="pt") as f:
             hs = f.get_tensor("hidden_states")
-        t, sid, w = facts.tokens, rows.sample_ids[i], state["writer"]
         w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :n_aux].reshape(t, n_aux * facts.hidden_size))
         w.write(tensor_key(sid, "final_hidden_state"), hs[:, n_aux])
         w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
@@ -206,6 +239,7 @@ def extract_shard_vllm(
                     write_row=write_row,
                     log=log,
                     progress=progress,
+                    **({"validate": placed.validate} if placed is not None else {}),
                 )
                 run_coroutine(run.run)
                 writer: StreamingSafetensorsWriter = state["writer"]
@@ -222,7 +256,7 @@ def extract_shard_vllm(
                 sha256=sha,
                 size_bytes=size,
                 dtype=facts.dtype,
-                final_state=PRE_NORM,
+                final_state=final_state,
                 fingerprint=wanted,
                 seconds=seconds,
                 compute_seconds=run.compute_seconds,
@@ -236,8 +270,14 @@ def extract_shard_vllm(
                 "vllm_max_model_len": max_model_len,
                 "dropped_rows": dropped,
                 "retries": run.retries,
-                "final_state": PRE_NORM,
+                "final_state": final_state,
             }
+            if placed is not None and layout_target is not None:
+                extra.update(
+                    layout=layout_target.name,
+                    layout_root=os.path.relpath(layout_target.root, out_dir),
+                    sample_files=placed.files,
+                )
             if found_head is not None:  # recorded once the shard is complete: an aborted shard leaves nothing
                 _, head_sha = save_target_head_from_checkpoint(found_head, out_dir, log=log)
                 extra.update(final_norm_eps=found_head.eps, target_head_sha256=head_sha)
@@ -246,10 +286,22 @@ def extract_shard_vllm(
             write_shard_index(idx_path, rows, summary, nonfinite, hidden=facts.hidden_size, model=model, extra=extra)
     finally:
         # Whatever is left (retried attempts' files; all of them after a failure): never reused, a rerun asks again.
+        if placed is not None:
+            placed.close()
         if run is not None:
             delete_request_files(run.received)
         journal.unlink(missing_ok=True)
     return summary
+
+
+def _final_norm(found: CheckpointHead | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's final norm from its checkpoint (only the norm weight is read), for a post-norm layout."""
+    from safetensors import safe_open
+
+    assert found is not None
+    with safe_open(str(found.norm_file), framework="pt") as f:
+        weight = f.get_tensor(found.norm_key)
+    return TargetHead(weight, found.eps, torch.empty(0), {}).final_norm
 
 
 def _check_reused_drops(idx_path: Path, shard_index: int, too_long_rows: str) -> None:

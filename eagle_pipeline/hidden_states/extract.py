@@ -32,7 +32,7 @@ from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary, prepare_shard
-from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, STATE_NAMES, LayoutTarget, SampleFilesWriter
+from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, LayoutTarget, SampleFilesWriter, without_states
 
 
 def default_state_dtype(device: str) -> torch.dtype:
@@ -301,7 +301,7 @@ def _write_states(
         with atomic_path(st_path) as tmp, open(tmp, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
             layout = _tensor_layout(rows, order, target, out_dtype)
             if layout_target is not None:  # the states go to the trainer's files; the shard keeps ids and masks
-                layout = [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
+                layout = without_states(layout)
             writer: Any = StreamingSafetensorsWriter(fh, layout, meta)
             if layout_target is not None:
                 masks = dict(zip(rows.sample_ids, rows.loss_mask))

@@ -208,12 +208,8 @@ def fingerprint_for_config(
 
 
 def _engine_final_state(h: HiddenStatesConfig) -> str:
-    """The convention each engine stores: vLLM servers give the last layer's output before the norm; the torchrun
-    engine stores post-norm (its own default); in_process the one `h.layout` needs (pre-norm for shards)."""
-    if h.engine == "vllm":
-        return "pre_norm"
-    if h.engine == "torchrun":
-        return "post_norm"
+    """The convention every engine stores: the one `h.layout` needs (pre-norm for shards and speculators, the vLLM
+    servers' own; post-norm for SpecForge)."""
     return final_state_for_layout(h.layout)
 
 

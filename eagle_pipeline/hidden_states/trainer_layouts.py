@@ -53,6 +53,14 @@ LAYOUT_FINAL_STATE = {SPECFORGE: POST_NORM, SPECULATORS: PRE_NORM}
 EXPORT_JSON = "export.json"
 
 
+def without_states(
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """A shard's tensor layout (`format.shard_layout`) less the states, which live in the trainer's files: the ids
+    and masks a shard in a trainer layout keeps (every engine)."""
+    return [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
+
+
 def final_state_for_layout(layout: str) -> str:
     """The final-state convention extraction stores under `hidden_states.layout`: a trainer's own, else pre-norm."""
     return LAYOUT_FINAL_STATE.get(layout, PRE_NORM)
@@ -169,9 +177,10 @@ class SampleFilesWriter:
         got = self._pending.setdefault(sid, {})
         got[name] = tensor
         if len(got) == 3:  # aux, final, ids
-            self._write_sample(sid, self._pending.pop(sid))
+            self.write_sample(sid, self._pending.pop(sid))
 
-    def _write_sample(self, sid: str, t: dict[str, torch.Tensor]) -> None:
+    def write_sample(self, sid: str, t: dict[str, torch.Tensor]) -> None:
+        """Write sample `sid`'s file from its aux, final (in the layout's convention) and ids tensors."""
         rel = self._target.file_of.get(sid)
         if rel is None:
             raise ValueError(f"sample {sid!r} has no file in the {self._target.name} layout: the merged table changed")

@@ -200,6 +200,7 @@ class VLLMEngine:
         """Where it ran: the endpoints. The target head is read from `hidden_states.model`'s checkpoint (for
         `tiny-random`, the seeded model the double serves, saved once beside the shards)."""
         from .runtime import materialized_model_dir
+        from .trainer_layouts import plan_layout_target
 
         h, v, vocab = job.settings, job.settings.vllm, job.vocab_size
         desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
@@ -239,5 +240,6 @@ class VLLMEngine:
                 too_long_rows=v.too_long_rows,
                 log=job.log,
                 progress=job.progress,
+                layout_target=plan_layout_target(h.layout, job.paths.exports_dir / h.layout, job.paths.merged_dir),
             )
         return EngineResult(summary, "vllm: " + ", ".join(v.endpoints))

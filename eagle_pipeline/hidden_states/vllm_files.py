@@ -73,7 +73,6 @@ def validate_states_file(
     all-zero position or layer, `token_ids == ids`. Raises a non-retryable RequestFailure saying what is wrong."""
     from safetensors import safe_open
 
-    n_ids, t_want = len(layer_ids), len(ids)
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         if not {"hidden_states", "token_ids"} <= keys:
@@ -82,6 +81,20 @@ def validate_states_file(
             )
         hs = f.get_tensor("hidden_states")
         tok = f.get_tensor("token_ids")
+    return check_states(path, hs, tok, ids, layer_ids, hidden_size=hidden_size)
+
+
+def check_states(
+    path: str | os.PathLike,
+    hs: torch.Tensor,
+    tok: torch.Tensor,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    *,
+    hidden_size: int | None = None,
+) -> FileFacts:
+    """`validate_states_file`'s checks on tensors already read from `path` (named in the errors)."""
+    n_ids, t_want = len(layer_ids), len(ids)
 
     def bad(cls: str, msg: str) -> RequestFailure:
         return RequestFailure(cls, f"{path}: {msg}", False)

@@ -58,6 +58,7 @@ class ShardRequests:
         write_row: Callable[[int, Path, FileFacts], None],
         log: Callable[[str], None] | None,
         progress: ProgressCallback | None,
+        validate: Callable[..., FileFacts] = validate_states_file,
     ) -> None:
         self.rows, self.shard_index = rows, shard_index
         self.endpoints = [e.rstrip("/") for e in endpoints]
@@ -65,6 +66,9 @@ class ShardRequests:
         self.concurrency, self.timeout_s, self.max_retries = concurrency, timeout_s, max_retries
         self.backoff_base_s = backoff_base_s
         self.journal, self.write_row, self.log, self.progress = journal, write_row, log, progress
+        # `validate(path, ids, layer_ids, hidden_size=)`: a trainer layout's own reads the file once for its hand-off
+        # (vllm_layouts.VllmLayoutRows.validate); its failures are the same RequestFailures.
+        self.validate = validate
         self.results: list[RowFile] = [RowFile() for _ in range(len(rows))]
         self.attempts = [0] * len(rows)
         self.failed_on: dict[int, set[str]] = {}  # row -> the endpoints a transient failure of it came from
@@ -244,7 +248,7 @@ class ShardRequests:
             if path.exists():
                 try:
                     return await asyncio.to_thread(
-                        validate_states_file, path, ids, self.layer_ids, hidden_size=self.hidden_size
+                        self.validate, path, ids, self.layer_ids, hidden_size=self.hidden_size
                     )
                 except RequestFailure:
                     raise

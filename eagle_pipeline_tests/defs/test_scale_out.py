@@ -84,11 +84,13 @@ def _run_shard(instance, key, defs=None):
     )
 
 
-def _engine_shard_run(tmp_path: Path, monkeypatch, instance: dg.DagsterInstance, engine: str, settings: dict):
-    """Shard 00001 of the small merged table through `engine` (its `hidden_states.<engine>` section: `settings`) in a
-    real Dagster run, which must succeed with its 3 structural + 4 semantic checks passed. Returns the data root,
-    the run's result and each semantic check's verdict."""
-    _config(tmp_path, monkeypatch, engine=engine, **{engine: settings})
+def _engine_shard_run(
+    tmp_path: Path, monkeypatch, instance: dg.DagsterInstance, engine: str, settings: dict, **hidden_states
+):
+    """Shard 00001 of the small merged table through `engine` (its `hidden_states.<engine>` section: `settings`;
+    other `hidden_states` keys: `hidden_states`) in a real Dagster run, which must succeed with its 3 structural +
+    4 semantic checks passed. Returns the data root, the run's result and each semantic check's verdict."""
+    _config(tmp_path, monkeypatch, engine=engine, **{engine: settings}, **hidden_states)
     root = _merged(tmp_path, instance)
     result = _run_shard(instance, "00001")
     assert result.success

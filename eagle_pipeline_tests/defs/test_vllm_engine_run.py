@@ -68,3 +68,33 @@ def test_the_plan_refuses_kimi_weights_in_process(tmp_path, monkeypatch, instanc
     raw["hidden_states"]["vllm"] = {"endpoints": ["http://gpu-node-0:8000"]}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     assert dg.materialize([hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}).success
+
+
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_a_trainer_layout_through_the_vllm_engine(layout, tmp_path, monkeypatch, instance):
+    """`layout: speculators | specforge` with `engine: vllm`: the run writes the trainer's files once (read back as
+    the trainer reads them), its seven checks read those files and pass, and no state file exists twice."""
+    import torch
+    from safetensors.torch import load_file
+
+    storage = tmp_path / "connector"
+    vllm = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
+    root, _, _ = _engine_shard_run(tmp_path, monkeypatch, instance, "vllm", vllm, layout=layout)
+    meta = read_index_meta(shard_paths(root.hidden_states_dir, 1)[1])
+    assert meta["layout"] == layout and meta["engine"] == "vllm"
+    assert meta["final_state"] == ("pre_norm" if layout == "speculators" else "post_norm")
+    files = [root.hidden_states_dir / f["path"] for f in meta["sample_files"]]
+    assert files and all(p.is_relative_to(root.exports_dir / layout) for p in (f.resolve() for f in files))
+    for p in files:
+        if layout == "speculators":  # hs_{i}.safetensors: hidden_states [T, 4, H], token_ids [T] int64
+            t = load_file(str(p))
+            assert t["hidden_states"].shape[1:] == (4, 64) and t["token_ids"].dtype == torch.int64
+            assert t["hidden_states"].shape[0] == t["token_ids"].shape[0]
+        else:  # {sample_id}.ckpt: input_ids/loss_mask int64 [T], aux_hidden_state [1, T, 3H], hidden_state [1, T, H]
+            r = torch.load(p, weights_only=True)
+            n = r["input_ids"].shape[0]
+            assert r["aux_hidden_state"].shape == (1, n, 3 * 64) and r["hidden_state"].shape == (1, n, 64)
+            assert r["input_ids"].dtype == r["loss_mask"].dtype == torch.int64
+    assert list(storage.iterdir()) == []
+    inodes = [(p.stat().st_dev, p.stat().st_ino) for p in root.root.rglob("*") if p.is_file()]
+    assert len(inodes) == len(set(inodes))  # no file of the states twice on disk

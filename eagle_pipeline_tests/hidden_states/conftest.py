@@ -136,3 +136,17 @@ def greedy_rows(
             }
         )
     return rows
+
+
+def kill_after_requests(srv, child, n: int, timeout_s: float = 120.0) -> None:
+    """SIGKILL `child` (a shard run in a subprocess) once the double `srv` has received `n` requests."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while srv.total_requests < n and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    assert child.poll() is None, "the child finished before it could be killed"
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble, ids
 from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
 
 from ..tolerances import assert_forwards_close
-from .conftest import make_rows
+from .conftest import kill_after_requests, make_rows
 
 L = 8  # tiny models' layers
 AUX = (1, 3, 4)
@@ -251,12 +250,7 @@ def test_kill_9_mid_shard_resumes_with_identical_bytes(tiny_ds, merged, tmp_path
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, latency_s=0.3) as srv:
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(merged), str(out), srv.url, str(storage)], env=env)
-        deadline = time.monotonic() + 120
-        while srv.total_requests < 4 and time.monotonic() < deadline and child.poll() is None:
-            time.sleep(0.05)
-        assert child.poll() is None, "the child finished before it could be killed"
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
+        kill_after_requests(srv, child, 4)
         assert shard_status(out, 0) == "partial"  # the writer's temporary file is left behind
         journal = out / ".shard-00000.vllm-requests"
         orphans = [Path(x) for x in journal.read_text().split()]
