@@ -245,7 +245,9 @@ class HiddenStatesConfig(SpecBase):
     teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
     # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
     layout: Literal["shards", "specforge", "speculators"] = "shards"
-    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ("specforge", "speculators")  # derived copies
+    # Trainer layouts derived from the shards by trainer_exports: each is a full copy of the states (7.94 TB at Kimi
+    # scale), so none unless listed.
+    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
     # `trainer_exports` check holds against the captured layers.
     # (the default is validated into DrafterSpec like the file's names)
@@ -283,7 +285,7 @@ def _drafters_problems(data: Mapping[str, Any]) -> list[Problem]:
         return []
     aux = data.get("aux_layers")
     n_aux = aux if isinstance(aux, int) else len(aux) if isinstance(aux, (list, tuple)) and aux else 3
-    layouts = data.get("trainer_layouts", ("specforge", "speculators"))
+    layouts = data.get("trainer_layouts", ())
     layout = data.get("layout", "shards")
     trainers = sorted(set(layouts if isinstance(layouts, (list, tuple)) else ()) | ({layout} - {"shards"}))
     model = data.get("model")

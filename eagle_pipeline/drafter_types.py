@@ -243,7 +243,8 @@ def drafter_problems(
             problems += [
                 (("drafters", i, "type"), f"no exported trainer serves {kind}: {t}: {r}") for t, r in refused.items()
             ]
-        elif not candidates and not asked:
+        elif not candidates and not asked and kind != "eagle3":
+            # EAGLE-3 (the default) is what the project's own shards hold; any other type needs a trainer's files.
             problems.append(
                 (("drafters", i, "type"), f"{kind}: no trainer layout is exported (hidden_states.trainer_layouts)")
             )

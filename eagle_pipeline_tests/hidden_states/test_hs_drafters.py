@@ -275,6 +275,7 @@ def test_check_drafter_reads_speculators_flags_in_vllm_ids(exports, tmp_path, ca
             "drafters[0].type",
             ["layout: shards"],
         ),
+        ({"drafters": ["dflash"], "trainer_layouts": []}, "drafters[0].type", ["no trainer layout is exported"]),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_reason_and_the_line(tmp_path, settings, where, words):
@@ -290,6 +291,10 @@ def test_served_combinations_load(tmp_path):
     )  # speculators serves what SpecForge can't
     assert [d.type for d in cfg.hidden_states.drafters] == ALL and cfg.hidden_states.aux_layers == 5
     assert [d.type for d in load_config(DEFAULT_CONFIG).hidden_states.drafters] == ["eagle3"]
+    # The code's defaults (no trainer layout derived: each is a full copy of the states) load: EAGLE-3 is what the
+    # project's own shards hold.
+    bare = load_config(_with_hidden_states(tmp_path, {"trainer_layouts": []})).hidden_states
+    assert bare.trainer_layouts == () and [d.type for d in bare.drafters] == ["eagle3"]
 
 
 def test_the_plan_shows_the_disk_of_each_layer_choice():
