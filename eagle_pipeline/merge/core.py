@@ -96,6 +96,45 @@ class _Counts:
         return int(n_tok.sum())
 
 
+def _manifest(
+    inputs: list[MergeInput],
+    settings: MergeSettings,
+    config_hash: str,
+    input_rows: dict[str, int],
+    counts: _Counts,
+    excluded: dict[str, dict[str, int]],
+    dedup_winners: dict[str, dict[str, int]],
+    shards: list[dict[str, Any]],
+) -> MergeManifest:
+    """The merge's manifest: its inputs and settings, what each filter excluded, the per-dataset figures, the shards."""
+    return MergeManifest(
+        format_version=FORMAT_VERSION,
+        datasets=[i.dataset for i in inputs],
+        seed=settings.seed,
+        settings=settings.to_dict(),
+        config_hash=config_hash,
+        upstream_versions={i.dataset: i.upstream_version for i in inputs},
+        input_rows=input_rows,
+        rows_total=sum(counts.rows.values()),
+        rows_per_dataset=counts.rows,
+        tokens_total=sum(counts.tokens.values()),
+        tokens_per_dataset=counts.tokens,
+        supervised_tokens_total=sum(counts.supervised.values()),
+        supervised_tokens_per_dataset=counts.supervised,
+        rows_without_supervised_tokens=counts.no_supervised,
+        excluded=excluded,
+        audit_gates={i.dataset: {k: int(v) for k, v in sorted(i.excluded_by_gate.items())} for i in inputs},
+        dedup_winners=dedup_winners,
+        splits={
+            "train": sum(v["train"] for v in counts.splits.values()),
+            "eval": sum(v["eval"] for v in counts.splits.values()),
+        },
+        splits_per_dataset=counts.splits,
+        shards=shards,
+        columns=list(MERGED_SCHEMA.names),
+    )
+
+
 def merge_datasets(
     inputs: list[MergeInput], out_dir: Path, settings: MergeSettings, *, config_hash: str = ""
 ) -> MergeManifest:
@@ -147,35 +186,8 @@ def merge_datasets(
         tokens = counts.add(table)
         shards.append({"path": path.name, "rows": table.num_rows, "tokens": tokens, "sha256": file_sha256(path)})
         del table
-    rows_per_dataset, tokens_per_dataset = counts.rows, counts.tokens
-    supervised_per_dataset, splits_per_dataset = counts.supervised, counts.splits
 
-    manifest = MergeManifest(
-        format_version=FORMAT_VERSION,
-        datasets=datasets,
-        seed=settings.seed,
-        settings=settings.to_dict(),
-        config_hash=config_hash,
-        upstream_versions={i.dataset: i.upstream_version for i in inputs},
-        input_rows=input_rows,
-        rows_total=n_rows,
-        rows_per_dataset=rows_per_dataset,
-        tokens_total=sum(tokens_per_dataset.values()),
-        tokens_per_dataset=tokens_per_dataset,
-        supervised_tokens_total=sum(supervised_per_dataset.values()),
-        supervised_tokens_per_dataset=supervised_per_dataset,
-        rows_without_supervised_tokens=counts.no_supervised,
-        excluded=excluded,
-        audit_gates={i.dataset: {k: int(v) for k, v in sorted(i.excluded_by_gate.items())} for i in inputs},
-        dedup_winners=dedup_winners,
-        splits={
-            "train": sum(v["train"] for v in splits_per_dataset.values()),
-            "eval": sum(v["eval"] for v in splits_per_dataset.values()),
-        },
-        splits_per_dataset=splits_per_dataset,
-        shards=shards,
-        columns=list(MERGED_SCHEMA.names),
-    )
+    manifest = _manifest(inputs, settings, config_hash, input_rows, counts, excluded, dedup_winners, shards)
     write_json_atomic(manifest.to_dict(), out_dir / MANIFEST_NAME)
     # Stale shards go only after the manifest that no longer lists them is in place.
     keep = {sh["path"] for sh in shards}
