@@ -352,28 +352,29 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     return EXIT_OK if result.passed else EXIT_BLOCKED
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps."
+def _target_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="DIR",
+        help="target tokenizer: a directory (Kimi tiktoken.model, or a transformers tokenizer) or 'demo'",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.add_argument("--profile", default="kimi-k2.5", help="model profile (default: kimi-k2.5; also: qwen3)")
 
-    def target_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--tokenizer",
-            required=True,
-            metavar="DIR",
-            help="target tokenizer: a directory (Kimi tiktoken.model, or a transformers tokenizer) or 'demo'",
-        )
-        p.add_argument("--profile", default="kimi-k2.5", help="model profile (default: kimi-k2.5; also: qwen3)")
 
+def _config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="pipeline YAML (default: $EAGLE_PIPELINE_CONFIG, pipeline.yaml)")
+
+
+def _add_token_commands(sub: Any) -> None:
+    """`reconstruct` and `audit`."""
     rec = sub.add_parser(
         "reconstruct",
         help="rebuild exact output ids from chat-completion responses (JSONL)",
         description="Each input line: {sample_id, response (the chat-completion body as returned), "
         "dataset?, tools? (list or true), thinking? (default true), messages?}.",
     )
-    target_options(rec)
+    _target_options(rec)
     rec.add_argument("--in", dest="input", required=True, metavar="JSONL")
     rec.add_argument("--out", dest="output", required=True, metavar="PARQUET")
     rec.add_argument("--dataset", default="imported", help="dataset of lines that name none (default: imported)")
@@ -389,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the audit gates over a token-samples Parquet file",
         description="Exit status 1 when a blocking gate fails, 2 on usage or input errors.",
     )
-    target_options(aud)
+    _target_options(aud)
     aud.add_argument("--in", dest="input", required=True, metavar="PARQUET")
     aud.add_argument("--report", required=True, metavar="JSON", help="where to write the JSON report")
     aud.add_argument(
@@ -403,15 +404,15 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--kept-out", metavar="PARQUET", help="also write the rows that pass the filter")
     aud.set_defaults(func=cmd_audit)
 
-    def config_option(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", default=None, help="pipeline YAML (default: $EAGLE_PIPELINE_CONFIG, pipeline.yaml)")
 
+def _add_vllm_commands(sub: Any) -> None:
+    """`vllm-command` and `vllm-smoke`."""
     vc = sub.add_parser(
         "vllm-command",
         help="print the `vllm serve` command for extraction with this configuration",
         description="The extract_hidden_states server for the configured model, aux layers and storage path.",
     )
-    config_option(vc)
+    _config_option(vc)
     vc.add_argument("--served-model", help="what `vllm serve` loads (default: hidden_states.model)")
     served_config_help = (
         "config.json (or local snapshot) of the model the server loads (default: hidden_states.vllm."
@@ -429,12 +430,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="send one row to a running extraction server and validate the file it returns",
         description="Exit status 0 when the file is valid, 1 when the server or its file is wrong.",
     )
-    config_option(vs)
+    _config_option(vs)
     vs.add_argument("--endpoint", help="base URL (default: the first of hidden_states.vllm.endpoints)")
     vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
     vs.add_argument("--served-model-config", metavar="PATH", help=served_config_help)
     vs.set_defaults(func=cmd_vllm_smoke)
 
+
+def _add_data_commands(sub: Any) -> None:
+    """`retire-responses` and `check-drafter`."""
     ret = sub.add_parser(
         "retire-responses",
         help="archive a dataset's committed responses (all, or one backend's / provider's)",
@@ -444,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--dataset", required=True, help="the dataset (partition) name, e.g. B3")
     ret.add_argument("--backend", help="retire only the rows of this backend (its name in the configuration)")
     ret.add_argument("--provider", help="retire only the rows this provider answered (the responses' provider column)")
-    config_option(ret)
+    _config_option(ret)
     ret.add_argument("--data-root", metavar="DIR", help="the data root, instead of the configuration's")
     ret.set_defaults(func=cmd_retire_responses)
 
@@ -462,6 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a draft JSON (SpecForge's, or a speculators config.json) or a file of speculators train.py flags",
     )
     chk.set_defaults(func=cmd_check_drafter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Audited EAGLE-3 drafter training data: command-line steps."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_token_commands(sub)
+    _add_vllm_commands(sub)
+    _add_data_commands(sub)
     return parser
 
 
