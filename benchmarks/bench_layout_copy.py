@@ -1,22 +1,24 @@
 #!/usr/bin/env python
 """The client's CPU per GB of Kimi-K2.5 states for each way a vLLM connector file reaches a layout.
 
-    .venv/bin/python benchmarks/bench_layout_copy.py [--rows 6] [--mean-tokens 3460] [--storage DIR] [--other-fs DIR]
+    .venv/bin/python benchmarks/bench_layout_copy.py [--rows 6] [--mean-tokens 3460] [--repeat 3]
+        [--storage DIR] [--other-fs DIR]
 
 Kimi's real state shape (H = 7168, 3 aux layers + the final state, bf16: 57,344 B per token); row lengths drawn
 around the seed's mean (138.4M tokens / 40K samples ≈ 3,460 tokens; lengths 0.25x to 2.5x of it). Each path gets its
 own fresh copies of the same connector files (made outside the timing) and is timed with this process's CPU seconds
-(`time.process_time`, user + system, every thread; torch runs on one thread), per GB of states:
+(`time.process_time`, user + system, every thread; torch runs on one thread), per GB of states, best of --repeat:
 
   validate      vllm_files.validate_states_file alone (the check every path must do)
   shards        today's `engine: vllm` path: validate, then copy into the project's shard (read, slice, sha256, write,
                 fsync)
-  speculators   `engine: vllm` + `layout: speculators` (vllm_handoff.hand_off): one mapping of the file, its sha256 and
-                the same checks over those pages, rename to hs_{i}.safetensors (one filesystem); the same without
-                the sha256 (what the integrity record costs); and the connector's storage on --other-fs (default
-                /dev/shm, when it is another filesystem), the exports on --storage: one streaming copy
+  speculators   `engine: vllm` + `layout: speculators` (vllm_handoff.hand_off): one mapping of the file, its
+                XXH3-128 and the same checks over those pages, rename to hs_{i}.safetensors (one filesystem); the
+                same with a sha256 instead (the integrity record before) and with no digest (what one costs); and the
+                connector's storage on --other-fs (default /dev/shm, when it is another filesystem), the exports on
+                --storage: one streaming copy
   specforge     `layout: specforge`: validate, the post-norm final state from the recorded head's norm, the .ckpt
-                (torch.save) written atomically and its sha256 (trainer_layouts.SampleFilesWriter's work)
+                (torch.save) written atomically and its XXH3-128 (trainer_layouts.SampleFilesWriter's work)
 
 The goal (issue 24): speculators on one filesystem at most 1.2x validate. Prints figures only; not a test.
 """
@@ -24,6 +26,8 @@ The goal (issue 24): speculators on one filesystem at most 1.2x validate. Prints
 from __future__ import annotations
 
 import argparse
+import hashlib
+import mmap
 import os
 import shutil
 import sys
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 
 from eagle_pipeline.hidden_states.extract import IDS_DTYPE, MASK_DTYPE
-from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, shard_layout, tensor_key
+from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, sample_file_digest, shard_layout, tensor_key
 from eagle_pipeline.hidden_states.head import TargetHead
 from eagle_pipeline.hidden_states.trainer_layouts import SPECFORGE, serialise
 from eagle_pipeline.hidden_states.vllm_files import check_states, validate_states_file
@@ -126,10 +130,12 @@ def speculators(files: list[tuple[Path, list[int]]], export: Path) -> None:
         hand_off(p, export / "hidden_states" / f"hs_{i}.safetensors", ids, LAYER_IDS, hidden_size=H)
 
 
-def speculators_unhashed(files: list[tuple[Path, list[int]]], export: Path) -> None:
-    """hand_off without the sha256 (size only): what the integrity record costs."""
+def speculators_with(digest: Callable[[mmap.mmap], object] | None, files, export: Path) -> None:
+    """hand_off's steps with another integrity record (`digest` over the mapping, or none: size only)."""
     for i, (p, ids) in enumerate(files):
         buf = map_file(p)
+        if digest is not None:
+            digest(buf)
         t = safetensors_views(p, buf)
         check_states(p, t["hidden_states"], t["token_ids"], ids, LAYER_IDS, hidden_size=H)
         del t
@@ -137,9 +143,11 @@ def speculators_unhashed(files: list[tuple[Path, list[int]]], export: Path) -> N
         buf.close()
 
 
-def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHead) -> None:
-    import hashlib
+def _sha256(buf: mmap.mmap) -> str:
+    return hashlib.sha256(buf).hexdigest()
 
+
+def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHead) -> None:
     from safetensors import safe_open
 
     for i, (p, ids) in enumerate(files):
@@ -155,7 +163,7 @@ def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHea
         }
         data = serialise(SPECFORGE, tensors, N_AUX, H)
         write_bytes_atomic(data, export / "train" / f"s{i}.ckpt")
-        hashlib.sha256(data).hexdigest()
+        sample_file_digest(data)
         p.unlink()
 
 
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--mean-tokens", type=int, default=3460)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of every path, interleaved; the best of each is shown")
     ap.add_argument("--storage", default=None, help="the connector's storage and the export root (default: a temp dir)")
     ap.add_argument(
         "--other-fs", default="/dev/shm", help="connector storage on another filesystem than --storage ('' to skip)"
@@ -186,19 +195,23 @@ def main(argv: list[str] | None = None) -> int:
             ("validate", conn, validate_only),
             ("shards (today's vllm engine)", conn, lambda f: into_shard(f, work / "shard.safetensors")),
             ("speculators, rename", conn, lambda f: speculators(f, work / "export-spec")),
-            ("  the same without the sha256", conn, lambda f: speculators_unhashed(f, work / "export-spec")),
+            ("  the same with a sha256", conn, lambda f: speculators_with(_sha256, f, work / "export-spec")),
+            ("  the same with no digest", conn, lambda f: speculators_with(None, f, work / "export-spec")),
             ("specforge (.ckpt, post-norm)", conn, lambda f: specforge(f, work / "export-sf", head)),
         ]
         if far is not None and os.stat(other).st_dev != os.stat(work).st_dev:  # connector on tmpfs, exports on disk
-            runs.insert(4, ("speculators, one copy across fs", far, lambda f: speculators(f, work / "export-spec")))
-        base = None
-        for name, storage, fn in runs:
-            batch = fresh(files, storage)
-            s = cpu_seconds(fn, batch) / gb
-            base = base or s
+            runs.insert(5, ("speculators, one copy across fs", far, lambda f: speculators(f, work / "export-spec")))
+        best = dict.fromkeys((name for name, _, _ in runs), float("inf"))
+        # The paths interleaved, the best of each kept: a busy machine's noise only ever adds time.
+        for _ in range(args.repeat):
+            for name, storage, fn in runs:
+                batch = fresh(files, storage)
+                best[name] = min(best[name], cpu_seconds(fn, batch) / gb)
+                for p in storage.glob("*"):
+                    p.unlink()
+        base = best["validate"]
+        for name, s in best.items():
             print(f"  {name:34s} {s:6.2f} CPU s/GB  {s / base:5.2f}x validate")
-            for p in storage.glob("*"):
-                p.unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if other is not None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .format import read_index, read_index_meta, shard_paths
+from .format import read_index, read_index_meta, sample_file_digest_of, shard_paths
 from .head import POST_NORM, PRE_NORM, TargetHead, load_target_head, recorded_head_sha256, stale_head_note
 from .merged import read_rows
 from .trainer_layouts import open_shard, shard_final_state
@@ -381,7 +381,7 @@ def audit_shard_cached(
     manifest = Path(merged_dir) / "manifest.json"
     key = {
         "shard_sha256": meta["sha256"],
-        "sample_files_sha256": [f["sha256"] for f in meta.get("sample_files", [])],
+        "sample_files_digest": [sample_file_digest_of(f) for f in meta.get("sample_files", [])],
         "target_head_sha256": meta.get("target_head_sha256"),
         "recorded_head_sha256": recorded_head_sha256(out_dir),  # the head it is judged with now
         "merged_manifest_sha256": file_sha256(manifest) if manifest.exists() else None,

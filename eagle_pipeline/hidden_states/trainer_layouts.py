@@ -18,7 +18,6 @@ Disk and time of each choice at scale: docs/hidden_states.md §14.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from collections.abc import Iterator, Mapping
@@ -39,6 +38,8 @@ from .format import (
     build_sample_index,
     read_index,
     read_index_meta,
+    sample_file_digest,
+    sample_file_entry,
     shard_paths,
     tensor_key,
 )
@@ -156,7 +157,7 @@ def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]
 class SampleFilesWriter:
     """Stands in for the shard's `StreamingSafetensorsWriter` when the states go straight into a trainer's layout:
     ids and masks still go to the shard file (small: 5 B/token), each sample's aux and final states to its own
-    trainer file, written atomically as soon as both arrive, with its size and sha256 recorded for `shard_status`.
+    trainer file, written atomically as soon as both arrive, with its size and digest recorded for `shard_status`.
     """
 
     def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
@@ -189,12 +190,7 @@ class SampleFilesWriter:
         path = self._target.root / rel
         write_bytes_atomic(data, path)
         self.files.append(
-            {
-                "sample_id": sid,
-                "path": os.path.relpath(path, self._out_dir),
-                "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
+            sample_file_entry(sid, os.path.relpath(path, self._out_dir), len(data), sample_file_digest(data))
         )
 
     def finish(self) -> str:

@@ -2,7 +2,7 @@
 
 The connector writes `hidden_states` [T, n_ids, H] (the aux layers, then vLLM id L: the final state before the final
 norm) and `token_ids` [T] int64, which is byte for byte speculators' `hs_{i}.safetensors` (trainer_layouts.py). So with
-`engine: vllm` and `layout: speculators` the client reads each file once (one mapping), computes its sha256 and runs
+`engine: vllm` and `layout: speculators` the client reads each file once (one mapping), computes its XXH3-128 (`format.sample_file_digest`) and runs
 `vllm_files.check_states` over that one buffer, then renames the file to its `hs_{i}` name when the connector's storage
 and the export folder are on one filesystem (same `st_dev`), else writes the buffer it already holds (one streaming
 copy) and deletes the connector's file. Crash safety: a kill -9 before the rename leaves the connector file, which
@@ -14,7 +14,6 @@ docs/hidden_states.md §12.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -26,6 +25,7 @@ import torch
 
 from ..generation.failures import RequestFailure
 from ..storage import atomic_path, fsync_dir
+from .format import sample_file_digest
 from .vllm_files import INVALID_STATES, FileFacts, check_states
 
 RENAMED, COPIED = "renamed", "copied"
@@ -42,11 +42,11 @@ _ST_DTYPES = {
 
 @dataclass(frozen=True)
 class HandedFile:
-    """A validated connector file: what it holds, and its size and sha256 (from the one read)."""
+    """A validated connector file: what it holds, and its size and digest (from the one read)."""
 
     facts: FileFacts
     size: int
-    sha256: str
+    digest: str  # format.sample_file_digest
     how: str = ""  # RENAMED | COPIED once placed
 
 
@@ -102,10 +102,10 @@ def read_validated(
     path: str | os.PathLike, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
 ) -> tuple[HandedFile, mmap.mmap]:
     """Read a connector file once; check it as `vllm_files.validate_states_file` does (ids, layer count, H, finite,
-    no all-zero state) and that `token_ids` is int64 (speculators' dtype); return its facts, size and sha256, and
+    no all-zero state) and that `token_ids` is int64 (speculators' dtype); return its facts, size and digest, and
     the buffer (for a copy to another filesystem)."""
     buf = map_file(path)
-    sha = hashlib.sha256(buf).hexdigest()  # one pass over the pages; the checks below find them mapped
+    digest = sample_file_digest(buf)  # one pass over the pages; the checks below find them mapped
     t = safetensors_views(path, buf)
     if not {"hidden_states", "token_ids"} <= set(t):
         raise RequestFailure(INVALID_STATES, f"{path}: tensors {sorted(t)}, need hidden_states and token_ids", False)
@@ -114,7 +114,7 @@ def read_validated(
             INVALID_STATES, f"{path}: token_ids are {t['token_ids'].dtype}, speculators reads int64", False
         )
     facts = check_states(path, t["hidden_states"], t["token_ids"], ids, layer_ids, hidden_size=hidden_size)
-    return HandedFile(facts, len(buf), sha), buf
+    return HandedFile(facts, len(buf), digest), buf
 
 
 def same_filesystem(src: str | os.PathLike, dst_dir: str | os.PathLike) -> bool:
@@ -156,4 +156,4 @@ def hand_off(
         how = place_file(src, dst, buf)
     finally:
         buf.close()
-    return HandedFile(handed.facts, handed.size, handed.sha256, how)
+    return HandedFile(handed.facts, handed.size, handed.digest, how)

@@ -1,11 +1,11 @@
 """A vLLM shard's rows written straight into a trainer's layout (`hidden_states.layout: speculators | specforge`).
 
 The shard file keeps only ids and masks, as the in-process layouts do (`trainer_layouts.SampleFilesWriter`); each
-row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, sha256)
+row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
 for the shard index's `sample_files`, which `shard_status`, `open_shard` and every check read.
 
 * speculators: the connector's file already is `hs_{i}.safetensors` (pre-norm final state, vLLM's layer order), so
-  `validate` reads it once (`vllm_handoff.read_validated`: the checks and the sha256 over one mapping) and `place`
+  `validate` reads it once (`vllm_handoff.read_validated`: the checks and the digest over one mapping) and `place`
   renames it (one filesystem) or writes the mapped bytes once (`vllm_handoff.place_file`).
 * specforge: its final state is post-norm and its file a `torch.save` record, so `place` reads the validated file,
   applies the target's final norm (`final_norm`, from the recorded head) and writes the `.ckpt` (a full rewrite:
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .format import sample_file_entry
 from .trainer_layouts import SPECFORGE, SPECULATORS, LayoutTarget, SampleFilesWriter
 from .vllm_files import FileFacts, validate_states_file
 from .vllm_handoff import HandedFile, place_file, read_validated
@@ -81,14 +82,7 @@ class VllmLayoutRows:
             place_file(path, dst, buf)
         finally:
             buf.close()
-        self.files.append(
-            {
-                "sample_id": sample_id,
-                "path": os.path.relpath(dst, self.out_dir),
-                "size": handed.size,
-                "sha256": handed.sha256,
-            }
-        )
+        self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), handed.size, handed.digest))
 
     def _place_specforge(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
         from safetensors import safe_open

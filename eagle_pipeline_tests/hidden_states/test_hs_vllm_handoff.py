@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from eagle_pipeline.generation.failures import RequestFailure
@@ -47,7 +47,7 @@ def test_one_read_gives_the_same_verdicts_and_the_file_hash(dtype, tmp_path):
     assert handed.facts == validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
     assert handed.size == src.stat().st_size == len(buf)
     buf.close()  # no tensor still views it
-    assert handed.sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert handed.digest == xxhash.xxh3_128_hexdigest(src.read_bytes())
 
     states = load_file(str(src))["hidden_states"]
     cases = {
@@ -85,7 +85,7 @@ def test_on_one_filesystem_the_file_is_renamed_not_copied(tmp_path):
     assert handed.how == RENAMED
     assert (dst.stat().st_ino, dst.stat().st_dev) == (st.st_ino, st.st_dev)  # the same inode: no second copy
     assert not src.exists() and not Path(f"{src}.lock").exists()
-    assert dst.read_bytes() == before and handed.sha256 == hashlib.sha256(before).hexdigest()
+    assert dst.read_bytes() == before and handed.digest == xxhash.xxh3_128_hexdigest(before)
     assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
     # read back as speculators' loader reads hs_{i}: hidden_states [T, 4, H] and token_ids [T]
     t = load_file(str(dst))
@@ -154,7 +154,7 @@ def test_kill_9_around_the_rename_leaves_a_state_the_rerun_completes_with_identi
     clean_journal(journal)
     src = _connector_file(conn / "req-0-retry.safetensors", ids, seed=7)
     handed = hand_off(src, dst, ids, LAYER_IDS, hidden_size=H)
-    assert dst.read_bytes() == expected and handed.sha256 == hashlib.sha256(expected).hexdigest()
+    assert dst.read_bytes() == expected and handed.digest == xxhash.xxh3_128_hexdigest(expected)
     assert sorted(p.name for p in dst.parent.iterdir()) == ["hs_0.safetensors"]
     assert list(conn.iterdir()) == []
 
@@ -231,7 +231,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     assert sorted(f["sample_id"] for f in placed.files) == sorted(rows.sample_ids)
     for f in placed.files:  # the integrity record is the file's
         p = data / "hidden_states" / f["path"]
-        assert (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) == (f["size"], f["sha256"])
+        assert (p.stat().st_size, xxhash.xxh3_128_hexdigest(p.read_bytes())) == (f["size"], f["xxh3_128"])
     assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
     for sid, rel in target.file_of.items():
         got_path, want_path = target.root / rel, ref_root / rel
@@ -255,7 +255,7 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
     layout, normed_model, merged_factory, tmp_path
 ):
     """extract_shard_vllm with a layout target: the shard is done with ids and masks only, shard_status checks the
-    trainer files' sizes and sha256, verify_shard reads them (open_shard), and the states equal in-process
+    trainer files' sizes and digests, verify_shard reads them (open_shard), and the states equal in-process
     extraction's; a rerun reuses the shard; no state file exists twice."""
     from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
     from eagle_pipeline.hidden_states.layers import default_aux_layers
@@ -308,7 +308,7 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
                 assert torch.equal(got[key], w), key
     victim = target.root / target.file_of[next(iter(target.file_of))]
     data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one byte changed, its size kept: only the recorded sha256 disagrees
+    data[len(data) // 2] ^= 0xFF  # one byte changed, its size kept: only the recorded digest disagrees
     victim.write_bytes(bytes(data))
     assert shard_status(hs, 0, check_hash=True) == "partial"
 
