@@ -1,5 +1,6 @@
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from eagle_pipeline.config import (
     VLLMEngineConfig,
     load_config,
 )
+from eagle_pipeline.config_sections import DrafterSpec
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
 from eagle_pipeline.merge import MergeSettings
@@ -273,7 +275,25 @@ DOCUMENTED = {
     "`hidden_states.vllm`": VLLMEngineConfig,
     "`hidden_states.torchrun`": TorchrunConfig,
     "`pools`": PoolsConfig,
+    "`hidden_states.drafters[i]`": DrafterSpec,
 }
+
+
+def _section_classes(cls: type, seen: set[type] | None = None) -> set[type]:
+    """Every section class reachable from `cls`'s fields (through `X | None`, `tuple[X, ...]`, `dict[str, X]`,
+    `Annotated[X, ...]`): what the file can hold, found from the code rather than listed by hand."""
+    seen = set() if seen is None else seen
+    for hint in typing.get_type_hints(cls, include_extras=True).values():
+        stack = [hint]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and dataclasses.is_dataclass(t):
+                if t not in seen:
+                    seen.add(t)
+                    _section_classes(t, seen)
+            else:
+                stack.extend(typing.get_args(t))
+    return seen
 
 
 def _file_keys(cls) -> dict:
@@ -290,6 +310,11 @@ def _file_keys(cls) -> dict:
         default = dataclasses.MISSING if info.is_required() else info.get_default(call_default_factory=True)
         out[info.alias or name] = default
     return out
+
+
+def test_every_section_of_the_file_is_documented():
+    """Every section class the configuration holds, found by walking the code, has its table in the docs."""
+    assert _section_classes(PipelineConfig) | {PipelineConfig} == set(DOCUMENTED.values())
 
 
 def test_docs_list_every_key_with_its_default():
