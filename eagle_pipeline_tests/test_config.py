@@ -1,7 +1,9 @@
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
+import annotated_types
 import pytest
 import yaml
 
@@ -20,6 +22,7 @@ from eagle_pipeline.config import (
     VLLMEngineConfig,
     load_config,
 )
+from eagle_pipeline.config_sections import DrafterSpec
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
 from eagle_pipeline.merge import MergeSettings
@@ -273,7 +276,25 @@ DOCUMENTED = {
     "`hidden_states.vllm`": VLLMEngineConfig,
     "`hidden_states.torchrun`": TorchrunConfig,
     "`pools`": PoolsConfig,
+    "`hidden_states.drafters[i]`": DrafterSpec,
 }
+
+
+def _section_classes(cls: type, seen: set[type] | None = None) -> set[type]:
+    """Every section class reachable from `cls`'s fields (through `X | None`, `tuple[X, ...]`, `dict[str, X]`,
+    `Annotated[X, ...]`): what the file can hold, found from the code rather than listed by hand."""
+    seen = set() if seen is None else seen
+    for hint in typing.get_type_hints(cls, include_extras=True).values():
+        stack = [hint]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and dataclasses.is_dataclass(t):
+                if t not in seen:
+                    seen.add(t)
+                    _section_classes(t, seen)
+            else:
+                stack.extend(typing.get_args(t))
+    return seen
 
 
 def _file_keys(cls) -> dict:
@@ -292,14 +313,65 @@ def _file_keys(cls) -> dict:
     return out
 
 
-def test_docs_list_every_key_with_its_default():
+def test_every_section_of_the_file_is_documented():
+    """Every section class the configuration holds, found by walking the code, has its table in the docs."""
+    assert _section_classes(PipelineConfig) | {PipelineConfig} == set(DOCUMENTED.values())
+
+
+def _doc_tables(column: int) -> dict[str, dict[str, str]]:
+    """docs/configuration.md's tables: section heading -> key -> the text of `column` (1: type, 2: default)."""
     tables: dict[str, dict[str, str]] = {}
     heading = None
     for line in (REPO_ROOT / "docs" / "configuration.md").read_text().splitlines():
         if line.startswith("#"):
             heading = line.lstrip("#").strip()
-        elif (m := re.match(r"\| `([^`]+)` \|[^|]+\|([^|]*)\|", line)) and heading in DOCUMENTED:
-            tables.setdefault(heading, {})[m[1]] = m[2].strip()
+        elif (m := re.match(r"\| `([^`]+)` \|([^|]+)\|([^|]*)\|", line)) and heading in DOCUMENTED:
+            tables.setdefault(heading, {})[m[1]] = m[1 + column].strip()
+    return tables
+
+
+def _code_bounds(info) -> dict[str, float]:
+    """A pydantic field's numeric bounds (ge, gt, le, lt), wherever its type declares them (`Annotated[Int,
+    Field(ge=1)] | None` included)."""
+    metadata, stack = list(info.metadata), [info.annotation]
+    while stack:
+        t = stack.pop()
+        if typing.get_origin(t) is typing.Annotated:
+            metadata += [m for meta in t.__metadata__ for m in getattr(meta, "metadata", [meta])]
+        stack.extend(typing.get_args(t))
+    kinds = {"ge": annotated_types.Ge, "gt": annotated_types.Gt, "le": annotated_types.Le, "lt": annotated_types.Lt}
+    return {k: float(getattr(m, k)) for m in metadata for k, kind in kinds.items() if isinstance(m, kind)}
+
+
+def _doc_bounds(text: str) -> dict[str, float]:
+    """The bounds a type cell states: `≥ 1`, `> 0`, `in [0, 1]`, `in (0, 1]`, `in [0, 1)`."""
+    out = {}
+    if m := re.search(r"(?:≥|>=)\s*(-?[\d.]+)", text):
+        out["ge"] = float(m[1])
+    if m := re.search(r"(?<![≥>])>\s*(-?[\d.]+)", text):
+        out["gt"] = float(m[1])
+    if m := re.search(r"in ([\[(])\s*(-?[\d.]+),\s*(-?[\d.]+)\s*([\])])", text):
+        out["ge" if m[1] == "[" else "gt"] = float(m[2])
+        out["le" if m[4] == "]" else "lt"] = float(m[3])
+    return out
+
+
+def test_docs_state_every_bound_of_a_key():
+    """The type column states exactly the bounds the code checks (`int ≥ 1` where the field has ge=1, none where
+    it has none), for every section whose class declares its bounds on the field."""
+    assert _doc_bounds("number in (0, 1]") == {"gt": 0.0, "le": 1.0} and _doc_bounds("integer >= 0") == {"ge": 0.0}
+    types = _doc_tables(column=1)
+    drift = []
+    for heading, cls in DOCUMENTED.items():
+        for name, info in getattr(cls, "__pydantic_fields__", {}).items():
+            key = info.alias or name
+            if key in types[heading] and _code_bounds(info) != _doc_bounds(types[heading][key]):
+                drift.append(f"{heading} {key}: code {_code_bounds(info)}, docs {types[heading][key]!r}")
+    assert not drift, drift
+
+
+def test_docs_list_every_key_with_its_default():
+    tables = _doc_tables(column=2)
     assert set(tables) == set(DOCUMENTED)
     for heading, cls in DOCUMENTED.items():
         keys = _file_keys(cls)
