@@ -47,7 +47,7 @@ from eagle_pipeline.hidden_states.head import TargetHead
 from eagle_pipeline.hidden_states.trainer_layouts import SPECFORGE, serialise
 from eagle_pipeline.hidden_states.vllm_files import check_states, validate_states_file
 from eagle_pipeline.hidden_states.vllm_handoff import hand_off, map_file, place_file, safetensors_views
-from eagle_pipeline.storage import write_bytes_atomic
+from eagle_pipeline.shared.storage import write_bytes_atomic
 
 H, N_AUX, LAYERS = 7168, 3, 61  # Kimi-K2.5: hidden size, aux layers, decoder layers (the final vLLM id)
 LAYER_IDS = (2, 31, 59, LAYERS)

@@ -61,7 +61,7 @@ def _zipf_ids(rng: np.random.Generator, n: int, perm: np.ndarray) -> np.ndarray:
 
 
 def build_inputs(workdir: Path, seed: int = 0) -> dict:
-    from eagle_pipeline.storage import file_sha256, write_parquet_atomic
+    from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 
     rng = np.random.default_rng(seed)
     perm = rng.permutation(VOCAB - 256).astype(np.int32)  # specials (>= VOCAB-256) only appear as eot

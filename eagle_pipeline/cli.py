@@ -53,7 +53,7 @@ def cmd_reconstruct(args: argparse.Namespace) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from eagle_pipeline.storage import write_parquet_atomic
+    from eagle_pipeline.shared.storage import write_parquet_atomic
     from eagle_pipeline.tokens import reconstruct_table
 
     tok, profile = _load_target(args.tokenizer, args.profile)
@@ -142,7 +142,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     import pyarrow.parquet as pq
 
     from eagle_pipeline.audit import AuditSettings, run_audit
-    from eagle_pipeline.storage import write_json_atomic, write_parquet_atomic
+    from eagle_pipeline.shared.storage import write_json_atomic, write_parquet_atomic
 
     settings = AuditSettings.from_dict(parse_set_options(args.set or []))
     gates = [g.strip() for g in args.gates.split(",") if g.strip()] if args.gates else None
@@ -176,7 +176,7 @@ def cmd_retire_responses(args: argparse.Namespace) -> int:
     from eagle_pipeline.config import ConfigError, load_config
     from eagle_pipeline.generation import read_responses
     from eagle_pipeline.generation.retire import retire_responses
-    from eagle_pipeline.storage import DataRoot
+    from eagle_pipeline.shared.storage import DataRoot
 
     if args.data_root:
         root = DataRoot(Path(args.data_root))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from eagle_pipeline.config import DEFAULT_CONFIG, load_config
-from eagle_pipeline.storage import DataRoot, read_json
+from eagle_pipeline.shared.storage import DataRoot, read_json
 
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}

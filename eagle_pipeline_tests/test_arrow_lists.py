@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.arrow_lists import list_parts, list_rows, make_list, nullable_list_rows, offsets_from_lengths
+from eagle_pipeline.shared.arrow import list_parts, list_rows, make_list, nullable_list_rows, offsets_from_lengths
 
 
 def _chunked() -> pa.ChunkedArray:

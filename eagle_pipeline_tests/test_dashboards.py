@@ -3,7 +3,7 @@ import io
 import matplotlib.image as mpimg
 import numpy as np
 
-from eagle_pipeline.dashboards import histogram_markdown, histogram_png
+from eagle_pipeline.shared.figures import histogram_markdown, histogram_png
 
 
 def test_histogram_is_a_real_non_blank_png():

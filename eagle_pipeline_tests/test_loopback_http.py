@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from eagle_pipeline.loopback_http import LoopbackHttpServer
+from eagle_pipeline.shared.loopback_http import LoopbackHttpServer
 
 
 class _Echo(LoopbackHttpServer):

@@ -1,4 +1,4 @@
-"""Prompt sets as users have them (eagle_pipeline/prompt_formats.py): ShareGPT JSON/JSONL, Parquet files and
+"""Prompt sets as users have them (eagle_pipeline/prompts/formats.py): ShareGPT JSON/JSONL, Parquet files and
 folders, `datasets` save_to_disk folders; real files written here, the same prompts from every layout."""
 
 import json
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
-from eagle_pipeline.prompt_formats import detect_format
 from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table, load_prompt_file, prompts_table
+from eagle_pipeline.prompts.formats import detect_format
 
 SAMPLING = {"seed": 1, "temperature": 0.6}
 TOOLS = [

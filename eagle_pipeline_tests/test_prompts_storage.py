@@ -10,7 +10,7 @@ import pytest
 
 from eagle_pipeline.config import DEFAULT_CONFIG, load_config
 from eagle_pipeline.prompts import PromptFileError, load_prompt_file, make_sample_id, prompts_table
-from eagle_pipeline.storage import clean_stale_tmp, write_parquet_atomic
+from eagle_pipeline.shared.storage import clean_stale_tmp, write_parquet_atomic
 
 
 def test_bundled_prompt_sets_are_valid_and_large_enough():
@@ -71,7 +71,7 @@ def test_atomic_parquet_write_never_leaves_a_partial_file(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, pyarrow as pa, pyarrow.parquet as pq
-        from eagle_pipeline import storage
+        from eagle_pipeline.shared import storage
         orig = pq.write_table
         def slow(table, where, **kw):
             orig(table, where, **kw)
@@ -97,7 +97,7 @@ def test_atomic_writes_and_committed_shards_respect_the_umask(tmp_path, umask, m
     import pyarrow as pa
 
     from eagle_pipeline.generation.store import write_shard
-    from eagle_pipeline.storage import write_bytes_atomic, write_json_atomic
+    from eagle_pipeline.shared.storage import write_bytes_atomic, write_json_atomic
 
     old = os.umask(umask)
     try:

@@ -49,7 +49,7 @@ from eagle_pipeline.hidden_states import (
 )
 from eagle_pipeline.hidden_states.shards import ShardSummary
 from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
-from eagle_pipeline.progress import ProgressCallback
+from eagle_pipeline.shared.progress import ProgressCallback
 
 H200_BF16_PEAK_TFLOPS = 989.0
 

@@ -9,7 +9,6 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.dashboards import histogram_markdown, text_lengths
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.progress import report_progress
 from eagle_pipeline.defs.resources import PipelineResource
@@ -27,7 +26,9 @@ from eagle_pipeline.generation import (
 from eagle_pipeline.generation.coverage import current_responses
 from eagle_pipeline.generation.store import committed_sample_ids
 from eagle_pipeline.prompts import dataset_prompts_table
-from eagle_pipeline.storage import file_sha256, write_parquet_atomic
+from eagle_pipeline.shared.arrow import text_lengths
+from eagle_pipeline.shared.figures import histogram_markdown
+from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 
 
 @dg.asset(

@@ -3,8 +3,8 @@
 import dagster as dg
 import pyarrow.compute as pc
 
-from eagle_pipeline.audit_records import audits_for_merge
-from eagle_pipeline.dashboards import dataset_overview, histogram_markdown
+from eagle_pipeline.audit.overview import dataset_overview
+from eagle_pipeline.audit.records import audits_for_merge
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
@@ -12,6 +12,7 @@ from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.generation.coverage import response_overview
 from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckSpec
+from eagle_pipeline.shared.figures import histogram_markdown
 
 
 @dg.asset(
@@ -35,7 +36,7 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
         root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
     )
     if problems:
-        from eagle_pipeline.audit_overview import audit_overview, refusal_summary
+        from eagle_pipeline.audit.overview import audit_overview, refusal_summary
 
         view = audit_overview(
             root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
@@ -99,7 +100,7 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
     )
 
 
-# The per-dataset overview (dashboards.dataset_overview) as three narrow tables rather than one of ten columns, so
+# The per-dataset overview (audit.overview.dataset_overview) as three narrow tables rather than one of ten columns, so
 # each fits a 1280 px window (the UI test measures it): where the rows went, what the requests cost, who served them.
 # The provider split has a table of its own: beside four numeric columns it pushed the table past the window.
 ROWS_COLUMNS = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from eagle_pipeline.progress import ProgressCallback, WorkProgress, progress_reporter
+from eagle_pipeline.shared.progress import ProgressCallback, WorkProgress, progress_reporter
 
 PROGRESS_TAG = "eagle/progress"
 

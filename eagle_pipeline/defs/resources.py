@@ -6,7 +6,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle_pipeline.config import PipelineConfig, config_path, load_config
-from eagle_pipeline.storage import DataRoot
+from eagle_pipeline.shared.storage import DataRoot
 
 
 @functools.lru_cache(maxsize=4)

@@ -4,15 +4,16 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from eagle_pipeline.audit import GATES, GateSpec, report_markdown
-from eagle_pipeline.audit_overview import audit_failure_summary, first_failure, gate_counts, gate_summary
-from eagle_pipeline.audit_records import audit_token_samples, current_audit, record_gate_verdict
-from eagle_pipeline.dashboards import histogram_markdown, list_lengths, value_counts
+from eagle_pipeline.audit.overview import audit_failure_summary, first_failure, gate_counts, gate_summary
+from eagle_pipeline.audit.records import audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.defs.automation import after_any_audit
 from eagle_pipeline.defs.generation import responses
 from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.storage import file_sha256, write_parquet_atomic
+from eagle_pipeline.shared.arrow import list_lengths, value_counts
+from eagle_pipeline.shared.figures import histogram_markdown
+from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 
 
 @dg.asset(
@@ -196,7 +197,7 @@ def build_gate_checks() -> list[dg.AssetChecksDefinition]:
     ),
 )
 def audit_overview(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline import audit_overview as view
+    from eagle_pipeline.audit import overview as view
 
     cfg = pipeline.config()
     audits = view.audit_overview(

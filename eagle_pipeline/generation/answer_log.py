@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from eagle_pipeline import storage
+from eagle_pipeline.shared import storage
 
 log = logging.getLogger("eagle_pipeline.generation")
 

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.dashboards import value_counts
 from eagle_pipeline.generation import store
+from eagle_pipeline.shared.arrow import value_counts
 
 
 @dataclass(frozen=True)

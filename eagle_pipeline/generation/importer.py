@@ -30,7 +30,7 @@ from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary
 from eagle_pipeline.prompts import canonical_json
-from eagle_pipeline.storage import iter_jsonl_objects
+from eagle_pipeline.shared.storage import iter_jsonl_objects
 
 log = logging.getLogger("eagle_pipeline.generation")
 

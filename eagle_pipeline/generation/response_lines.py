@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..storage import iter_jsonl_objects
+from ..shared.storage import iter_jsonl_objects
 from ..tokens.samples import RECONSTRUCTION_COLUMNS
 from .backends import ParsedResponse, PromptItem, parse_chat_completion
 from .failures import RequestFailure

@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline import storage
 from eagle_pipeline.generation import store
+from eagle_pipeline.shared import storage
 
 STAGING_PREFIX = ".staging-"
 

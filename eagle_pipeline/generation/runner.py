@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from eagle_pipeline import storage
 from eagle_pipeline.generation import store
 from eagle_pipeline.generation.aio import gc_tuned, run_coroutine
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
@@ -41,6 +40,7 @@ from eagle_pipeline.generation.spend_ledger import SharedSpend
 from eagle_pipeline.generation.stream_workers import stream_workers
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S, GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
+from eagle_pipeline.shared import storage
 
 log = logging.getLogger("eagle_pipeline.generation")
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
-from eagle_pipeline.spec_model import SPEC_CONFIG, Bool, Float, Int, Problem, SpecBase, Str, resolve_path
+from eagle_pipeline.shared.spec_model import SPEC_CONFIG, Bool, Float, Int, Problem, SpecBase, Str, resolve_path
 
 DEFAULT_MAX_TOKENS = 2048  # completion budget (reasoning included); the dataset-level `max_tokens` of the YAML
 # How each request's seed is derived from the dataset's (`SamplingSpec.request_seed`); recorded in every row's

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline import storage
 from eagle_pipeline.generation import answer_log
 from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA, ColumnBuffer
+from eagle_pipeline.shared import storage
 
 log = logging.getLogger("eagle_pipeline.generation")
 

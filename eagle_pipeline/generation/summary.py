@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_pipeline.dashboards import value_counts
+from eagle_pipeline.shared.arrow import value_counts
 
 # Seconds between progress reports of a run (`generation.progress_every_s`, the Python API's `progress_every_s`).
 DEFAULT_PROGRESS_EVERY_S = 30.0

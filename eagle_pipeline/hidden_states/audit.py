@@ -375,7 +375,7 @@ def audit_shard_cached(
     """`audit_shard`, computed once per (shard bytes, recorded head, merged manifest, settings) and kept in
     `{out_dir}/audit/shard-NNNNN.audit.json`, so the four Dagster checks of a shard share one pass over its data
     and the per-dataset summary (`summarize_audits`) reads only these files."""
-    from ..storage import file_sha256, read_json, write_json_atomic
+    from ..shared.storage import file_sha256, read_json, write_json_atomic
 
     meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
     manifest = Path(merged_dir) / "manifest.json"
@@ -403,7 +403,7 @@ def audit_shard_cached(
 def summarize_audits(out_dir: str | Path) -> dict[str, Any]:
     """Per-dataset and per-shard summary of every stored shard audit: teacher agreement (position-weighted),
     norm statistics, and which shards and samples failed which check."""
-    from ..storage import read_json
+    from ..shared.storage import read_json
 
     per_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     shards: dict[str, Any] = {}

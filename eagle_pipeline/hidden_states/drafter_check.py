@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..drafter_types import SPECFORGE, SPECULATORS, eagle3_default_layers
-from ..storage import read_json
+from ..shared.storage import read_json
 from .trainer_layouts import EXPORT_JSON
 
 

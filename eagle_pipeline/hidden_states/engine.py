@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from ..progress import ProgressCallback
+from ..shared.progress import ProgressCallback
 from .fingerprint import ExtractionFingerprint
 from .shards import ShardSummary
 
 if TYPE_CHECKING:
-    from ..config_sections import HiddenStatesConfig
-    from ..storage import DataRoot
+    from ..config.sections import HiddenStatesConfig
+    from ..shared.storage import DataRoot
 
 Log = Callable[[str], None]
 

@@ -27,8 +27,8 @@ import torch
 
 from ..generation.aio import run_coroutine
 from ..generation.client import HttpClient
-from ..progress import ProgressCallback
-from ..storage import atomic_path
+from ..shared.progress import ProgressCallback
+from ..shared.storage import atomic_path
 from .fingerprint import ExtractionFingerprint, merged_version
 from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, tensor_key
 from .head import PRE_NORM, CheckpointHead, TargetHead, checkpoint_head, save_target_head_from_checkpoint

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..progress import ProgressCallback
-from ..storage import atomic_path
+from ..shared.progress import ProgressCallback
+from ..shared.storage import atomic_path
 from .batching import DEFAULT_MAX_TOKENS_PER_BATCH, padding_of, plan_batches
 from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
 from .fingerprint import model_identity as identity_of_model

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..merge.manifest import MANIFEST_NAME
-from ..storage import file_sha256, read_json
+from ..shared.storage import file_sha256, read_json
 from .format import FORMAT_VERSION
 from .merged import merged_parts
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 import xxhash
 
-from ..storage import TMP_SUFFIX, file_sha256, file_xxh3_128
+from ..shared.storage import TMP_SUFFIX, file_sha256, file_xxh3_128
 
 FORMAT_NAME = "eagle_pipeline.hidden_states"
 FORMAT_VERSION = 1
@@ -181,7 +181,7 @@ def shard_layout(
 
 def write_index(path: Path, rows: dict[str, list], meta: dict[str, Any]) -> None:
     """Write the shard index (the 'done' marker) atomically, with `meta` as JSON in the schema metadata."""
-    from ..storage import write_parquet_atomic
+    from ..shared.storage import write_parquet_atomic
 
     table = pa.Table.from_pydict(rows, schema=INDEX_SCHEMA)
     table = table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta, sort_keys=True).encode()})

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..storage import atomic_path, file_sha256
+from ..shared.storage import atomic_path, file_sha256
 from .fingerprint import FINAL_STATES
 from .layers import get_backbone
 

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.arrow_lists import list_rows
 from eagle_pipeline.merge.manifest import SHARD_GLOB, merged_shard_paths
+from eagle_pipeline.shared.arrow import list_rows
 
 EXTRACT_COLUMNS = ("sample_id", "dataset", "input_ids", "loss_mask", "n_tokens")
 

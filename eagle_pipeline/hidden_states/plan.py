@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..storage import read_json
+from ..shared.storage import read_json
 from .layers import resolve_aux_layers
 
 IDS_BYTES = 4  # int32 input_ids

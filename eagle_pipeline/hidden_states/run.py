@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..progress import ProgressCallback
-from ..storage import write_json_atomic
+from ..shared.progress import ProgressCallback
+from ..shared.storage import write_json_atomic
 from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from .engine_in_process import InProcessEngine
 from .engine_torchrun import TorchrunEngine
@@ -23,9 +23,9 @@ from .trainer_layouts import StatesExportSummary
 from .vllm_command import VLLMEngine
 
 if TYPE_CHECKING:
-    from ..config_sections import HiddenStatesConfig
+    from ..config.sections import HiddenStatesConfig
     from ..merge.export import ExportSummary
-    from ..storage import DataRoot
+    from ..shared.storage import DataRoot
 
 # `hidden_states.engine` -> the engine that runs it (docs/hidden_states.md §10-13).
 ENGINES: dict[str, ShardEngine] = {

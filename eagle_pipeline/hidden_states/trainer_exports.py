@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..drafter_types import DEFAULT_DRAFTERS, SF_EAGLE3_KEYS, specforge_aliases
-from ..storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
+from ..shared.storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
 from .drafters import capture_of_shards, capture_record, handoff, handoff_markdown
 from .head import POST_NORM, PRE_NORM, load_target_head
 from .layers import aux_layer_to_vllm_id

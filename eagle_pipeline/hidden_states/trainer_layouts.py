@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..storage import write_bytes_atomic
+from ..shared.storage import write_bytes_atomic
 from .fingerprint import LAYOUT_SHARDS
 from .format import (
     TENSOR_NAMES,

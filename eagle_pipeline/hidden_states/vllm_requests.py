@@ -18,7 +18,7 @@ from typing import Any
 from ..generation import failures as F
 from ..generation.client import HttpClient
 from ..generation.failures import RequestFailure
-from ..progress import ProgressCallback
+from ..shared.progress import ProgressCallback
 from .vllm_files import (
     NO_KV_TRANSFER,
     PROMPT_IDS_MISMATCH,

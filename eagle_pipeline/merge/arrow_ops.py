@@ -1,5 +1,5 @@
 """Vectorised list-array arithmetic shared by merge, checks, vocab and exports (the generic list-column helpers are
-in `eagle_pipeline.arrow_lists`).
+in `eagle_pipeline.shared.arrow`).
 
 Everything here works on offsets and flat value buffers (numpy views of Arrow memory); no per-row Python.
 """
@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 import pyarrow as pa
 
-from eagle_pipeline.arrow_lists import list_parts, make_list
+from eagle_pipeline.shared.arrow import list_parts, make_list
 
 
 def concat_prompt_output(

@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.arrow_lists import as_array, list_parts
 from eagle_pipeline.merge.arrow_ops import row_of_position
 from eagle_pipeline.merge.manifest import SHARD_GLOB, MergeManifest
 from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths
-from eagle_pipeline.storage import file_sha256
+from eagle_pipeline.shared.arrow import as_array, list_parts
+from eagle_pipeline.shared.storage import file_sha256
 
 # Failing ids are listed up to this many; `counts["failing_rows"]` always holds the full number.
 MAX_LISTED_FAILURES = 100

@@ -27,7 +27,7 @@ from eagle_pipeline.merge.manifest import (
 )
 from eagle_pipeline.merge.selection import read_selected, select_rows
 from eagle_pipeline.merge.turns import apply_spans, fold_turns
-from eagle_pipeline.storage import clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
+from eagle_pipeline.shared.storage import clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
 
 
 def _assemble_shard(rows: pa.Table, split: np.ndarray, spans: list[list[tuple[int, int]]] | None = None) -> pa.Table:

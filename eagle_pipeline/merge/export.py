@@ -16,11 +16,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_pipeline.arrow_lists import list_parts, make_list
 from eagle_pipeline.merge.arrow_ops import supervised_per_row
 from eagle_pipeline.merge.manifest import MERGED_SCHEMA, ROW_GROUP_ROWS, SHARD_GLOB, shard_name
 from eagle_pipeline.merge.reader import iter_merged_shards
-from eagle_pipeline.storage import atomic_path, clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
+from eagle_pipeline.shared.arrow import list_parts, make_list
+from eagle_pipeline.shared.storage import (
+    atomic_path,
+    clean_stale_tmp,
+    file_sha256,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 EXPORT_BATCH_ROWS = 1024
 SPLITS = ("train", "eval")

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_pipeline.merge.turns import LOSS_ON_MODES
-from eagle_pipeline.storage import read_json
+from eagle_pipeline.shared.storage import read_json
 
 MANIFEST_NAME = "manifest.json"
 SHARD_GLOB = "part-*.parquet"

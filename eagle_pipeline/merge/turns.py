@@ -18,8 +18,8 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from eagle_pipeline.arrow_lists import list_parts, list_rows, make_list
 from eagle_pipeline.merge.arrow_ops import hash_u64
+from eagle_pipeline.shared.arrow import list_parts, list_rows, make_list
 
 LOSS_ON_MODES = ("last_turn", "all_turns")
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from eagle_pipeline.arrow_lists import list_parts
 from eagle_pipeline.merge.manifest import MANIFEST_NAME
 from eagle_pipeline.merge.reader import iter_merged_shards
-from eagle_pipeline.storage import atomic_path, file_sha256, write_bytes_atomic, write_json_atomic
+from eagle_pipeline.shared.arrow import list_parts
+from eagle_pipeline.shared.storage import atomic_path, file_sha256, write_bytes_atomic, write_json_atomic
 
 DRAFT_VOCAB_PT = "draft_vocab.pt"  # SpecForge: torch.save({"d2t": LongTensor, "t2d": BoolTensor})
 D2T_NPY = "d2t.npy"  # speculators --d2t-path

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..arrow_lists import make_list, nullable_list_rows, offsets_from_lengths
 from ..prompts import normalized_prompt_key
+from ..shared.arrow import make_list, nullable_list_rows, offsets_from_lengths
 from .profiles import ModelProfile, ProfileIds
 from .reconstruct import (
     OutputPlan,

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditSettings
-from eagle_pipeline.audit_overview import (
+from eagle_pipeline.audit.overview import (
     audit_overview,
     dataset_rows,
     first_failure,
@@ -17,8 +17,8 @@ from eagle_pipeline.audit_overview import (
     gate_summary,
     grid_markdown,
 )
-from eagle_pipeline.audit_records import audits_for_merge, current_audit, record_gate_verdict
-from eagle_pipeline.storage import DataRoot, write_parquet_atomic
+from eagle_pipeline.audit.records import audits_for_merge, current_audit, record_gate_verdict
+from eagle_pipeline.shared.storage import DataRoot, write_parquet_atomic
 
 from .corpus import build_clean_table, mutate
 

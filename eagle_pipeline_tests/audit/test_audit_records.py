@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_pipeline.audit import GATE_NAMES, AuditSettings, run_audit
-from eagle_pipeline.audit_records import (
+from eagle_pipeline.audit.records import (
     audit_key,
     audit_token_samples,
     audits_for_merge,
@@ -19,7 +19,7 @@ from eagle_pipeline.audit_records import (
     read_stored_audit,
     record_gate_verdict,
 )
-from eagle_pipeline.storage import DataRoot, file_sha256, write_parquet_atomic
+from eagle_pipeline.shared.storage import DataRoot, file_sha256, write_parquet_atomic
 
 from .corpus import build_clean_table, mutate
 

@@ -10,7 +10,7 @@ from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.jobs import resume_incomplete_datasets
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.storage import DataRoot
+from eagle_pipeline.shared.storage import DataRoot
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import yaml
 
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
-from eagle_pipeline.storage import DataRoot, write_json_atomic
+from eagle_pipeline.shared.storage import DataRoot, write_json_atomic
 
 from .conftest import write_config
 
@@ -52,7 +52,7 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
     from eagle_pipeline.hidden_states import num_shards
     from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
     from eagle_pipeline.merge.manifest import MANIFEST_NAME, SHARD_GLOB, MergeManifest
-    from eagle_pipeline.storage import file_sha256
+    from eagle_pipeline.shared.storage import file_sha256
 
     root = DataRoot(tmp_path / "data")
     vocab = PipelineResource().tokenizer().vocab_size
@@ -439,7 +439,7 @@ def test_model_cache_is_per_process(monkeypatch):
 
 
 def test_disk_budget_refuses_extraction_and_the_plan_shows_both_plans(tmp_path, monkeypatch, instance):
-    from eagle_pipeline.storage import read_json
+    from eagle_pipeline.shared.storage import read_json
 
     _config(tmp_path, monkeypatch, budget_gb=1e-6)  # 1,000 bytes
     root = _merged(tmp_path, instance)

@@ -14,7 +14,7 @@ from eagle_pipeline.generation import read_responses
 from eagle_pipeline.generation.turns import END_REASONS
 from eagle_pipeline.merge import MergeManifest
 from eagle_pipeline.merge.reader import read_merged
-from eagle_pipeline.storage import DataRoot
+from eagle_pipeline.shared.storage import DataRoot
 
 from .test_current_inputs import _schedule
 

@@ -8,7 +8,7 @@ from eagle_pipeline.hidden_states import extract_shard
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
-from eagle_pipeline.progress import WorkProgress, progress_reporter
+from eagle_pipeline.shared.progress import WorkProgress, progress_reporter
 
 from .conftest import make_rows
 

@@ -41,7 +41,7 @@ from eagle_pipeline.hidden_states.shards import (
 )
 from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
-from eagle_pipeline.storage import file_sha256
+from eagle_pipeline.shared.storage import file_sha256
 
 from .conftest import VOCAB, greedy_rows
 

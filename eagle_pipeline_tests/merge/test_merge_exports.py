@@ -17,7 +17,7 @@ from eagle_pipeline.merge import (
     merge_datasets,
     read_merged,
 )
-from eagle_pipeline.storage import file_sha256
+from eagle_pipeline.shared.storage import file_sha256
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from eagle_pipeline.audit import GATES
-from eagle_pipeline.audit_records import gate_record_path
-from eagle_pipeline.storage import DataRoot
+from eagle_pipeline.audit.records import gate_record_path
+from eagle_pipeline.shared.storage import DataRoot
 from eagle_pipeline_tests.ui.conftest import FAILING, FAULTY_BACKEND, PASSING, ROWS, RUN_QUERY
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
 from eagle_pipeline.merge.manifest import MergeSettings, merge_settings_problems
-from eagle_pipeline.prompt_formats import PromptFormat
-from eagle_pipeline.spec_model import (
+from eagle_pipeline.prompts.formats import PromptFormat
+from eagle_pipeline.shared.spec_model import (
     NULL_IS_DEFAULT,
     SPEC_CONFIG,
     Bool,
@@ -97,7 +97,7 @@ class DatasetConfig(SpecBase):
     prompts: ResolvedPath
     domain: Str
     backend: Str
-    prompts_format: PromptFormat = Field("auto", alias="format")  # how `prompts` is laid out (prompt_formats)
+    prompts_format: PromptFormat = Field("auto", alias="format")  # how `prompts` is laid out (prompts.formats)
     tools: Bool = False
     limit: Annotated[Int, Field(ge=1)] | None = None  # None: every prompt
     max_tokens: Annotated[Int, Field(ge=1)] = DEFAULT_MAX_TOKENS

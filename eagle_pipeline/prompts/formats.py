@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.storage import iter_jsonl_objects
+from eagle_pipeline.shared.storage import iter_jsonl_objects
 
 PromptFormat = Literal["auto", "jsonl", "sharegpt", "parquet", "arrow"]
 PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)

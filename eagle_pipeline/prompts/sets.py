@@ -2,7 +2,7 @@
 
 The project's prompt file has one JSON object per line:
     {"id": "b1-001", "messages": [{"role": "user", "content": "..."}], "tools": [...]}   # tools optional
-ShareGPT files, Parquet files and `datasets` save_to_disk folders are read too (`prompt_formats`).
+ShareGPT files, Parquet files and `datasets` save_to_disk folders are read too (`formats`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from eagle_pipeline.prompt_formats import iter_prompt_rows
+from eagle_pipeline.prompts.formats import iter_prompt_rows
 
 VALID_ROLES = {"system", "user", "assistant", "tool"}
 
@@ -59,7 +59,7 @@ def make_sample_id(dataset: str, messages: Sequence[Mapping[str, Any]], tools: A
 
 
 def load_prompt_file(path: str | Path, *, limit: int | None = None, format: str = "auto") -> list[Prompt]:
-    """Read a prompt set in `format` (`prompt_formats.PROMPT_FORMATS`); raise PromptFileError naming the file and
+    """Read a prompt set in `format` (`formats.PROMPT_FORMATS`); raise PromptFileError naming the file and
     line or row of the first problem."""
     p = Path(path)
     try:

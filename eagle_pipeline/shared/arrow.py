@@ -1,4 +1,5 @@
-"""List columns (token ids, loss masks) as numpy: one module for every stage that reads or builds them.
+"""Arrow columns as numpy: list columns (token ids, loss masks), one module for every stage that reads or builds
+them; and the counts asset metadata shows (list and text lengths, value counts).
 
 Everything works on offsets and flat value buffers (numpy views of Arrow memory); no per-row Python except where a
 caller asks for per-row views. Null lists and null values are rejected unless a function says otherwise: a null
@@ -88,3 +89,20 @@ def nullable_list_rows(
 ) -> list[np.ndarray | None]:
     """Per-row numpy views of a list column over one flat buffer of `dtype`, None for null rows."""
     return _row_views(arr, dtype, name=name, null_rows=True, writable=False)
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Values per list (a null list gives NaN)."""
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False)
+
+
+def text_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Characters per string (nulls count as 0)."""
+    return pc.fill_null(pc.utf8_length(column), 0).to_numpy(zero_copy_only=False)
+
+
+def value_counts(column: pa.ChunkedArray | pa.Array, null_label: str = "none") -> dict[str, int]:
+    """Counts of each value (nulls under `null_label`), for JSON metadata."""
+    if len(column) == 0:
+        return {}
+    return {str(r["values"]): int(r["counts"]) for r in pc.value_counts(pc.fill_null(column, null_label)).to_pylist()}

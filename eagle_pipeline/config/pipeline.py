@@ -5,7 +5,7 @@ raises one `ConfigError` that lists every problem with its path in the file and 
 `datasets[2].backend: unknown backend 'nope'; ... (line 14)`). Relative paths resolve against the directory of the
 config file. API keys are never in the file: a backend names the environment variable that holds its key.
 
-Every section is a typed settings class (`eagle_pipeline.spec_model`), defined in `config_sections` and importable
+Every section is a typed settings class (`eagle_pipeline.shared.spec_model`), defined in `config.sections` and importable
 from here; the backends and the sampling are the very classes of the Python API (`BackendSpec`, `SamplingSpec`), and
 the audit section is the audit's own `AuditSettings`, so each setting has one type, one check and one default
 whichever way it is given. This module holds the whole file (`PipelineConfig`, its rules across sections) and its
@@ -28,7 +28,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings
-from eagle_pipeline.config_sections import (
+from eagle_pipeline.config.sections import (
     AuditSection,
     DatasetConfig,
     GenerationSettings,
@@ -44,7 +44,7 @@ from eagle_pipeline.config_sections import (
 from eagle_pipeline.generation.spec import BackendKind, BackendSpec
 from eagle_pipeline.generation.turns import NO_TURN_KINDS
 from eagle_pipeline.merge.manifest import MergeSettings
-from eagle_pipeline.spec_model import (
+from eagle_pipeline.shared.spec_model import (
     BASE_DIR,
     NULL_IS_DEFAULT,
     SPEC_CONFIG,
@@ -82,7 +82,7 @@ __all__ = [
 
 CONFIG_ENV = "EAGLE_PIPELINE_CONFIG"
 DATA_ROOT_ENV = "EAGLE_DATA_ROOT"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # A checkout's pipeline.yaml; an installed wheel has none there and uses the copy it ships (pyproject data-files).
 INSTALLED_CONFIG = Path(sys.prefix) / "share" / "eagle-pipeline" / "pipeline.yaml"
 DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml" if (REPO_ROOT / "pipeline.yaml").exists() else INSTALLED_CONFIG

@@ -1,0 +1,2 @@
+"""What every stage uses and no stage owns: atomic storage and the data-root layout, Arrow column helpers, progress
+reports, the settings base, and the loopback HTTP harness. It imports no other package of eagle_pipeline."""
