@@ -270,7 +270,6 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
-    from eagle_pipeline.generation.failures import RequestFailure
     from eagle_pipeline.hidden_states.engine_vllm import smoke_request
     from eagle_pipeline.hidden_states.layers import resolve_aux_layers
     from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, describe_engine_model, resolved_endpoints
@@ -281,6 +280,7 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
         fetch_server_version,
         served_model,
     )
+    from eagle_pipeline.shared.failures import RequestFailure
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states

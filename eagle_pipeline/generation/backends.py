@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from eagle_pipeline.generation import failures as F
-from eagle_pipeline.generation.client import HttpClient
-from eagle_pipeline.generation.failures import RequestFailure
+from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.shared import failures as F
+from eagle_pipeline.shared.failures import RequestFailure
 
 RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], "list[int]"]
 
@@ -225,7 +225,7 @@ class HttpBackend:
     def build_body(self, item: PromptItem, attempt: int) -> bytes:
         raise NotImplementedError
 
-    async def exchange(self, client: HttpClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
+    async def exchange(self, client: ChatClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
         """One attempt: request `item` and return (body text to store, parsed columns), or raise RequestFailure."""
         status, raw, retry_after = await client.post(self.url, self.build_body(item, attempt))
         return self.parse(status, raw or b"", retry_after, item)
@@ -256,7 +256,7 @@ class _ChatBackend(HttpBackend):
         self._prefix = _dumps(static)[:-1]  # without the closing brace; static always has "model"
         self.stream = bool(static.get("stream"))
 
-    async def exchange(self, client: HttpClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
+    async def exchange(self, client: ChatClient, item: PromptItem, attempt: int) -> tuple[str, ParsedResponse]:
         if not self.stream:
             return await super().exchange(client, item, attempt)
         s = await client.post_streamed(self.url, self.build_body(item, attempt), self.spec.max_keepalive_only_s)

@@ -22,14 +22,14 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
-from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary
 from eagle_pipeline.prompts import canonical_json
+from eagle_pipeline.shared import failures as F
+from eagle_pipeline.shared.failures import RequestFailure
 from eagle_pipeline.shared.storage import iter_jsonl_objects
 
 log = logging.getLogger("eagle_pipeline.generation")

@@ -14,11 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from eagle_pipeline.generation import failures as F
 from eagle_pipeline.generation.backends import HttpBackend, ParsedResponse, PromptItem
 from eagle_pipeline.generation.budget import SpendLedger
-from eagle_pipeline.generation.client import HttpClient
-from eagle_pipeline.generation.failures import Redactor, RequestFailure
+from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.pending import RequestPlan
 from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, response_values
 from eagle_pipeline.generation.sink import ShardSink
@@ -26,6 +24,8 @@ from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import after_answer
 from eagle_pipeline.prompts import canonical_json
+from eagle_pipeline.shared import failures as F
+from eagle_pipeline.shared.failures import Redactor, RequestFailure
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -177,7 +177,7 @@ class LiveRun:
         return await self._sleep_or_stop(wake - time.monotonic())
 
     # ---- main loop -----------------------------------------------------------------------------------------
-    async def run(self, client: HttpClient) -> None:
+    async def run(self, client: ChatClient) -> None:
         """Request every prompt of the plan (until a stop) through `n_workers` workers sharing `client`."""
         self.client = client
         ticker = asyncio.create_task(self._ticker())

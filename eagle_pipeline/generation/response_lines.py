@@ -11,10 +11,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..shared.failures import RequestFailure
 from ..shared.storage import iter_jsonl_objects
 from ..tokens.samples import RECONSTRUCTION_COLUMNS
 from .backends import ParsedResponse, PromptItem, parse_chat_completion
-from .failures import RequestFailure
 from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
 
 

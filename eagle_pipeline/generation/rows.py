@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from eagle_pipeline.generation.backends import ParsedResponse, PromptItem
-from eagle_pipeline.generation.failures import truncate
+from eagle_pipeline.shared.failures import truncate
 
 _TS = pa.timestamp("us", tz="UTC")
 

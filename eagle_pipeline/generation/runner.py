@@ -23,12 +23,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from eagle_pipeline.generation import store
-from eagle_pipeline.generation.aio import gc_tuned, run_coroutine
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
-from eagle_pipeline.generation.client import HttpClient
-from eagle_pipeline.generation.failures import Redactor
+from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
 from eagle_pipeline.generation.pending import RequestPlan, plan_requests, prompt_items
@@ -41,6 +39,8 @@ from eagle_pipeline.generation.stream_workers import stream_workers
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S, GenerationSummary, ProgressEvent
 from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
 from eagle_pipeline.shared import storage
+from eagle_pipeline.shared.aio import gc_tuned, run_coroutine
+from eagle_pipeline.shared.failures import Redactor
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -126,7 +126,7 @@ async def _generate_live(
                             max_request_s=spec.max_request_s,
                             headers=headers,
                         ) as streamer,
-                        HttpClient(
+                        ChatClient(
                             concurrency=run.n_workers,
                             timeout_s=spec.timeout_s,
                             max_request_s=spec.max_request_s,

@@ -24,8 +24,8 @@ from typing import Any
 
 import orjson
 
-from eagle_pipeline.generation import failures as F
-from eagle_pipeline.generation.failures import RequestFailure
+from eagle_pipeline.shared import failures as F
+from eagle_pipeline.shared.failures import RequestFailure
 
 _DONE = "[DONE]"
 # Received bytes decoded per batch: ~1,000 OpenRouter chunks, so the per-batch cost (the first chunk decoded with its

@@ -49,10 +49,11 @@ from typing import Any, cast
 
 import orjson
 
-from eagle_pipeline.generation import failures as F
-from eagle_pipeline.generation.aio import gc_tuned, run_coroutine
-from eagle_pipeline.generation.client import HttpClient, Streamed, assemble_streamed
-from eagle_pipeline.generation.failures import RequestFailure
+from eagle_pipeline.generation.client import Streamed, assemble_streamed
+from eagle_pipeline.shared import failures as F
+from eagle_pipeline.shared.aio import gc_tuned, run_coroutine
+from eagle_pipeline.shared.failures import RequestFailure
+from eagle_pipeline.shared.http_client import HttpClient
 
 log = logging.getLogger("eagle_pipeline.generation")
 

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generation.aio import run_coroutine
-from ..generation.client import HttpClient
+from ..shared.aio import run_coroutine
+from ..shared.http_client import HttpClient
 from ..shared.progress import ProgressCallback
 from ..shared.storage import atomic_path
 from .fingerprint import ExtractionFingerprint, merged_version

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generation import failures as F
-from ..generation.failures import RequestFailure
+from ..shared import failures as F
+from ..shared.failures import RequestFailure
 from .format import shard_stem
 from .layers import aux_layer_to_vllm_id, validate_aux_layers
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation.failures import RequestFailure
+from ..shared.failures import RequestFailure
 from ..shared.storage import atomic_path, fsync_dir
 from .format import sample_file_digest
 from .vllm_files import INVALID_STATES, FileFacts, check_states

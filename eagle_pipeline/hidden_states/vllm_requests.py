@@ -1,5 +1,5 @@
 """The requests of one vLLM shard run: rows spread over the endpoints from one heap, at most `concurrency` in flight
-per endpoint, transient failures retried with generation's failure classes (on another endpoint while one has not
+per endpoint, transient failures retried with the shared failure classes (on another endpoint while one has not
 failed the row: a dead server's rows move to the others instead of spending their retries on it), each returned file
 waited for (its lock), validated and handed on in row order."""
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..generation import failures as F
-from ..generation.client import HttpClient
-from ..generation.failures import RequestFailure
+from ..shared import failures as F
+from ..shared.failures import RequestFailure
+from ..shared.http_client import HttpClient
 from ..shared.progress import ProgressCallback
 from .vllm_files import (
     NO_KV_TRANSFER,

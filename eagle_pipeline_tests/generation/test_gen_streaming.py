@@ -17,9 +17,9 @@ from eagle_pipeline.generation import (
     read_errors,
     read_responses,
 )
-from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
 from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
+from eagle_pipeline.shared.failures import RequestFailure
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 
 from .generation_helpers import (

@@ -267,8 +267,8 @@ def test_kill_9_mid_shard_resumes_with_identical_bytes(tiny_ds, merged, tmp_path
 def test_file_validation_finds_nan_inf_and_zero_vectors_in_every_dtype(dtype, tmp_path):
     from safetensors.torch import save_file
 
-    from eagle_pipeline.generation.failures import RequestFailure
     from eagle_pipeline.hidden_states.vllm_files import validate_states_file
+    from eagle_pipeline.shared.failures import RequestFailure
 
     ids = list(range(3, 11))
     good = (torch.randn(8, 4, 16) * 3).to(dtype)

@@ -13,9 +13,9 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from eagle_pipeline.generation.failures import RequestFailure
 from eagle_pipeline.hidden_states.vllm_files import clean_journal, validate_states_file
 from eagle_pipeline.hidden_states.vllm_handoff import COPIED, RENAMED, hand_off, read_validated
+from eagle_pipeline.shared.failures import RequestFailure
 
 LAYER_IDS = (2, 4, 6, 8)
 H = 16

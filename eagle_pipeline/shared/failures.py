@@ -1,4 +1,5 @@
-"""Failure classification: which failures are retried, which stop the run, and how they are named in the errors table."""
+"""Failure classification of HTTP requests (generation's backends, the vLLM hidden-state client): which failures are
+retried, which stop the run, and how they are named in the errors table."""
 
 from __future__ import annotations
 

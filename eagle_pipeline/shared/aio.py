@@ -1,4 +1,4 @@
-"""Event-loop plumbing of the runner: running a coroutine from sync code (uvloop when available), and the cyclic-GC
+"""Event-loop plumbing of the runs (generation's runner, the vLLM hidden-state client): running a coroutine from sync code (uvloop when available), and the cyclic-GC
 tuning that keeps thousands of in-flight requests from stalling the loop."""
 
 from __future__ import annotations
