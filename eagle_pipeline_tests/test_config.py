@@ -22,7 +22,7 @@ from eagle_pipeline.config import (
     VLLMEngineConfig,
     load_config,
 )
-from eagle_pipeline.config_sections import DrafterSpec
+from eagle_pipeline.config.sections import DrafterSpec
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
 from eagle_pipeline.merge import MergeSettings
