@@ -106,3 +106,42 @@ def test_the_core_contract_covers_every_core_module():
     tops = {p.relative_to(PACKAGE).parts[0] for p in _core_modules()}
     core_tops = {t.removesuffix(".py") for t in tops if t.endswith(".py") or (PACKAGE / t).is_dir()}
     assert not core_tops - covered, f"add to the core contract in pyproject.toml: {sorted(core_tops - covered)}"
+
+
+TESTS_PACKAGE = "eagle_pipeline_tests"
+
+
+def _imports_of_the_tests(source: str) -> list[str]:
+    """What a module's source imports from the tests package: import statements at any depth (inside functions and
+    `TYPE_CHECKING` blocks too) and module paths named as strings (what `importlib.import_module` would load)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            names = [node.value]
+        else:
+            continue
+        found += [n for n in names if n == TESTS_PACKAGE or n.startswith(TESTS_PACKAGE + ".")]
+    return found
+
+
+def test_no_product_module_imports_a_test_double():
+    """The doubles used only by tests and benchmarks live in eagle_pipeline_tests/doubles/, which the wheel leaves out:
+    a module of eagle_pipeline that imported one would fail in an installed wheel. (lint-imports holds the same rule
+    as a forbidden contract; this scan also sees module paths given as strings.)"""
+    assert _imports_of_the_tests("def f():\n    from eagle_pipeline_tests.doubles import SimulatedVLLMServer\n")
+    assert _imports_of_the_tests("import importlib\nimportlib.import_module('eagle_pipeline_tests.doubles.synthetic')")
+    assert not _imports_of_the_tests('"""Doubles live in eagle_pipeline_tests/doubles/ (see eagle_pipeline_tests)."""')
+    offenders = {
+        str(p.relative_to(REPO)): hits
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (hits := _imports_of_the_tests(p.read_text()))
+    }
+    assert not offenders, f"product modules import the tests package: {offenders}"
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert [c for c in contracts if c["type"] == "forbidden" and TESTS_PACKAGE in c["forbidden_modules"]]

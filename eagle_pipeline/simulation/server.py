@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.faults import FaultPlan
 from eagle_pipeline.loopback_http import LoopbackHttpServer
+from eagle_pipeline.simulation.faults import FaultPlan
 
 
 @dataclass(frozen=True)
