@@ -145,3 +145,19 @@ def test_no_product_module_imports_a_test_double():
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     assert [c for c in contracts if c["type"] == "forbidden" and TESTS_PACKAGE in c["forbidden_modules"]]
+
+
+def test_the_product_loads_the_simulation_only_when_the_configuration_names_it():
+    """The simulation seam (docs/architecture.md): importing the runner, the hidden-state engines and the code location
+    loads no simulated server; starting a `simulated` backend does."""
+    probe = (
+        "import sys, eagle_pipeline.generation.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('eagle_pipeline.simulation'))\n"
+        "from eagle_pipeline.generation import BackendSpec\n"
+        "with r.backend_endpoint(BackendSpec(name='sim', kind='simulated', model='m')) as spec:\n"
+        "    started = spec.endpoint.startswith('http://127.0.0.1:') and 'eagle_pipeline.simulation' in sys.modules\n"
+        "print(loaded, started)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[] True", proc.stdout[-2000:]
