@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from safetensors.torch import save_file
 
 from eagle_pipeline.loopback_http import LoopbackHttpServer
 
@@ -341,8 +342,6 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
         return states.contiguous(), token_ids.contiguous()
 
     def _write(self, path: Path, states: torch.Tensor, token_ids: torch.Tensor, lock: Any, hits: set[str]) -> None:
-        from safetensors.torch import save_file
-
         try:
             if "late_file" in hits:
                 time.sleep(self.faults.late_file_s)
