@@ -35,7 +35,7 @@ from eagle_pipeline.hidden_states import (
     plan_batches,
     read_rows,
 )
-from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
+from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
 
 def naive_loop(model, rows, aux) -> float:

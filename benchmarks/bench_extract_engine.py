@@ -33,8 +33,8 @@ from eagle_pipeline.hidden_states import build_tiny_model, default_aux_layers, r
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, shard_layout, tensor_key
-from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
 from eagle_pipeline.hidden_states.vllm_files import validate_states_file, vllm_layer_ids
+from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
 VOCAB = 2560
 
@@ -42,7 +42,7 @@ VOCAB = 2560
 def _serve(conn, storage: str, family: str, hidden: int, layers: int, latency_s: float) -> None:
     """Child process: one double; sends its URL, then its forward seconds when asked, then stops."""
     torch.set_num_threads(1)
-    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     model = build_tiny_model(VOCAB, family=family, hidden_size=hidden, num_layers=layers)
     ids = vllm_layer_ids(default_aux_layers(layers), layers)

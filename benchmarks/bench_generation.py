@@ -94,7 +94,7 @@ def _compact(obj: dict) -> bytes:
 
 
 def _sse(obj: dict) -> bytes:
-    from eagle_pipeline.generation.simulated.streaming import KEEPALIVE, completion_chunks
+    from eagle_pipeline.simulation.streaming import KEEPALIVE, completion_chunks
 
     events = b"".join(b"data: " + _compact(c) + b"\n\n" for c in completion_chunks(obj, chunk_chars=24))
     return KEEPALIVE + events + b"data: [DONE]\n\n"
@@ -115,7 +115,7 @@ def serve(latency: float, port_file: str) -> None:
     response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     sse = _sse(obj)
     sse_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(sse)
-    from eagle_pipeline.generation.simulated.streaming import KEEPALIVE
+    from eagle_pipeline.simulation.streaming import KEEPALIVE
 
     first = len(KEEPALIVE)
     cuts = [first + (len(sse) - first) * k // 10 for k in range(11)]

@@ -99,7 +99,9 @@ def _contracts() -> dict[str, dict]:
     import tomllib
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    return {c["type"]: c for c in contracts}
+    # By type; of the forbidden contracts, "forbidden" is the no-Dagster one (the other forbids the tests package).
+    by_type = {c["type"]: c for c in contracts if "eagle_pipeline_tests" not in c.get("forbidden_modules", [])}
+    return by_type
 
 
 def _layers() -> list[set[str]]:
@@ -159,3 +161,58 @@ def test_the_core_contract_covers_every_core_module():
     tops = {p.relative_to(PACKAGE).parts[0] for p in _core_modules()}
     core_tops = {t.removesuffix(".py") for t in tops if t.endswith(".py") or (PACKAGE / t).is_dir()}
     assert not core_tops - covered, f"add to the core contract in pyproject.toml: {sorted(core_tops - covered)}"
+
+
+TESTS_PACKAGE = "eagle_pipeline_tests"
+
+
+def _imports_of_the_tests(source: str) -> list[str]:
+    """What a module's source imports from the tests package: import statements at any depth (inside functions and
+    `TYPE_CHECKING` blocks too) and module paths named as strings (what `importlib.import_module` would load)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            names = [node.value]
+        else:
+            continue
+        found += [n for n in names if n == TESTS_PACKAGE or n.startswith(TESTS_PACKAGE + ".")]
+    return found
+
+
+def test_no_product_module_imports_a_test_double():
+    """The doubles used only by tests and benchmarks live in eagle_pipeline_tests/doubles/, which the wheel leaves out:
+    a module of eagle_pipeline that imported one would fail in an installed wheel. (lint-imports holds the same rule
+    as a forbidden contract; this scan also sees module paths given as strings.)"""
+    assert _imports_of_the_tests("def f():\n    from eagle_pipeline_tests.doubles import SimulatedVLLMServer\n")
+    assert _imports_of_the_tests("import importlib\nimportlib.import_module('eagle_pipeline_tests.doubles.synthetic')")
+    assert not _imports_of_the_tests('"""Doubles live in eagle_pipeline_tests/doubles/ (see eagle_pipeline_tests)."""')
+    offenders = {
+        str(p.relative_to(REPO)): hits
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (hits := _imports_of_the_tests(p.read_text()))
+    }
+    assert not offenders, f"product modules import the tests package: {offenders}"
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert [c for c in contracts if c["type"] == "forbidden" and TESTS_PACKAGE in c["forbidden_modules"]]
+
+
+def test_the_product_loads_the_simulation_only_when_the_configuration_names_it():
+    """The simulation seam (docs/architecture.md): importing the runner, the hidden-state engines and the code location
+    loads no simulated server; starting a `simulated` backend does."""
+    probe = (
+        "import sys, eagle_pipeline.generation.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('eagle_pipeline.simulation'))\n"
+        "from eagle_pipeline.generation import BackendSpec\n"
+        "with r.backend_endpoint(BackendSpec(name='sim', kind='simulated', model='m')) as spec:\n"
+        "    started = spec.endpoint.startswith('http://127.0.0.1:') and 'eagle_pipeline.simulation' in sys.modules\n"
+        "print(loaded, started)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[] True", proc.stdout[-2000:]

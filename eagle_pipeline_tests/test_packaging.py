@@ -50,6 +50,9 @@ def test_wheel_ships_no_tests_and_loads_the_code_location_from_a_fresh_venv(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.startswith("eagle_pipeline_tests")]
     assert "eagle_pipeline/defs/partitions.py" in names
+    # The simulated servers the configuration can name ship (the demo runs from a wheel); the tests' doubles do not.
+    assert "eagle_pipeline/simulation/openrouter.py" in names
+    assert "eagle_pipeline/simulation/vllm_hidden_states.py" in names
     assert "eagle_pipeline/tokens/demo_words.txt" in names  # the demo tokenizer's corpus, package data
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
     assert "share/eagle-pipeline/pipeline.yaml" in data

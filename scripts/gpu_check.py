@@ -48,8 +48,8 @@ from eagle_pipeline.hidden_states import (
     verify_shard,
 )
 from eagle_pipeline.hidden_states.shards import ShardSummary
-from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
 from eagle_pipeline.shared.progress import ProgressCallback
+from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
 H200_BF16_PEAK_TFLOPS = 989.0
 
@@ -320,8 +320,8 @@ def engine_extractor(
         print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
     vllm = VLLMEngineConfig()
     if engine == "vllm":
-        from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
         from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+        from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
         storage = run.workdir / "connector"
         double = stack.enter_context(

@@ -1,7 +1,6 @@
 """Generation assets: prompts -> responses, one partition per dataset."""
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,6 @@ from eagle_pipeline.generation import (
     BackendSpec,
     GenerationSummary,
     ProgressEvent,
-    SimulatedOpenRouterServer,
     committed_totals,
     generate_dataset,
     pipeline_budget,
@@ -24,6 +22,7 @@ from eagle_pipeline.generation import (
     read_responses,
 )
 from eagle_pipeline.generation.coverage import current_responses
+from eagle_pipeline.generation.runner import backend_endpoint
 from eagle_pipeline.generation.store import committed_sample_ids
 from eagle_pipeline.prompts import dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths
@@ -74,20 +73,23 @@ def provider_token_counters(tok, profile):
 
 @contextlib.contextmanager
 def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[BackendSpec, bool]]:
-    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step."""
+    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step, billing
+    with the target's tokenizer at the backend's prices (the core's `backend_endpoint` starts it)."""
     cfg = pipeline.config()
     spec = cfg.backends[backend_name]
     if spec.kind != "simulated" or spec.endpoint:
         yield spec, spec.kind == "simulated"
         return
     count_completion, count_prompt = provider_token_counters(pipeline.tokenizer(), pipeline.profile())
-    options = dict(spec.simulated)
-    options.setdefault("price_per_m_prompt", spec.price_per_m_prompt or 0.0)
-    options.setdefault("price_per_m_completion", spec.price_per_m_completion or 0.0)
-    with SimulatedOpenRouterServer(
-        count_completion_tokens=count_completion, count_prompt_tokens=count_prompt, model=spec.model, **options
-    ) as server:
-        yield dataclasses.replace(spec, endpoint=server.url), True
+    with backend_endpoint(
+        spec,
+        count_completion_tokens=count_completion,
+        count_prompt_tokens=count_prompt,
+        model=spec.model,
+        price_per_m_prompt=spec.price_per_m_prompt or 0.0,
+        price_per_m_completion=spec.price_per_m_completion or 0.0,
+    ) as served:
+        yield served, True
 
 
 @dg.asset(

@@ -1,5 +1,6 @@
-"""Response generation: backends (OpenRouter, vLLM, SGLang, import, simulated), the exactly-once runner, and the
-loopback servers that stand in for the real endpoints. See docs/generation.md (module map in docs/architecture.md)."""
+"""Response generation: backends (OpenRouter, vLLM, SGLang, import, simulated), the exactly-once runner. The simulated
+OpenRouter server lives in `eagle_pipeline.simulation` (re-exported here, with its request keys, on first use). See
+docs/generation.md (module map in docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ if TYPE_CHECKING:
     from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
     from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
     from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
-    from eagle_pipeline.generation.simulated import (
-        SimulatedOpenRouterServer,
-        SimulatedSGLangServer,
-        SimulatedVLLMServer,
-        ids_key,
-        request_key,
-    )
     from eagle_pipeline.generation.spec import BackendKind, BackendSpec, SamplingSpec
     from eagle_pipeline.generation.store import read_errors, read_responses
     from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
     from eagle_pipeline.shared.failures import RequestFailure
+    from eagle_pipeline.simulation import (
+        SimulatedOpenRouterServer,
+        ids_key,
+        request_key,
+    )
 
 # Imported on first use: a stream worker process (`stream_workers`) imports only the modules it runs, not the
 # runner's Parquet and configuration stack (~0.3 s and 35 MiB per process instead of ~1.4 s and 104 MiB).
@@ -33,18 +32,16 @@ _EXPORTS = {
     "RESPONSES_SCHEMA": "eagle_pipeline.generation.rows",
     "RequestFailure": "eagle_pipeline.shared.failures",
     "SamplingSpec": "eagle_pipeline.generation.spec",
-    "SimulatedOpenRouterServer": "eagle_pipeline.generation.simulated",
-    "SimulatedSGLangServer": "eagle_pipeline.generation.simulated",
-    "SimulatedVLLMServer": "eagle_pipeline.generation.simulated",
+    "SimulatedOpenRouterServer": "eagle_pipeline.simulation",
     "SpendTracker": "eagle_pipeline.generation.budget",
     "agenerate_dataset": "eagle_pipeline.generation.runner",
     "committed_totals": "eagle_pipeline.generation.summary",
     "generate_dataset": "eagle_pipeline.generation.runner",
-    "ids_key": "eagle_pipeline.generation.simulated",
+    "ids_key": "eagle_pipeline.simulation",
     "pipeline_budget": "eagle_pipeline.generation.budget",
     "read_errors": "eagle_pipeline.generation.store",
     "read_responses": "eagle_pipeline.generation.store",
-    "request_key": "eagle_pipeline.generation.simulated",
+    "request_key": "eagle_pipeline.simulation",
 }
 
 
@@ -58,8 +55,6 @@ __all__ = [
     "RequestFailure",
     "SamplingSpec",
     "SimulatedOpenRouterServer",
-    "SimulatedSGLangServer",
-    "SimulatedVLLMServer",
     "SpendTracker",
     "agenerate_dataset",
     "committed_totals",

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -31,7 +32,6 @@ from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
 from eagle_pipeline.generation.pending import RequestPlan, plan_requests, prompt_items
 from eagle_pipeline.generation.retire import complete_pending_retirements
-from eagle_pipeline.generation.simulated import SimulatedOpenRouterServer
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.spend_ledger import SharedSpend
@@ -64,12 +64,18 @@ def _request_headers(spec: BackendSpec, key: str | None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _endpoint_for(spec: BackendSpec) -> Iterator[BackendSpec]:
-    """The spec to call: a 'simulated' spec without an endpoint gets a loopback server for the duration of the run."""
+def backend_endpoint(spec: BackendSpec, **server_options: Any) -> Iterator[BackendSpec]:
+    """The spec to call: a 'simulated' spec without an endpoint gets a `SimulatedOpenRouterServer` on loopback for
+    the duration, built from `server_options` overridden by the spec's own `simulated` options; any other spec as is.
+
+    The one place the product starts the simulated server: `eagle_pipeline.simulation` is imported here, at call time,
+    so a run against a real endpoint never loads it (docs/architecture.md, "The simulation seam")."""
     if spec.kind != "simulated" or spec.endpoint:
         yield spec
         return
-    with SimulatedOpenRouterServer(**spec.simulated) as server:
+    from eagle_pipeline.simulation import SimulatedOpenRouterServer
+
+    with SimulatedOpenRouterServer(**{**server_options, **spec.simulated}) as server:
         yield replace(spec, endpoint=server.url)
 
 
@@ -90,7 +96,7 @@ async def _generate_live(
     """Request the plan's prompts from a live endpoint; every row and error in hand is committed whatever happens."""
     try:
         key = _api_key(backend)
-        with _endpoint_for(backend) as spec:
+        with backend_endpoint(backend) as spec:
             run = LiveRun(
                 dataset=dataset,
                 plan=plan,

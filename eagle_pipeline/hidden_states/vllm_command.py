@@ -169,8 +169,9 @@ def resolved_endpoints(
     if SIMULATED not in endpoints:
         yield list(endpoints)
         return
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+
     from .runtime import TINY_RANDOM, load_extraction_model
-    from .vllm_double import VLLMHiddenStatesDouble
 
     if model != TINY_RANDOM:
         raise ValueError(f"hidden_states.vllm.endpoints: 'simulated' serves tiny-random only, model is {model!r}")

@@ -1,8 +1,8 @@
 """The harness of the project's loopback HTTP doubles: an aiohttp app on 127.0.0.1 in a background thread.
 
-Both kinds of double use it: the simulated chat servers (generation/simulated/: OpenRouter, vLLM, SGLang) and the
-double of vLLM's `extract_hidden_states` server (hidden_states/vllm_double.py). It owns the transport and the
-lifecycle: a free port (or a given one), `start` returning once the socket listens (or raising what stopped it),
+Every double uses it: the simulated servers the configuration can name (simulation/: the OpenRouter-format server
+and the double of vLLM's `extract_hidden_states` server) and the tests' vLLM and SGLang chat doubles
+(eagle_pipeline_tests/doubles/). It owns the transport and the lifecycle: a free port (or a given one), `start` returning once the socket listens (or raising what stopped it),
 `stop` from any thread (also after the server stopped itself), and the per-key request counts every double keeps.
 Each double adds its routes and its wire format.
 """

@@ -11,11 +11,12 @@ import pyarrow as pa
 import pytest
 
 from eagle_pipeline.audit import AuditSettings, run_audit, run_gate
-from eagle_pipeline.generation import BackendSpec, SimulatedVLLMServer, generate_dataset, read_responses
+from eagle_pipeline.generation import BackendSpec, generate_dataset, read_responses
 from eagle_pipeline.generation.spec import SamplingSpec
 from eagle_pipeline.prompts import Prompt, prompts_table
 from eagle_pipeline.tokens import render_prompt_ids
 from eagle_pipeline.tokens.samples import TOKEN_SAMPLES_SCHEMA, reconstruct_table
+from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 
 SAMPLING = SamplingSpec(seed=3, max_tokens=1024)
 IM_SYSTEM, IM_USER = 163594, 163587

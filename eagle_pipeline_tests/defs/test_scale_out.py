@@ -50,9 +50,9 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
     from eagle_pipeline.defs.hidden_states import hidden_state_plan
     from eagle_pipeline.defs.resources import PipelineResource
     from eagle_pipeline.hidden_states import num_shards
-    from eagle_pipeline.hidden_states.synthetic import write_synthetic_merged
     from eagle_pipeline.merge.manifest import MANIFEST_NAME, SHARD_GLOB, MergeManifest
     from eagle_pipeline.shared.storage import file_sha256
+    from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
     root = DataRoot(tmp_path / "data")
     vocab = PipelineResource().tokenizer().vocab_size

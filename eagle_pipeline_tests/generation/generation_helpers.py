@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 
 from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, request_key
 from eagle_pipeline.generation.answer_log import read_log
-from eagle_pipeline.generation.simulated.server import LoopbackServer
 from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
+from eagle_pipeline.simulation.server import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLING = SamplingSpec(temperature=1.0, top_p=0.95, seed=7, max_tokens=2048, thinking=True)

@@ -9,12 +9,11 @@ import pytest
 from eagle_pipeline.generation import (
     BackendSpec,
     SamplingSpec,
-    SimulatedSGLangServer,
-    SimulatedVLLMServer,
     ids_key,
     read_errors,
     read_responses,
 )
+from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sample_key
 

@@ -13,14 +13,14 @@ import pytest
 from eagle_pipeline.generation import (
     BackendSpec,
     SimulatedOpenRouterServer,
-    SimulatedVLLMServer,
     read_errors,
     read_responses,
 )
-from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
 from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
 from eagle_pipeline.shared.failures import RequestFailure
+from eagle_pipeline.simulation.streaming import STREAM_FAULTS
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
+from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 
 from .generation_helpers import (
     GRACE_S,

@@ -275,8 +275,8 @@ def _independent_render(template_path: Path, messages: list[dict], tools: list[d
 def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_them(tmp_path, kimi_dir, wire):
     """OpenRouter returns text (ids rebuilt from it); the vLLM double, given the Kimi tokenizer, returns the ids a
     real vLLM serving Kimi returns: each turn's prompt rendered by the chat template from the history it was sent."""
-    from eagle_pipeline.generation import SimulatedVLLMServer
     from eagle_pipeline.tokens import IDS_RECONSTRUCTED, IDS_RETURNED, load_tokenizer, reconstruct_table
+    from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 
     from .test_gen_selfhosted import vllm_backend
 
@@ -372,7 +372,7 @@ def test_an_all_turns_run_start_reads_each_committed_shard_once(tmp_path):
 def test_all_turns_over_the_vllm_wire_format(tmp_path):
     """vLLM returns reasoning in `reasoning_content` (older releases) and ids with every turn; the history sent back
     carries the target's reasoning and calls, and each turn keeps the ids the server returned."""
-    from eagle_pipeline.generation import SimulatedVLLMServer
+    from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 
     from .test_gen_selfhosted import END_THINK, EOS, THINK, encode, vllm_backend
 

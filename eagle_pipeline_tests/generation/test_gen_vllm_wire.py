@@ -14,12 +14,11 @@ import pytest
 from eagle_pipeline.generation import (
     SamplingSpec,
     SimulatedOpenRouterServer,
-    SimulatedSGLangServer,
-    SimulatedVLLMServer,
     read_errors,
     read_responses,
 )
 from eagle_pipeline.prompts import canonical_json
+from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
 from .test_gen_selfhosted import END_THINK, EOS, THINK, encode, render, sglang_backend, vllm_backend

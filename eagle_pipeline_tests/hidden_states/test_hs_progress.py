@@ -6,9 +6,9 @@ import pytest
 
 from eagle_pipeline.hidden_states import extract_shard
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 from eagle_pipeline.shared.progress import WorkProgress, progress_reporter
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
 from .conftest import make_rows
 

@@ -16,8 +16,8 @@ from eagle_pipeline.hidden_states.layers import default_aux_layers
 from eagle_pipeline.hidden_states.model import tiny_config
 from eagle_pipeline.hidden_states.runtime import load_extraction_model
 from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
 VOCAB = 2560  # the demo tokenizer's
 

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, shard_status, verify_shard
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index_meta
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble, ids_key
 from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble, ids_key
 
 from ..tolerances import assert_forwards_close
 from .conftest import kill_after_requests, make_rows

@@ -171,10 +171,10 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     from eagle_pipeline.hidden_states.head import TargetHead
     from eagle_pipeline.hidden_states.layers import default_aux_layers
     from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
     from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
     from eagle_pipeline.hidden_states.vllm_layouts import VllmLayoutRows
     from eagle_pipeline.hidden_states.vllm_requests import ShardRequests
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from ..tolerances import assert_forwards_close
     from .conftest import make_rows
@@ -260,8 +260,8 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
     from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
     from eagle_pipeline.hidden_states.layers import default_aux_layers
     from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, load_sample, plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
     from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from ..tolerances import assert_forwards_close
     from .conftest import make_rows
@@ -348,8 +348,8 @@ extract_shard_vllm(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[
 def test_kill_9_mid_shard_in_the_speculators_layout_resumes_with_identical_bytes(tiny_ds, merged_factory, tmp_path):
     from eagle_pipeline.hidden_states import shard_status
     from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
     from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from .conftest import kill_after_requests, make_rows
 

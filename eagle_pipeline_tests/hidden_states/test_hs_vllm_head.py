@@ -39,9 +39,9 @@ from eagle_pipeline.hidden_states.shards import (
     shard_state,
     stored_fingerprint,
 )
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 from eagle_pipeline.shared.storage import file_sha256
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
 from .conftest import VOCAB, greedy_rows
 

@@ -11,8 +11,8 @@ import pytest
 from eagle_pipeline.hidden_states import shard_status, verify_shard
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index, read_index_meta, shard_paths
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
 from eagle_pipeline.hidden_states.vllm_files import EngineShardError, vllm_layer_ids
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
 from .conftest import make_rows
 

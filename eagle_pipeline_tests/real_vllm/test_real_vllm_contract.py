@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.generation import SimulatedVLLMServer
-from eagle_pipeline.hidden_states.vllm_double import VLLMHiddenStatesDouble
+from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 
 from ..tolerances import assert_forwards_close
 from .conftest import MAX_MODEL_LEN

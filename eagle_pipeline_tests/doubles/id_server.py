@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from eagle_pipeline.generation.simulated.answers import Answer, CountCompletion, truncate_answer
-from eagle_pipeline.generation.simulated.server import LoopbackServer
+from eagle_pipeline.simulation.answers import Answer, CountCompletion, truncate_answer
+from eagle_pipeline.simulation.server import LoopbackServer
 
 
 class IdServer(LoopbackServer):

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS
+from eagle_pipeline.simulation.streaming import STREAM_FAULTS
 
 TRANSIENT_FAULTS = (
     "http_429",

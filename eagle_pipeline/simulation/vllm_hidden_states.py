@@ -14,7 +14,11 @@ It answers as `vllm serve --speculative-config '{"method": "extract_hidden_state
   the lock is taken before the response leaves.
 
 Layer ids are vLLM's: id k is transformers' `hidden_states[k]` (the output of decoder layer k - 1, the embeddings
-for k = 0) and id L = `num_hidden_layers` is the last layer's output before the final norm.
+for k = 0) and id L = `num_hidden_layers` is the last layer's output before the final norm (the final norm's input).
+The double reads the model through transformers' own structure (`.model`, `.layers`, `.norm`), not through the
+extractor's helpers in `eagle_pipeline.hidden_states`: as vLLM runs its own model code, a bug in those helpers then
+shows as a difference between the two paths instead of being mirrored (and the hidden-states domain, which starts this
+double for `endpoints: [simulated]`, is not imported back).
 
 Faults (`faults`: a name maps to a rate in [0, 1], chosen per prompt by hash, or `select: {name: [keys]}` with keys
 from `ids_key`). Transient ones hit the first `fail_first_n_attempts` attempts of a prompt (default 1):
@@ -44,9 +48,9 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from safetensors.torch import save_file
 
-from ..loopback_http import LoopbackHttpServer
-from .layers import _layer_output, get_backbone
+from eagle_pipeline.shared.loopback_http import LoopbackHttpServer
 
 TRANSIENT_FAULTS = ("http_500", "http_503", "timeout", "lock_never_released")
 PERSISTENT_FAULTS = (
@@ -126,7 +130,7 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
     ) -> None:
         super().__init__(port=port)
         self.model = model.eval()
-        backbone: Any = get_backbone(model)
+        backbone: Any = getattr(model, "model", model)  # a *ForCausalLM's decoder stack; a bare base model is its own
         self.backbone = backbone
         self.num_layers = len(backbone.layers)
         bad = [k for k in layer_ids if not 0 <= int(k) <= self.num_layers]
@@ -301,16 +305,15 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
 
     def _states(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         captured: dict[str, torch.Tensor] = {}
-        last = self.backbone.layers[self.num_layers - 1]
         me = threading.get_ident()
 
-        def keep(_m: Any, _a: Any, o: Any) -> None:
-            # Only this thread's forward: doubles serving one model object (tests) run forwards concurrently, and a
-            # hook fires for every forward of the module, whoever registered it.
+        def keep(_m: Any, args: tuple[Any, ...]) -> None:
+            # The final norm's input: the last decoder layer's output. Only this thread's forward: doubles serving one
+            # model object (tests) run forwards concurrently, and a hook fires for every forward, whoever registered it.
             if threading.get_ident() == me:
-                captured["pre_norm"] = _layer_output(o)
+                captured["pre_norm"] = args[0]
 
-        handle = last.register_forward_hook(keep)
+        handle = self.backbone.norm.register_forward_pre_hook(keep)
         try:
             x = torch.tensor([ids], device=next(self.model.parameters()).device)
             out = self.backbone(input_ids=x, output_hidden_states=True, use_cache=False)
@@ -339,8 +342,6 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
         return states.contiguous(), token_ids.contiguous()
 
     def _write(self, path: Path, states: torch.Tensor, token_ids: torch.Tensor, lock: Any, hits: set[str]) -> None:
-        from safetensors.torch import save_file
-
         try:
             if "late_file" in hits:
                 time.sleep(self.faults.late_file_s)

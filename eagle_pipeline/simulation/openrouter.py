@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.answers import (
+from eagle_pipeline.simulation.answers import (
     Answer,
     CountCompletion,
     CountPrompt,
@@ -22,9 +22,9 @@ from eagle_pipeline.generation.simulated.answers import (
     tool_history_problem,
     truncate_answer,
 )
-from eagle_pipeline.generation.simulated.faults import PROMPT_INJECTED_TOKENS, error_response, fault_response
-from eagle_pipeline.generation.simulated.server import LoopbackServer
-from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
+from eagle_pipeline.simulation.faults import PROMPT_INJECTED_TOKENS, error_response, fault_response
+from eagle_pipeline.simulation.server import LoopbackServer
+from eagle_pipeline.simulation.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
 
 
 def _auth_of(request: web.Request) -> str:

@@ -10,12 +10,12 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.answers import Answer, request_key, synthesize, tool_history_problem
-from eagle_pipeline.generation.simulated.faults import fault_response
-from eagle_pipeline.generation.simulated.id_server import IdServer
-from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
+from eagle_pipeline.simulation.answers import Answer, request_key, synthesize, tool_history_problem
+from eagle_pipeline.simulation.faults import fault_response
+from eagle_pipeline.simulation.streaming import STREAM_FAULTS, StreamStyle, completion_chunks, write_stream
 from eagle_pipeline.tokens import TargetTokenizer, reconstruct_output, render_prompt_ids
 from eagle_pipeline.tokens.reconstruct import as_profile_ids
+from eagle_pipeline_tests.doubles.id_server import IdServer
 
 
 class SimulatedVLLMServer(IdServer):

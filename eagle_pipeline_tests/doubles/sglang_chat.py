@@ -9,9 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.answers import ids_key, synthesize
-from eagle_pipeline.generation.simulated.faults import fault_response
-from eagle_pipeline.generation.simulated.id_server import IdServer
+from eagle_pipeline.simulation.answers import ids_key, synthesize
+from eagle_pipeline.simulation.faults import fault_response
+from eagle_pipeline_tests.doubles.id_server import IdServer
 
 
 class SimulatedSGLangServer(IdServer):

@@ -1,4 +1,4 @@
-"""The base of the simulated chat servers: the loopback harness (eagle_pipeline/loopback_http.py) with a request log.
+"""The base of the simulated chat servers: the loopback harness (eagle_pipeline/shared/loopback_http.py) with a request log.
 
 Subclasses give the routes and `handle` (one wire format each); the harness owns transport and lifecycle, this
 class the bookkeeping the tests read.
@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle_pipeline.generation.simulated.faults import FaultPlan
-from eagle_pipeline.loopback_http import LoopbackHttpServer
+from eagle_pipeline.shared.loopback_http import LoopbackHttpServer
+from eagle_pipeline.simulation.faults import FaultPlan
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,15 @@
-"""Loopback servers that speak OpenRouter's, vLLM's and SGLang's wire formats, with deterministic answers and faults.
+"""Simulated servers the configuration can name, for the offline demo and for tests: loopback stand-ins that speak the
+real servers' wire formats.
 
-`SimulatedOpenRouterServer` is the offline stand-in for OpenRouter (the 'simulated' backend kind and the test
-double); `SimulatedVLLMServer` and `SimulatedSGLangServer` return token ids through a tokenizer-like `encode` (the
-vLLM double, given the target's tokenizer, renders prompts with its chat template as a real vLLM does).
+* `SimulatedOpenRouterServer` (`openrouter`): a backend of kind `simulated` (`backends.<name>.kind: simulated`);
+  the generation runner starts one for a run when the backend names no endpoint (`generation.runner.backend_endpoint`).
+* `VLLMHiddenStatesDouble` (`vllm_hidden_states`): `hidden_states.vllm.endpoints: [simulated]`; the vLLM engine
+  starts one per shard run serving the `tiny-random` model (`hidden_states.vllm_command.resolved_endpoints`). Not
+  imported here (it needs torch): import it from its module.
+
+The product reaches this package only through those two call-time imports (docs/architecture.md, "The simulation
+seam"); the doubles used only by tests and benchmarks (vLLM and SGLang chat servers, synthetic merged tables) live in
+`eagle_pipeline_tests/doubles/` and build on `answers`, `faults`, `server` and `streaming` here.
 All listen on 127.0.0.1 only, on an aiohttp app in a background thread, and are context managers:
 
     with SimulatedOpenRouterServer(latency_s=0.01, faults={"http_429": 0.2}) as srv:
@@ -31,12 +38,12 @@ to every request once the server has seen more than N (a key revoked or credits 
              (usage.prompt_tokens counts a system prompt the provider injected: +PROMPT_INJECTED_TOKENS)
 
 Modules: `answers` (request keys, token counters, the deterministic answer), `faults` (the fault plan and the HTTP
-response of each fault), `server` (the request log, on the loopback harness `eagle_pipeline.loopback_http`), `streaming` (a completion body as SSE chunks, paced
-by a `StreamStyle`, with the stream faults), and one module per wire format:
-`openrouter`, `vllm`, `sglang` (with `id_server`, the token-id rendering the last two share).
+response of each fault), `server` (the request log, on the loopback harness `eagle_pipeline.shared.loopback_http`),
+`streaming` (a completion body as SSE chunks, paced by a `StreamStyle`, with the stream faults), `openrouter` (the
+OpenRouter wire format) and `vllm_hidden_states` (vLLM's extract_hidden_states server, with its own faults).
 """
 
-from eagle_pipeline.generation.simulated.answers import (
+from eagle_pipeline.simulation.answers import (
     Answer,
     CountCompletion,
     CountPrompt,
@@ -48,7 +55,7 @@ from eagle_pipeline.generation.simulated.answers import (
     synthesize,
     truncate_answer,
 )
-from eagle_pipeline.generation.simulated.faults import (
+from eagle_pipeline.simulation.faults import (
     ALL_FAULTS,
     PROMPT_INJECTED_TOKENS,
     QUALITY_FAULTS,
@@ -56,11 +63,9 @@ from eagle_pipeline.generation.simulated.faults import (
     TRANSIENT_FAULTS,
     FaultPlan,
 )
-from eagle_pipeline.generation.simulated.openrouter import SimulatedOpenRouterServer
-from eagle_pipeline.generation.simulated.server import LoopbackServer, RequestRecord
-from eagle_pipeline.generation.simulated.sglang import SimulatedSGLangServer
-from eagle_pipeline.generation.simulated.streaming import STREAM_FAULTS, StreamStyle
-from eagle_pipeline.generation.simulated.vllm import SimulatedVLLMServer
+from eagle_pipeline.simulation.openrouter import SimulatedOpenRouterServer
+from eagle_pipeline.simulation.server import LoopbackServer, RequestRecord
+from eagle_pipeline.simulation.streaming import STREAM_FAULTS, StreamStyle
 
 __all__ = [
     "ALL_FAULTS",
@@ -76,8 +81,6 @@ __all__ = [
     "LoopbackServer",
     "RequestRecord",
     "SimulatedOpenRouterServer",
-    "SimulatedSGLangServer",
-    "SimulatedVLLMServer",
     "StreamStyle",
     "crude_completion_tokens",
     "crude_prompt_tokens",
