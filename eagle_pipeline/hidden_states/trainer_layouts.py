@@ -131,15 +131,24 @@ def serialise(
         )
         return save({"hidden_states": states.contiguous(), "token_ids": t["input_ids"].to(torch.int64).contiguous()})
     record = {
-        "input_ids": t["input_ids"].to(torch.int64),
-        "loss_mask": t["loss_mask"].to(torch.int64),
-        "aux_hidden_state": t["aux_hidden_states"].contiguous().unsqueeze(0),
-        "hidden_state": t["final_hidden_state"].contiguous().unsqueeze(0),
+        "input_ids": _own_storage(t["input_ids"].to(torch.int64)),
+        "loss_mask": _own_storage(t["loss_mask"].to(torch.int64)),
+        "aux_hidden_state": _own_storage(t["aux_hidden_states"]).unsqueeze(0),
+        "hidden_state": _own_storage(t["final_hidden_state"]).unsqueeze(0),
     }
     record.update({alias: record[src] for alias, src in (aliases or {}).items()})
     buf = io.BytesIO()
     torch.save(record, buf)
     return buf.getvalue()
+
+
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """`x` alone in its storage: torch.save writes a view's whole storage, so a sample sliced out of its batch
+    would carry every other sample of the batch into its `.ckpt` (seen: 7.6x the sample's bytes)."""
+    x = x.contiguous()
+    if x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        x = x.clone()
+    return x
 
 
 def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
