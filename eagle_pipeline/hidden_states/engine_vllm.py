@@ -43,6 +43,7 @@ from .vllm_files import (
     clean_journal,
     delete_request_files,
     journal_path,
+    sweep_orphans,
     vllm_layer_ids,
 )
 from .vllm_layouts import VllmLayoutRows
@@ -290,6 +291,7 @@ def extract_shard_vllm(
             placed.close()
         if run is not None:
             delete_request_files(run.received)
+        sweep_orphans(storage, rows.input_ids)  # files of requests a killed or stopped run never heard back from
         journal.unlink(missing_ok=True)
     return summary
 

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..storage import write_bytes_atomic
+from ..storage import TMP_SUFFIX, write_bytes_atomic
 from .fingerprint import LAYOUT_SHARDS
 from .format import (
     TENSOR_NAMES,
@@ -116,6 +116,28 @@ def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | P
     return LayoutTarget(layout, Path(export_root), files)
 
 
+def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
+    """Delete the temporaries a killed run left beside these samples' trainer files (`storage.atomic_path` names
+    them `.{name}.{hex}.tmp`): a partial copy of a sample's states. Only these samples' names, since other shard
+    runs write into the same folders at the same time. Returns how many were removed."""
+    names: dict[Path, set[str]] = {}
+    for sid in sample_ids:
+        rel = target.file_of.get(sid)
+        if rel is not None:
+            path = target.root / rel
+            names.setdefault(path.parent, set()).add(path.name)
+    removed = 0
+    for folder, wanted in names.items():
+        if not folder.is_dir():
+            continue
+        for entry in os.scandir(folder):
+            name = entry.name
+            if name[:1] == "." and name.endswith(TMP_SUFFIX) and name[1 : -len(TMP_SUFFIX)].rsplit(".", 1)[0] in wanted:
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
 def serialise(
     layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int, aliases: Mapping[str, str] | None = None
 ) -> bytes:
@@ -170,6 +192,7 @@ class SampleFilesWriter:
 
     def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
         self._inner, self._target, self._out_dir, self._masks, self._n_aux = inner, target, out_dir, masks, n_aux
+        remove_stale_tmp(target, list(masks))  # what a killed run of this shard was writing
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.files: list[dict[str, Any]] = []
 
