@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,14 +100,20 @@ class LayoutTarget:
     file_of: dict[str, str]
 
 
-def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | Path) -> LayoutTarget | None:
+def plan_layout_target(
+    layout: str, export_root: str | Path, merged_dir: str | Path, *, left_out: Collection[str] = ()
+) -> LayoutTarget | None:
     """The per-sample file of every merged row in `layout` (None for 'shards'): speculators' `hs_{i}` numbers rows
-    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`."""
+    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`. Rows in
+    `left_out` (dropped by extraction: `too_long_rows: drop`) get no file and no number: speculators' loader reads
+    row i of its Arrow dataset from `hs_{i}` (`ArrowDataset._get_raw_data`), so the numbers must be dense over the
+    rows the dataset holds, which are exactly the rows with states."""
     if layout == SHARDS:
         return None
     if layout not in LAYOUTS:
         raise ValueError(f"unknown hidden-states layout {layout!r}; expected one of {LAYOUTS}")
-    splits = merged_splits(merged_dir)
+    gone = set(left_out)
+    splits = {sid: split for sid, split in merged_splits(merged_dir).items() if sid not in gone}
     if layout == SPECFORGE:
         files = {sid: f"{split}/{safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
     else:
@@ -293,6 +299,12 @@ def iter_shard_samples(
         with open_shard(hs_dir, shard) as reader:
             for sid in sample_ids:
                 yield sid, reader.get(sid), meta
+
+
+def recorded_drops(hs_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows the shards under `hs_dir` left out (`dropped_rows` of their indexes: `too_long_rows: drop`), in
+    shard order: they have no states, so the exports leave them out too."""
+    return [dict(d) for _shard, meta, _ids in shard_indexes(hs_dir) for d in meta.get("dropped_rows") or []]
 
 
 def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
