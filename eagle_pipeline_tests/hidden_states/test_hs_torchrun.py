@@ -193,7 +193,7 @@ def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_fil
     final_state = final_state_for_layout(layout)
     files = "hidden_states/hs_*.safetensors" if layout == "speculators" else "*/*.ckpt"
 
-    def shard(out, exports):
+    def shard(out, exports):  # `exports`: the exports root; rank 0 writes under exports / layout
         return TorchrunShard(
             model_dir,
             merged,
@@ -210,12 +210,12 @@ def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_fil
     def contents(exports):
         return {str(p.relative_to(exports)): p.read_bytes() for p in exports.rglob("*") if p.is_file()}
 
-    extract_shard_torchrun(shard(tmp_path / "c", tmp_path / "c-exports" / layout))
+    extract_shard_torchrun(shard(tmp_path / "c", tmp_path / "c-exports"))
     want = contents(tmp_path / "c-exports" / layout)
     assert len(want) == 24
     out, exports = tmp_path / "killed", tmp_path / "exports" / layout
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    argv = [sys.executable, "-c", _LAYOUT_CHILD, str(model_dir), str(merged), str(out), layout, str(exports)]
+    argv = [sys.executable, "-c", _LAYOUT_CHILD, str(model_dir), str(merged), str(out), layout, str(exports.parent)]
     child = subprocess.Popen([*argv, final_state], env=env)
     deadline = time.monotonic() + 180
     while not list(exports.glob(files)) and time.monotonic() < deadline and child.poll() is None:
@@ -223,7 +223,7 @@ def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_fil
     _kill_the_run_and_its_world(child, out)
     placed = list(exports.glob(files))
     assert 1 <= len(placed) < 24 and shard_status(out, 0) != "done"  # killed mid-shard
-    again = extract_shard_torchrun(shard(out, exports))
+    again = extract_shard_torchrun(shard(out, exports.parent))
     assert not again.skipped and shard_status(out, 0, check_hash=True) == "done"
     assert contents(exports) == want  # identical bytes, no stray temporary
     inodes = [(p.stat().st_dev, p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()]
