@@ -3,19 +3,20 @@
     eagle-pipeline reconstruct --tokenizer DIR [--profile kimi-k2.5] --in responses.jsonl --out tokens.parquet
     eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
+    eagle-pipeline plan [--config pipeline.yaml]
     eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--served-model-config PATH]
                                 [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
     eagle-pipeline check-drafter --export DIR --draft-config FILE
 
-Why this module is long: it is the one argument parser and the thin handler of each of the six commands above; each
+Why this module is long: it is the one argument parser and the thin handler of each of the seven commands above; each
 handler only parses, calls the core and prints (the logic is in the core packages).
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
-Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
+Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (plan: extraction would be refused for disk; vllm-smoke: the server or
 its file is wrong; check-drafter: the draft config does not match the captured layers), 2 usage or input error.
 """
 
@@ -269,6 +270,40 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The extraction plan over the merged table (written to plan.json, as `hidden_state_plan` writes it), then the
+    check every shard run makes before its first request: exit 1 when it would refuse."""
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.run import check_disk_for_run, plan_run
+    from eagle_pipeline.hidden_states.runtime import PlanRefused
+    from eagle_pipeline.shared.storage import DataRoot
+    from eagle_pipeline.tokens import resolve_tokenizer
+
+    cfg, _ = _hidden_states_config(args)
+    paths = ExtractionPaths.of(DataRoot(cfg.data_root))
+    try:
+        plans = plan_run(
+            cfg.hidden_states,
+            paths,
+            target_model_config=cfg.target.model_config,
+            vocab_size=resolve_tokenizer(cfg.target.tokenizer).vocab_size,
+            shard_runs=cfg.pools.gpu,
+        )
+    except (PlanRefused, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"# This run's extraction ({cfg.hidden_states.model}, engine {cfg.hidden_states.engine})\n")
+    print(plans["this_run"].to_markdown())
+    try:
+        needs = check_disk_for_run(cfg.hidden_states, paths)
+    except DiskBudgetExceeded as exc:
+        print(f"{PROG} plan: {exc}", file=sys.stderr)
+        return EXIT_BLOCKED
+    for n in needs:
+        print(f"free space: {n.path} ({', '.join(n.places)}): {n.needed:,} bytes still to write, {n.free:,} free")
+    return EXIT_OK
+
+
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     from eagle_pipeline.hidden_states.engine_vllm import smoke_request
     from eagle_pipeline.hidden_states.layers import resolve_aux_layers
@@ -406,7 +441,15 @@ def _add_token_commands(sub: Any) -> None:
 
 
 def _add_vllm_commands(sub: Any) -> None:
-    """`vllm-command` and `vllm-smoke`."""
+    """`plan`, `vllm-command` and `vllm-smoke`."""
+    pl = sub.add_parser(
+        "plan",
+        help="print the extraction plan (disk item by item, GPU-hours) and check the disk before any shard",
+        description="Exit status 0 when extraction fits the disk budget and the free space, 1 when a shard run "
+        "would refuse to start (the message names the bytes needed and the limit).",
+    )
+    _config_option(pl)
+    pl.set_defaults(func=cmd_plan)
     vc = sub.add_parser(
         "vllm-command",
         help="print the `vllm serve` command for extraction with this configuration",

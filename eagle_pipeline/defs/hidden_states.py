@@ -2,7 +2,6 @@
 
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -47,6 +46,7 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
             ExtractionPaths.of(pipeline.data_root()),
             target_model_config=cfg.target.model_config,
             vocab_size=pipeline.tokenizer().vocab_size,
+            shard_runs=cfg.pools.gpu,
         )
     except PlanRefused as exc:
         raise dg.Failure(f"Extraction plan refused: {exc}", allow_retries=False) from None
@@ -80,12 +80,12 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.run import PLAN_FILE, run_shard
+    from eagle_pipeline.hidden_states.run import run_shard
     from eagle_pipeline.hidden_states.shards import ShardMismatchError
 
     paths = ExtractionPaths.of(pipeline.data_root())
     h = pipeline.config().hidden_states
-    _check_disk_budget(paths.out_dir / PLAN_FILE, h.disk_budget_gb)
+    _check_disk(h, paths)
     shard = int(context.partition_key)
     try:
         run = run_shard(
@@ -123,12 +123,14 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     )
 
 
-def _check_disk_budget(plan_path: Path, disk_budget_gb: float | None) -> None:
-    """`check_disk_budget` as a non-retryable Failure with the planned bytes and the budget as metadata."""
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded, check_disk_budget
+def _check_disk(h: Any, paths: Any) -> None:
+    """`run.check_disk_for_run` (the budget, and each filesystem's free space for what remains to be written) as a
+    non-retryable Failure with the needed bytes and the limit as metadata."""
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.run import check_disk_for_run
 
     try:
-        check_disk_budget(plan_path, disk_budget_gb)
+        check_disk_for_run(h, paths)
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc), allow_retries=False) from exc
     except DiskBudgetExceeded as exc:

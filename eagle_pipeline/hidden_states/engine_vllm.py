@@ -43,11 +43,12 @@ from .vllm_files import (
     clean_journal,
     delete_request_files,
     journal_path,
+    sweep_orphans,
     vllm_layer_ids,
 )
 from .vllm_layouts import VllmLayoutRows
 from .vllm_requests import ShardRequests
-from .vllm_served import apply_length_limit, endpoints_max_model_len
+from .vllm_served import apply_length_limit, endpoints_max_model_len, target_without_too_long
 
 
 def extract_shard_vllm(
@@ -139,6 +140,8 @@ def extract_shard_vllm(
     rows, dropped = apply_length_limit(
         read_rows(merged_dir, row_start, row_stop), max_model_len, shard_index=shard_index, too_long_rows=too_long_rows
     )
+    if too_long_rows == "drop" and layout_target is not None:  # hs_{i} dense without the rows any shard drops
+        layout_target = target_without_too_long(layout_target, merged_dir, max_model_len)
     for d in dropped:
         d["reason"] = f"{d['n_tokens']} tokens >= the servers' max_model_len {max_model_len} (too_long_rows: drop)"
         if log is not None:
@@ -290,6 +293,7 @@ def extract_shard_vllm(
             placed.close()
         if run is not None:
             delete_request_files(run.received)
+        sweep_orphans(storage, rows.input_ids)  # files of requests a killed or stopped run never heard back from
         journal.unlink(missing_ok=True)
     return summary
 

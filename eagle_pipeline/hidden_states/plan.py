@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..shared.storage import read_json
+from .disk_plan import (
+    IDS_BYTES,
+    MASK_BYTES,
+    SHARDS,
+    DiskBudgetExceeded,
+    FilesystemNeed,
+    StateShape,
+    check_disk,
+    disk_items,
+    free_bytes,
+)
+from .disk_plan import PROJECT_SHARD_SAMPLE_BYTES as PER_SAMPLE_OVERHEAD_BYTES
 from .layers import resolve_aux_layers
 
-IDS_BYTES = 4  # int32 input_ids
-MASK_BYTES = 1  # int8 loss_mask
-# safetensors JSON header entries (4 per sample) + index row; measured ~100-150 B each on real shards.
-PER_SAMPLE_OVERHEAD_BYTES = 640
+__all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]
 # The field's observed extraction rate for Kimi-K2.5 on H200 (TorchSpec: 6B tokens in 1,500 GPU-hours including
 # training, docs/hidden_states.md §1): shown beside the MFU assumption, which it may undercut by up to ~2.5x.
 OBSERVED_TOKENS_PER_GPU_S = (2200.0, 3700.0)
@@ -56,6 +65,9 @@ class ExtractionPlan:
     assumptions: dict[str, Any] = field(default_factory=dict)
     # The disk of other layer choices over the same tokens (docs/drafters.md): {choice, aux_layers, bytes_on_disk}.
     layer_choices: list[dict[str, Any]] = field(default_factory=list)
+    layout: str = SHARDS  # hidden_states.layout: where the states are written
+    # What is written, item by item (`disk_plan.disk_items`); bytes_on_disk is the sum of the counted ones.
+    disk_items: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -75,7 +87,7 @@ class ExtractionPlan:
             f"| aux layers (decoder-layer outputs) | {list(self.aux_layers)}"
             f"{' + final' if self.save_final_state else ''} |",
             f"| bytes per token | {self.bytes_per_token:,} |",
-            f"| disk | {_bytes(self.bytes_on_disk)} (budget {budget}: {verdict}) |",
+            f"| disk, all that is written | {_bytes(self.bytes_on_disk)} (budget {budget}: {verdict}) |",
             f"| compute | {self.flops:.3g} FLOPs = {self.gpu_hours:,.1f} GPU-hours "
             f"({self.wall_hours:,.1f} h on {self.n_gpus} GPU{'s' if self.n_gpus != 1 else ''}) |",
             f"| engine | {self.engine}: {self.n_gpus // self.gpus_per_model} x {self.gpus_per_model} GPU"
@@ -92,6 +104,19 @@ class ExtractionPlan:
             "",
         ]
         lines += [f"- {k}: {v}" for k, v in self.assumptions.items()]
+        lines += [
+            "",
+            f"Disk, by what is written (layout {self.layout}):",
+            "",
+            "| what | where | bytes |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {d['what']} | {d['place']} | {d['bytes']:,} ({_bytes(d['bytes'])})"
+            f"{'' if d['counted'] else ', not counted: ' + d['note']} |"
+            for d in self.disk_items
+        ]
+        lines.append(f"| **total** | | **{self.bytes_on_disk:,} ({_bytes(self.bytes_on_disk)})** |")
         if self.layer_choices:
             lines += [
                 "",
@@ -134,17 +159,17 @@ def plan_extraction(
     engine: str = "in_process",
     gpus_per_model: int = 1,
     layer_counts: Sequence[int] = (),
+    layout: str = SHARDS,
+    disk: Mapping[str, Any] | None = None,
 ) -> ExtractionPlan:
-    """Estimate disk and GPU time of extracting `n_tokens` tokens.
+    """Estimate disk and GPU time of extracting `n_tokens` tokens (the formulas: docs/hidden_states.md §1).
 
-    disk  = n_tokens x [(len(aux) + final) x H x dtype_bytes + 4 (int32 id) + 1 (int8 mask)] + n_samples x 640 B
-    FLOPs = 2 x active_params x n_tokens (one prefill forward; attention-score FLOPs and the never-run lm_head
-            are ignored, they roughly cancel at 2-4k context);
-    GPU-hours = FLOPs / (peak_bf16 x mfu) / 3600; wall hours = GPU-hours / n_gpus.
-    min GPUs for weights = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)); the plan fits the
-    engine when that is <= `gpus_per_model` (1 in process, a server's GPUs for vLLM); `n_gpus` is the total.
-    `layer_choices`: the disk of the configured layers, EAGLE-3's low/mid/high and SpecForge's 1- and 5-layer
-    DFlash spreads (and of each count in `layer_counts`), by the same formula.
+    disk = what is written (`disk_plan.disk_items`; `layout: shards`: n_tokens x [(len(aux) + final) x H x
+    dtype_bytes + 5] + n_samples x 640 B + 10 kB per shard; `disk`: its other arguments, e.g. trainer_layouts,
+    scratch_rows; per-shard figures default to the tokens spread evenly). FLOPs = 2 x active_params x n_tokens (one
+    prefill; lm_head and attention scores ignored); GPU-hours = FLOPs / (peak x mfu) / 3600, wall = / n_gpus; min
+    GPUs = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)), fitting the engine when <=
+    `gpus_per_model`. `layer_choices`: the disk of EAGLE-3's and SpecForge's 1-/5-layer spreads (and `layer_counts`).
     """
     if n_tokens < 0 or n_samples < 0:
         raise ValueError("n_tokens and n_samples must be non-negative")
@@ -155,71 +180,113 @@ def plan_extraction(
     aux = resolve_aux_layers(aux_layers, num_layers)
     final = 1 if save_final_state else 0
     hidden_per_token = (len(aux) + final) * hidden_size * dtype_bytes
-    bytes_per_token = hidden_per_token + IDS_BYTES + MASK_BYTES
-    hidden_bytes = n_tokens * hidden_per_token
-    overhead = n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PER_SAMPLE_OVERHEAD_BYTES
-    total = hidden_bytes + overhead
-    choices = _layer_choices(aux, num_layers, layer_counts)
-    per_layer = n_tokens * hidden_size * dtype_bytes
-    flops = 2.0 * active_params * n_tokens
-    gpu_hours = flops / (gpu_bf16_peak_tflops * 1e12 * mfu) / 3600.0
-    n_shards = max(math.ceil(n_samples / shard_size), 1) if n_samples else 0
+    shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
+    items = _disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
+    total = sum(d["bytes"] for d in items if d["counted"])
+    gpu = _gpu_figures(
+        n_tokens,
+        total_params,
+        active_params,
+        gpu_bf16_peak_tflops,
+        mfu,
+        n_gpus,
+        weight_bytes_per_param,
+        gpu_memory_bytes,
+    )
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
-    min_gpus = max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1)
-    assumed_rate = gpu_bf16_peak_tflops * 1e12 * mfu / (2.0 * active_params) if active_params else float("inf")
-    slow, fast = OBSERVED_TOKENS_PER_GPU_S
+    per_layer = n_tokens * hidden_size * dtype_bytes
+    copies = sum(1 for d in items if d["counted"] and d["what"].startswith(("states", "copy")))  # of the states
     return ExtractionPlan(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        aux_layers=aux,
-        save_final_state=save_final_state,
-        dtype_bytes=dtype_bytes,
-        n_tokens=n_tokens,
-        n_samples=n_samples,
-        total_params=float(total_params),
-        active_params=float(active_params),
-        bytes_per_token=bytes_per_token,
-        hidden_bytes=hidden_bytes,
-        overhead_bytes=overhead,
-        bytes_on_disk=total,
-        flops=flops,
-        gpu_hours=gpu_hours,
-        n_gpus=n_gpus,
-        wall_hours=gpu_hours / n_gpus,
-        shard_size=shard_size,
-        n_shards=n_shards,
-        tokens_per_shard=n_tokens * frac,
-        bytes_per_shard=total * frac,
-        gpu_hours_per_shard=gpu_hours * frac,
+        hidden_size=hidden_size, num_layers=num_layers, aux_layers=aux, save_final_state=save_final_state,
+        dtype_bytes=dtype_bytes, n_tokens=n_tokens, n_samples=n_samples, total_params=float(total_params),
+        active_params=float(active_params), bytes_per_token=hidden_per_token + IDS_BYTES + MASK_BYTES,
+        hidden_bytes=n_tokens * hidden_per_token,
+        overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PER_SAMPLE_OVERHEAD_BYTES,
+        bytes_on_disk=total, n_gpus=n_gpus, shard_size=shard_size,
+        n_shards=max(math.ceil(n_samples / shard_size), 1) if n_samples else 0,
+        tokens_per_shard=n_tokens * frac, bytes_per_shard=total * frac, gpu_hours_per_shard=gpu["gpu_hours"] * frac,
         disk_budget_bytes=disk_budget_bytes,
         exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
-        min_gpus_for_weights=min_gpus,
-        engine=engine,
-        gpus_per_model=gpus_per_model,
-        fits_engine=min_gpus <= gpus_per_model,
-        assumed_tokens_per_gpu_s=assumed_rate,
-        observed_wall_hours=(n_tokens / (slow * n_gpus) / 3600.0, n_tokens / (fast * n_gpus) / 3600.0),
-        assumptions={
-            "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x 640 B",
-            "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
-            "gpu peak": f"{gpu_bf16_peak_tflops} TFLOP/s dense bf16 (H100/H200 SXM)",
-            "mfu": f"{mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
-            "observed rate": f"{slow:,.0f}-{fast:,.0f} tokens/s per GPU: TorchSpec's Kimi-K2.5 drafter, 6B tokens in "
-            "1,500 H200 GPU-hours including training (so an upper bound on cost); vLLM's extraction costs 10-42% of "
-            "prefill throughput by the reports",
-            "engine": f"{engine}: one model copy spans {gpus_per_model} GPU(s); {n_gpus} GPU(s) in all",
-            "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
-            " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
-            " ~0.55 B/param)",
-            "dtype bytes": dtype_bytes,
-            "no compression": "hidden states are stored raw; bf16 activations compress poorly",
-            "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
-        },
+        engine=engine, gpus_per_model=gpus_per_model, fits_engine=gpu["min_gpus_for_weights"] <= gpus_per_model,
+        assumptions=_assumptions(
+            gpu_bf16_peak_tflops, mfu, engine, gpus_per_model, n_gpus, total_params, weight_bytes_per_param,
+            gpu_memory_bytes, dtype_bytes,
+        ),
         layer_choices=[
-            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer}
-            for name, ids in choices.items()
+            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer * copies}
+            for name, ids in _layer_choices(aux, num_layers, layer_counts).items()
         ],
+        layout=layout, disk_items=items, **gpu,
+    )  # fmt: skip
+
+
+def _gpu_figures(
+    n_tokens: int,
+    total_params: float,
+    active_params: float,
+    peak_tflops: float,
+    mfu: float,
+    n_gpus: int,
+    weight_bytes_per_param: float,
+    gpu_memory_bytes: float,
+) -> dict[str, Any]:
+    """The compute side of the plan (`plan_extraction`'s docstring has the formulas)."""
+    flops = 2.0 * active_params * n_tokens
+    gpu_hours = flops / (peak_tflops * 1e12 * mfu) / 3600.0
+    slow, fast = OBSERVED_TOKENS_PER_GPU_S
+    return dict(
+        flops=flops,
+        gpu_hours=gpu_hours,
+        wall_hours=gpu_hours / n_gpus,
+        min_gpus_for_weights=max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1),
+        assumed_tokens_per_gpu_s=peak_tflops * 1e12 * mfu / (2.0 * active_params) if active_params else float("inf"),
+        observed_wall_hours=(n_tokens / (slow * n_gpus) / 3600.0, n_tokens / (fast * n_gpus) / 3600.0),
     )
+
+
+def _disk_items(
+    shape: StateShape, layout: str, disk: Mapping[str, Any] | None, n_tokens: int, n_samples: int, shard_size: int
+) -> list[dict[str, Any]]:
+    """`disk_plan.disk_items` for the plan; without per-shard figures the tokens are spread evenly over the shards."""
+    kw = dict(disk or {})
+    if "shard_rows" not in kw:
+        rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
+        kw["shard_rows"] = rows
+        kw["shard_tokens"] = [n_tokens * r // n_samples for r in rows]
+        if rows:
+            kw["shard_tokens"][-1] += n_tokens - sum(kw["shard_tokens"])
+    return disk_items(shape, layout=layout, **kw)
+
+
+def _assumptions(
+    peak: float,
+    mfu: float,
+    engine: str,
+    gpus_per_model: int,
+    n_gpus: int,
+    total_params: float,
+    weight_bytes_per_param: float,
+    gpu_memory_bytes: float,
+    dtype_bytes: int,
+) -> dict[str, Any]:
+    slow, fast = OBSERVED_TOKENS_PER_GPU_S
+    return {
+        "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x 640 B "
+        "+ shards x 10 kB for the project's shards; each item's own per-token and per-file bytes below",
+        "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
+        "gpu peak": f"{peak} TFLOP/s dense bf16 (H100/H200 SXM)",
+        "mfu": f"{mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
+        "observed rate": f"{slow:,.0f}-{fast:,.0f} tokens/s per GPU: TorchSpec's Kimi-K2.5 drafter, 6B tokens in "
+        "1,500 H200 GPU-hours including training (so an upper bound on cost); vLLM's extraction costs 10-42% of "
+        "prefill throughput by the reports",
+        "engine": f"{engine}: one model copy spans {gpus_per_model} GPU(s); {n_gpus} GPU(s) in all",
+        "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
+        " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
+        " ~0.55 B/param)",
+        "dtype bytes": dtype_bytes,
+        "no compression": "hidden states are stored raw; bf16 activations compress poorly",
+        "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
+    }
 
 
 def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -> dict[str, tuple[int, ...]]:
@@ -250,26 +317,17 @@ def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, *
     )
 
 
-class DiskBudgetExceeded(RuntimeError):
-    """This run's plan needs more bytes on disk than the budget allows; nothing has been written."""
-
-    def __init__(self, planned_bytes: int, budget_gb: float, plan: dict[str, Any]):
-        self.budget_gb = budget_gb
-        self.planned_bytes = planned_bytes
-        self.budget_bytes = int(budget_gb * 1e9)
-        self.plan = plan
-        super().__init__(
-            f"Extraction refused: this run's plan needs {planned_bytes:,} bytes ({planned_bytes / 1e9:.3g} GB) on "
-            f"disk, over the budget of {self.budget_bytes:,} bytes ({budget_gb:g} GB, hidden_states.disk_budget_gb). "
-            "Raise the budget, shrink the merged dataset, or extract fewer layers."
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable across process pools despite the custom signature
-        return type(self), (self.planned_bytes, self.budget_gb, self.plan)
-
-
-def check_disk_budget(plan_path: str | Path, disk_budget_gb: float | None) -> None:
-    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now.
+def check_disk_budget(
+    plan_path: str | Path,
+    disk_budget_gb: float | None,
+    *,
+    places: Mapping[str, Path] | None = None,
+    done_shards: Collection[int] = (),
+    free_space: Callable[[Path], int] = free_bytes,
+) -> list[FilesystemNeed]:
+    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now, or,
+    with `places` (each item's folder: `run.disk_places`), when what remains to be written on a filesystem (all but
+    `done_shards`) exceeds its free space (`disk_plan.check_disk`); return each filesystem's figures.
 
     The budget is the caller's current setting, not the one plan.json was made under, so lowering it takes effect
     without replanning. A missing plan is a FileNotFoundError that says how to make one.
@@ -278,6 +336,8 @@ def check_disk_budget(plan_path: str | Path, disk_budget_gb: float | None) -> No
     if not plan_path.exists():
         raise FileNotFoundError(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.")
     plan = read_json(plan_path)["this_run"]
-    planned = int(plan["bytes_on_disk"])
-    if disk_budget_gb is not None and planned > disk_budget_gb * 1e9:
-        raise DiskBudgetExceeded(planned, disk_budget_gb, plan)
+    if places is None or "disk_items" not in plan:  # a plan.json written before the items: the budget alone
+        if disk_budget_gb is not None and int(plan["bytes_on_disk"]) > disk_budget_gb * 1e9:
+            raise DiskBudgetExceeded(int(plan["bytes_on_disk"]), disk_budget_gb, plan)
+        return []
+    return check_disk(plan, disk_budget_gb, places=places, done_shards=done_shards, free_space=free_space)

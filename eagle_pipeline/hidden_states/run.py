@@ -8,11 +8,15 @@ a shard is already done, and the fingerprint it must carry are decided here, onc
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..shared.progress import ProgressCallback
 from ..shared.storage import write_json_atomic
+from .disk_plan import FilesystemNeed
 from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from .engine_in_process import InProcessEngine
 from .engine_torchrun import TorchrunEngine
@@ -39,11 +43,17 @@ ALREADY_DONE = "none (already done)"
 
 
 def plan_run(
-    settings: HiddenStatesConfig, paths: ExtractionPaths, *, target_model_config: str | None, vocab_size: int
+    settings: HiddenStatesConfig,
+    paths: ExtractionPaths,
+    *,
+    target_model_config: str | None,
+    vocab_size: int,
+    shard_runs: int = 1,
 ) -> dict[str, ExtractionPlan]:
-    """The plans over the merged table ('target', 'this_run': `runtime.plan_for_run`), written to
-    `paths.out_dir/plan.json` for the shard runs' disk-budget check. Raises `runtime.PlanRefused` when the engine
-    cannot hold the weights (nothing is written then)."""
+    """The plans over the merged table ('target', 'this_run': `runtime.plan_for_run`), with what is written item
+    by item (`disk_inputs`; `shard_runs`: shard runs at once, the `gpu` pool's limit), written to
+    `paths.out_dir/plan.json` for the shard runs' disk check (`check_disk_for_run`). Raises `runtime.PlanRefused`
+    when the engine cannot hold the weights (nothing is written then)."""
     from ..merge.manifest import MergeManifest
 
     manifest = MergeManifest.read(paths.merged_dir)
@@ -53,9 +63,77 @@ def plan_run(
         n_tokens=manifest.tokens_total,
         n_samples=manifest.rows_total,
         vocab_size=vocab_size,
+        disk=disk_inputs(settings, paths, shard_runs=shard_runs),
     )
     write_json_atomic({k: p.to_dict() for k, p in plans.items()}, paths.out_dir / PLAN_FILE)
     return plans
+
+
+def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> dict[str, Any]:
+    """`disk_plan.disk_items`' figures from the merged rows: each shard's tokens and rows, the copies in
+    `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
+    `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
+    speculators` and the connector's storage on the export folder's filesystem those files are renamed to
+    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
+    import pyarrow.parquet as pq
+
+    from .disk_plan import existing_parent
+    from .merged import merged_parts
+    from .vllm_requests import rows_ahead
+
+    lengths = [
+        n
+        for p in merged_parts(paths.merged_dir)
+        for n in pq.read_table(p, columns=["n_tokens"])["n_tokens"].to_pylist()
+    ]
+    size = settings.shard_size
+    out: dict[str, Any] = {
+        "trainer_layouts": tuple(settings.trainer_layouts),
+        "shard_tokens": [int(sum(lengths[i : i + size])) for i in range(0, len(lengths), size)],
+        "shard_rows": [len(lengths[i : i + size]) for i in range(0, len(lengths), size)],
+    }
+    if settings.engine == "vllm":
+        v = settings.vllm
+        k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
+        out["scratch_rows"] = sorted(lengths, reverse=True)[:k]
+        same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
+        if settings.layout == "speculators" and same_fs:
+            out["scratch_counted"] = False
+            out["scratch_note"] = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
+    return out
+
+
+def disk_places(settings: HiddenStatesConfig, paths: ExtractionPaths) -> dict[str, Path]:
+    """The folder each item of the disk plan is written to (`disk_plan` places)."""
+    from .disk_plan import CONNECTOR, EXPORTS, HIDDEN_STATES
+
+    return {
+        HIDDEN_STATES: Path(paths.out_dir),
+        EXPORTS: Path(paths.exports_dir),
+        CONNECTOR: Path(settings.vllm.storage_path),
+    }
+
+
+def check_disk_for_run(
+    settings: HiddenStatesConfig, paths: ExtractionPaths, *, free_space: Callable[[Path], int] | None = None
+) -> list[FilesystemNeed]:
+    """Before a shard run's first request: raise `plan.DiskBudgetExceeded` when plan.json's total exceeds
+    `hidden_states.disk_budget_gb`, or when what remains to be written (every shard not done yet, the connector's
+    peak, the exports) exceeds a filesystem's free space (`free_space(path)`, default `disk_plan.free_bytes`: a
+    seam for tests); return each filesystem's figures."""
+    from .disk_plan import free_bytes
+    from .plan import check_disk_budget
+    from .shards import shard_status
+
+    done = {int(p.name[len("shard-") :].split(".", 1)[0]) for p in Path(paths.out_dir).glob("shard-*.index.parquet")}
+    done = {i for i in done if shard_status(paths.out_dir, i) == "done"}
+    return check_disk_budget(
+        paths.out_dir / PLAN_FILE,
+        settings.disk_budget_gb,
+        places=disk_places(settings, paths),
+        done_shards=done,
+        free_space=free_space or free_bytes,
+    )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -327,12 +327,15 @@ def plan_for_run(
     n_servers: int = 1,
     gpus_per_server: int = 8,
     tp_size: int = 2,
+    layout: str = "shards",
+    disk: Mapping[str, Any] | None = None,
 ) -> dict[str, ExtractionPlan]:
     """Two plans over the merged tokens: 'target' (the real target model, what a production run costs) and
     'this_run' (the model configured for extraction here; the disk budget applies to it; each with the disk of
     other layer choices, `layer_counts` among them), both under the configured
     engine: in process one GPU holds one model; with vLLM, `n_servers` servers of `gpus_per_server` GPUs each; under
     torchrun, one world of `tp_size` GPUs.
+    `layout` and `disk` (`plan.plan_extraction`'s): what is written, item by item, in both plans.
     Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU)."""
     budget = int(disk_budget_gb * 1e9) if disk_budget_gb is not None else None
     target = (
@@ -347,7 +350,12 @@ def plan_for_run(
         this_run = _facts(load_text_config(extraction_model), extraction_model)
         dtype_bytes = 2
     common: dict[str, Any] = dict(
-        n_tokens=n_tokens, n_samples=n_samples, shard_size=shard_size, layer_counts=tuple(layer_counts)
+        n_tokens=n_tokens,
+        n_samples=n_samples,
+        shard_size=shard_size,
+        layer_counts=tuple(layer_counts),
+        layout=layout,
+        disk=disk,
     )
     plans = {
         "target": plan_for_model(
@@ -384,10 +392,17 @@ def plan_for_run(
 
 
 def plan_for_config(
-    h: HiddenStatesConfig, *, target_model_config: str | None, n_tokens: int, n_samples: int, vocab_size: int
+    h: HiddenStatesConfig,
+    *,
+    target_model_config: str | None,
+    n_tokens: int,
+    n_samples: int,
+    vocab_size: int,
+    disk: Mapping[str, Any] | None = None,
 ) -> dict[str, ExtractionPlan]:
-    """`plan_for_run` for the `hidden_states` settings: their extraction model, layers, shards, budget and engine;
-    `target_model_config` is `target.model_config` (None: the built-in Kimi-K2.5)."""
+    """`plan_for_run` for the `hidden_states` settings: their extraction model, layers, shards, budget, engine and
+    layout; `target_model_config` is `target.model_config` (None: the built-in Kimi-K2.5); `disk` as for
+    `plan.plan_extraction`."""
     return plan_for_run(
         n_tokens=n_tokens,
         n_samples=n_samples,
@@ -403,4 +418,6 @@ def plan_for_config(
         n_servers=max(len(h.vllm.endpoints), 1),
         gpus_per_server=h.vllm.gpus_per_server,
         tp_size=h.torchrun.tp_size,
+        layout=h.layout,
+        disk=disk,
     )

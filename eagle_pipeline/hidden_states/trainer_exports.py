@@ -31,6 +31,7 @@ from .trainer_layouts import (
     iter_shard_samples,
     merged_tables,
     plan_layout_target,
+    recorded_drops,
     serialise,
     shard_final_state,
     shard_indexes,
@@ -49,9 +50,10 @@ def write_layout(
     """Put every merged row's states in `layout` under `out_dir`: samples extraction wrote there directly are
     checked and left alone, every other shard's samples are converted (the final state brought to the trainer's
     convention; SpecForge's `aliases` added, see `serialise`); files of rows no longer merged are removed.
+    Rows the shards dropped (`trainer_layouts.recorded_drops`) have no file and no number.
     Returns (bytes written, samples written directly)."""
     out_dir = Path(out_dir)
-    target = plan_layout_target(layout, out_dir, merged_dir)
+    target = plan_layout_target(layout, out_dir, merged_dir, left_out=_dropped_ids(hs_dir))
     assert target is not None
     direct = direct_samples(hs_dir, target)
     refuse_without_room(hs_dir, out_dir, layout, skip_layout=layout)
@@ -112,11 +114,17 @@ def refuse_without_room(hs_dir: str | Path, out_dir: str | Path, what: str, *, s
         )
 
 
-def _split_counts(merged_dir: str | Path) -> tuple[dict[str, int], dict[str, int]]:
-    """(rows, tokens) per split of the merged table."""
+def _dropped_ids(hs_dir: str | Path) -> set[str]:
+    return {d["sample_id"] for d in recorded_drops(hs_dir)}
+
+
+def _split_counts(merged_dir: str | Path, left_out: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """(rows, tokens) per split of the merged table, less the rows `left_out`."""
     rows, tokens = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
-    for t in merged_tables(merged_dir, ["split", "n_tokens"]):
-        for split, n in zip(t.column("split").to_pylist(), t.column("n_tokens").to_pylist()):
+    for t in merged_tables(merged_dir, ["sample_id", "split", "n_tokens"]):
+        for sid, split, n in zip(*(t.column(c).to_pylist() for c in ("sample_id", "split", "n_tokens"))):
+            if sid in left_out:
+                continue
             rows[split] += 1
             tokens[split] += int(n)
     return rows, tokens
@@ -145,7 +153,7 @@ def export_specforge_states(
     out_dir = Path(out_dir)
     record = capture_record(capture_of_shards(hs_dir), SPECFORGE, POST_NORM)
     dirs = {s: out_dir / s for s in SPLITS}
-    rows, tokens = _split_counts(merged_dir)
+    rows, tokens = _split_counts(merged_dir, _dropped_ids(hs_dir))
     paths = {
         "train": dirs["train"],
         "eval": dirs["eval"] if rows["eval"] else None,
@@ -166,6 +174,7 @@ def export_specforge_states(
         final_state=POST_NORM,
         extra={
             "samples_written_by_extraction": n_direct,
+            "dropped_rows": recorded_drops(hs_dir),
             "config": {
                 "data.hidden_states_path": str(dirs["train"]),
                 "data.eval_hidden_states_path": str(dirs["eval"]) if rows["eval"] else None,
@@ -202,11 +211,14 @@ def train_data_ratio(n_train: int, n_eval: int) -> float | None:
     return (n_train + 0.5) / n
 
 
-def _speculators_table(merged_dir: str | Path) -> tuple[pa.Table, int]:
-    """The merged rows as speculators' dataset columns, train rows (merged order) then eval rows; and n_train."""
+def _speculators_table(merged_dir: str | Path, left_out: set[str]) -> tuple[pa.Table, int]:
+    """The merged rows as speculators' dataset columns, train rows (merged order) then eval rows, less the rows
+    `left_out` (row i is read from hs_{i}: `plan_layout_target`); and n_train."""
     import pyarrow.compute as pc
 
     merged = pa.concat_tables(merged_tables(merged_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens", "split"]))
+    if left_out:
+        merged = merged.filter(pc.invert(pc.is_in(merged["sample_id"], pa.array(sorted(left_out), pa.string()))))
     parts = []
     for split in SPLITS:
         t = merged.filter(pc.equal(merged["split"], split))
@@ -239,7 +251,8 @@ def export_speculators_states(
     out_dir = Path(out_dir)
     record = capture_record(capture_of_shards(hs_dir), SPECULATORS, PRE_NORM)
     nbytes, n_direct = write_layout(SPECULATORS, hs_dir, merged_dir, out_dir)
-    table, n_train = _speculators_table(merged_dir)
+    drops = recorded_drops(hs_dir)
+    table, n_train = _speculators_table(merged_dir, {d["sample_id"] for d in drops})
     n_eval = table.num_rows - n_train
     aux_layers = list(record["aux_layers"])
     _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
@@ -266,6 +279,7 @@ def export_speculators_states(
         final_state=PRE_NORM,
         extra={
             "samples_written_by_extraction": n_direct,
+            "dropped_rows": drops,  # merged rows without states, left out of the dataset and of the numbering
             "train_data_ratio": ratio,
             "aux_layers_0_based_outputs": aux_layers,
             "aux_layer_ids_vllm": vllm_ids,
@@ -298,7 +312,14 @@ def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
     lines = [
         "# speculators offline data (written by eagle-pipeline)",
         "",
-        f"Rows: {s.rows['train']} train, then {s.rows['eval']} eval (eval rows last).",
+        f"Rows: {s.rows['train']} train, then {s.rows['eval']} eval (eval rows last); row i's states are "
+        "`hidden_states/hs_{i}.safetensors`, its sample in the `sample_id` column"
+        + (
+            f"; {len(s.extra['dropped_rows'])} merged rows without states (too long for the servers) are left out "
+            "(export.json's dropped_rows)."
+            if s.extra["dropped_rows"]
+            else "."
+        ),
         "",
         "Train with:",
         "",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..shared.storage import write_bytes_atomic
+from ..shared.storage import TMP_SUFFIX, write_bytes_atomic
 from .fingerprint import LAYOUT_SHARDS
 from .format import (
     TENSOR_NAMES,
@@ -101,20 +101,48 @@ class LayoutTarget:
     file_of: dict[str, str]
 
 
-def plan_layout_target(layout: str, export_root: str | Path, merged_dir: str | Path) -> LayoutTarget | None:
+def plan_layout_target(
+    layout: str, export_root: str | Path, merged_dir: str | Path, *, left_out: Collection[str] = ()
+) -> LayoutTarget | None:
     """The per-sample file of every merged row in `layout` (None for 'shards'): speculators' `hs_{i}` numbers rows
-    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`."""
+    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`. Rows in
+    `left_out` (dropped by extraction: `too_long_rows: drop`) get no file and no number: speculators' loader reads
+    row i of its Arrow dataset from `hs_{i}` (`ArrowDataset._get_raw_data`), so the numbers must be dense over the
+    rows the dataset holds, which are exactly the rows with states."""
     if layout == SHARDS:
         return None
     if layout not in LAYOUTS:
         raise ValueError(f"unknown hidden-states layout {layout!r}; expected one of {LAYOUTS}")
-    splits = merged_splits(merged_dir)
+    gone = set(left_out)
+    splits = {sid: split for sid, split in merged_splits(merged_dir).items() if sid not in gone}
     if layout == SPECFORGE:
         files = {sid: f"{split}/{safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
     else:
         ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
         files = {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
     return LayoutTarget(layout, Path(export_root), files)
+
+
+def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
+    """Delete the temporaries a killed run left beside these samples' trainer files (`storage.atomic_path` names
+    them `.{name}.{hex}.tmp`): a partial copy of a sample's states. Only these samples' names, since other shard
+    runs write into the same folders at the same time. Returns how many were removed."""
+    names: dict[Path, set[str]] = {}
+    for sid in sample_ids:
+        rel = target.file_of.get(sid)
+        if rel is not None:
+            path = target.root / rel
+            names.setdefault(path.parent, set()).add(path.name)
+    removed = 0
+    for folder, wanted in names.items():
+        if not folder.is_dir():
+            continue
+        for entry in os.scandir(folder):
+            name = entry.name
+            if name[:1] == "." and name.endswith(TMP_SUFFIX) and name[1 : -len(TMP_SUFFIX)].rsplit(".", 1)[0] in wanted:
+                os.unlink(entry.path)
+                removed += 1
+    return removed
 
 
 def serialise(
@@ -132,15 +160,24 @@ def serialise(
         )
         return save({"hidden_states": states.contiguous(), "token_ids": t["input_ids"].to(torch.int64).contiguous()})
     record = {
-        "input_ids": t["input_ids"].to(torch.int64),
-        "loss_mask": t["loss_mask"].to(torch.int64),
-        "aux_hidden_state": t["aux_hidden_states"].contiguous().unsqueeze(0),
-        "hidden_state": t["final_hidden_state"].contiguous().unsqueeze(0),
+        "input_ids": _own_storage(t["input_ids"].to(torch.int64)),
+        "loss_mask": _own_storage(t["loss_mask"].to(torch.int64)),
+        "aux_hidden_state": _own_storage(t["aux_hidden_states"]).unsqueeze(0),
+        "hidden_state": _own_storage(t["final_hidden_state"]).unsqueeze(0),
     }
     record.update({alias: record[src] for alias, src in (aliases or {}).items()})
     buf = io.BytesIO()
     torch.save(record, buf)
     return buf.getvalue()
+
+
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """`x` alone in its storage: torch.save writes a view's whole storage, so a sample sliced out of its batch
+    would carry every other sample of the batch into its `.ckpt` (seen: 7.6x the sample's bytes)."""
+    x = x.contiguous()
+    if x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        x = x.clone()
+    return x
 
 
 def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
@@ -162,6 +199,7 @@ class SampleFilesWriter:
 
     def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
         self._inner, self._target, self._out_dir, self._masks, self._n_aux = inner, target, out_dir, masks, n_aux
+        remove_stale_tmp(target, list(masks))  # what a killed run of this shard was writing
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.files: list[dict[str, Any]] = []
 
@@ -257,6 +295,12 @@ def iter_shard_samples(
         with open_shard(hs_dir, shard) as reader:
             for sid in sample_ids:
                 yield sid, reader.get(sid), meta
+
+
+def recorded_drops(hs_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows the shards under `hs_dir` left out (`dropped_rows` of their indexes: `too_long_rows: drop`), in
+    shard order: they have no states, so the exports leave them out too."""
+    return [dict(d) for _shard, meta, _ids in shard_indexes(hs_dir) for d in meta.get("dropped_rows") or []]
 
 
 def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:

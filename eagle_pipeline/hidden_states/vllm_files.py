@@ -168,22 +168,28 @@ def server_file_path(returned: str, storage_path: Path) -> Path:
         return storage_path / p.name
 
 
+def lock_free(path: Path) -> bool:
+    """No one holds the connector's `{path}.lock` (or there is none)."""
+    try:
+        fd = os.open(f"{path}.lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 async def wait_for_lock(path: Path, deadline: float, timeout_s: float) -> None:
     """Wait until no one holds the connector's `{path}.lock` (polls LOCK_EX | LOCK_NB, as speculators does)."""
     lock = f"{path}.lock"
     while True:
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            return  # a connector without the lock: the file check that follows waits for the file itself
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        if lock_free(path):  # a connector without the lock: the file check that follows waits for the file itself
             return
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
         if time.monotonic() >= deadline:
             raise RequestFailure(F.TIMEOUT, f"{lock} still locked {timeout_s:g} s after the response", True)
         await asyncio.sleep(0.005)
@@ -204,3 +210,30 @@ def clean_journal(journal: Path) -> None:
     if journal.exists():
         delete_request_files([Path(x) for x in journal.read_text().split("\n") if x])
         journal.unlink()
+
+
+def sweep_orphans(storage: Path, rows_ids: Sequence[Any]) -> list[Path]:
+    """Delete the finished connector files under `storage` that hold one of these rows' ids: what requests of this
+    shard left when their run was killed or stopped before the answer came (the server still wrote the file, and no
+    journal could name it). Other shards' files hold other rows and stay; a file still being written (its lock
+    held) is left for a later run of the shard. Returns the files deleted."""
+    from safetensors import safe_open
+
+    wanted = {tuple(int(x) for x in ids) for ids in rows_ids}
+    lengths = {len(w) for w in wanted}
+    removed: list[Path] = []
+    for p in sorted(storage.glob("*.safetensors")) if storage.is_dir() else []:
+        if not lock_free(p):
+            continue
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                names = list(f.keys())  # a safe_open handle has no `in`
+                if "token_ids" not in names or f.get_slice("token_ids").get_shape()[0] not in lengths:
+                    continue
+                ids = tuple(f.get_tensor("token_ids").tolist())
+        except Exception:  # not (yet) a whole safetensors file: not ours to judge
+            continue
+        if ids in wanted:
+            delete_request_files([p])
+            removed.append(p)
+    return removed

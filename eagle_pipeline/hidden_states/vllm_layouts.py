@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .format import sample_file_entry
-from .trainer_layouts import SPECFORGE, SPECULATORS, LayoutTarget, SampleFilesWriter
+from .trainer_layouts import SPECFORGE, SPECULATORS, LayoutTarget, SampleFilesWriter, remove_stale_tmp
 from .vllm_files import FileFacts, validate_states_file
 from .vllm_handoff import HandedFile, place_file, read_validated
 
@@ -50,6 +50,7 @@ class VllmLayoutRows:
         if target.name == SPECFORGE and final_norm is None:
             raise ValueError("the specforge layout holds the post-norm final state: the target's final norm is needed")
         self.target, self.out_dir, self.masks, self.n_aux, self.final_norm = target, out_dir, masks, n_aux, final_norm
+        remove_stale_tmp(target, list(masks))  # a copy a killed run of this shard left half written
         self._validated: dict[Path, tuple[HandedFile, mmap.mmap]] = {}
         self.files: list[dict[str, Any]] = []
         self._specforge: SampleFilesWriter | None = None

@@ -31,6 +31,12 @@ from .vllm_files import (
 )
 
 
+def rows_ahead(concurrency: int, n_endpoints: int) -> int:
+    """How many rows a shard run fetches ahead of its copy (so at most this many connector files are on the
+    connector's storage at once, beside retried attempts' files until the shard ends): the disk plan's peak."""
+    return 2 * concurrency * n_endpoints
+
+
 @dataclass
 class RowFile:
     path: Path | None = None
@@ -75,7 +81,7 @@ class ShardRequests:
         self.received: list[Path] = []
         # Rows fetched ahead of the writer are files on the connector's storage (often /dev/shm, i.e. RAM): a slow
         # row must not let the rest of the shard pile up behind it. Copied rows' files are deleted at once.
-        self.window = 2 * concurrency * len(self.endpoints)
+        self.window = rows_ahead(concurrency, len(self.endpoints))
         self.written = 0
         self.retries = 0
         self.compute_seconds = 0.0

@@ -160,6 +160,29 @@ def endpoints_max_model_len(
     return min(found)
 
 
+def too_long(n_tokens: int, max_model_len: int) -> bool:
+    """A row a server of `max_model_len` cannot extract (the request asks for one output token)."""
+    return n_tokens >= max_model_len
+
+
+def target_without_too_long(target: Any, merged_dir: str | Path, max_model_len: int) -> Any:
+    """`target` (a `trainer_layouts.LayoutTarget`) renumbered without every merged row the servers cannot take, in
+    every shard (they all apply this limit under `too_long_rows: drop`), so speculators' `hs_{i}` stay dense over
+    the rows that get states whichever shard drops one (`plan_layout_target`'s `left_out`)."""
+    import pyarrow.parquet as pq
+
+    from .merged import merged_parts
+    from .trainer_layouts import plan_layout_target
+
+    gone: set[str] = set()
+    for part in merged_parts(merged_dir):
+        t = pq.read_table(part, columns=["sample_id", "n_tokens"])
+        gone.update(
+            s for s, n in zip(t["sample_id"].to_pylist(), t["n_tokens"].to_pylist()) if too_long(n, max_model_len)
+        )
+    return plan_layout_target(target.name, target.root, merged_dir, left_out=gone) if gone else target
+
+
 def apply_length_limit(
     rows: MergedRows, max_model_len: int, *, shard_index: int, too_long_rows: str
 ) -> tuple[MergedRows, list[dict[str, Any]]]:
@@ -168,7 +191,7 @@ def apply_length_limit(
     longer one with "maximum context length"). Over it: refused before any request, naming the rows, or, with
     `too_long_rows: drop`, left out and returned as records (row, sample_id, n_tokens) for the shard's metadata."""
     lengths = rows.lengths
-    over = [i for i, n in enumerate(lengths) if n >= max_model_len]
+    over = [i for i, n in enumerate(lengths) if too_long(n, max_model_len)]
     if not over:
         return rows, []
     dropped = [{"row": rows.global_row(i), "sample_id": rows.sample_ids[i], "n_tokens": lengths[i]} for i in over]
@@ -182,7 +205,7 @@ def apply_length_limit(
             f"({MAX_MODEL_LEN_KEY}, printed by `eagle-pipeline vllm-command`; the longest row needs "
             f"{max(lengths) + 1}), or set {TOO_LONG_ROWS_KEY}: drop to leave them out (recorded in the shard's metadata)"
         )
-    keep = [i for i, n in enumerate(lengths) if n < max_model_len]
+    keep = [i for i, n in enumerate(lengths) if not too_long(n, max_model_len)]
     if not keep:
         raise EngineShardError(
             f"shard {shard_index:05d}: every one of its {len(lengths)} merged rows has max_model_len {max_model_len} "

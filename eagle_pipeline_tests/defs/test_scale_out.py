@@ -45,17 +45,27 @@ def _config(tmp_path: Path, monkeypatch, *, budget_gb: float = 1.0, **hidden_sta
 
 def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) -> DataRoot:
     """Write a merged table of `n_rows` rows with its manifest, register its shards, materialize the plan."""
-    import pyarrow.parquet as pq
-
     from eagle_pipeline.defs.hidden_states import hidden_state_plan
     from eagle_pipeline.defs.resources import PipelineResource
     from eagle_pipeline.hidden_states import num_shards
+
+    root = DataRoot(tmp_path / "data")
+    write_merged_with_manifest(root, n_rows, PipelineResource().tokenizer().vocab_size)
+    instance.add_dynamic_partitions(
+        SHARD_PARTITIONS_NAME, [shard_key(i) for i in range(num_shards(n_rows, SHARD_SIZE))]
+    )
+    assert dg.materialize([hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}).success
+    return root
+
+
+def write_merged_with_manifest(root: DataRoot, n_rows: int, vocab: int) -> None:
+    """A synthetic merged table of `n_rows` rows under `root`, with the manifest the merge would write."""
+    import pyarrow.parquet as pq
+
     from eagle_pipeline.merge.manifest import MANIFEST_NAME, SHARD_GLOB, MergeManifest
     from eagle_pipeline.shared.storage import file_sha256
     from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
-    root = DataRoot(tmp_path / "data")
-    vocab = PipelineResource().tokenizer().vocab_size
     _, tokens = write_synthetic_merged(
         root.merged_dir, n_rows, vocab_size=vocab, mean_tokens=40, max_tokens=96, rows_per_part=3
     )
@@ -70,11 +80,6 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
         for p in sorted(root.merged_dir.glob(SHARD_GLOB))
     ]
     write_json_atomic(manifest.to_dict(), root.merged_dir / MANIFEST_NAME)
-    instance.add_dynamic_partitions(
-        SHARD_PARTITIONS_NAME, [shard_key(i) for i in range(num_shards(n_rows, SHARD_SIZE))]
-    )
-    assert dg.materialize([hidden_state_plan], instance=instance, resources={"pipeline": PipelineResource()}).success
-    return root
 
 
 def _run_shard(instance, key, defs=None):

@@ -98,3 +98,55 @@ def test_a_trainer_layout_through_the_vllm_engine(layout, tmp_path, monkeypatch,
     assert list(storage.iterdir()) == []
     inodes = [(p.stat().st_dev, p.stat().st_ino) for p in root.root.rglob("*") if p.is_file()]
     assert len(inodes) == len(set(inodes))  # no file of the states twice on disk
+
+
+def test_a_vllm_shard_over_the_disk_budget_is_refused_before_any_request(tmp_path, monkeypatch, instance):
+    """`engine: vllm`, `layout: speculators` plus a SpecForge copy: the plan lists what is written (the hs_{i}
+    files, the shards' ids and masks, the Arrow dataset, the copy, the connector's peak), and the shard run over
+    the budget fails naming the planned bytes and the budget before it sends the server anything."""
+    import dagster as dg
+
+    from eagle_pipeline.hidden_states.model import build_tiny_model
+    from eagle_pipeline.shared.storage import read_json
+    from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+
+    from .test_scale_out import _run_shard
+
+    storage = tmp_path / "connector"
+    model = build_tiny_model(2560, family="deepseek_v3", seed=0)
+    with VLLMHiddenStatesDouble(model, layer_ids=[2, 4, 5, 8], storage_path=storage) as srv:
+        vllm = {"endpoints": [srv.url], "storage_path": str(storage), "concurrency": 2}
+        _config(
+            tmp_path,
+            monkeypatch,
+            budget_gb=1e-6,
+            engine="vllm",
+            vllm=vllm,
+            layout="speculators",
+            trainer_layouts=["specforge"],
+        )
+        root = _merged(tmp_path, instance)
+        plan = read_json(root.hidden_states_dir / "plan.json")["this_run"]
+        whats = [d["what"] for d in plan["disk_items"]]
+        assert whats[:3] == [
+            "ids and masks in the shards",
+            "states: speculators hs_{i}.safetensors",
+            "speculators Arrow dataset (ids, masks)",
+        ]
+        assert whats[3] == "copy for trainer_layouts: states: SpecForge {sample_id}.ckpt"
+        assert whats[4].startswith("connector files at their peak (4 rows in flight")  # 2 x concurrency x 1
+        scratch = plan["disk_items"][4]
+        assert scratch["counted"] is False and "renamed to hs_{i}" in scratch["note"]  # one filesystem here
+        planned = plan["bytes_on_disk"]
+        assert planned == sum(d["bytes"] for d in plan["disk_items"] if d["counted"])
+        mat = instance.fetch_materializations(dg.AssetKey("hidden_state_plan"), limit=1).records[0]
+        md = mat.asset_materialization.metadata["this_run_plan"].value
+        assert "| states: speculators hs_{i}.safetensors | exports |" in md and f"**{planned:,}" in md
+
+        result = _run_shard(instance, "00000")
+        assert not result.success
+        failure = next(e for e in result.all_events if e.is_step_failure)
+        message = failure.event_specific_data.error.message
+        assert f"needs {planned:,} bytes" in message and "over the budget of 1,000 bytes" in message
+        assert srv.total_requests == 0  # refused before the first request
+    assert not list(root.hidden_states_dir.glob("shard-*")) and not (root.exports_dir / "speculators").exists()

@@ -134,6 +134,17 @@ def _world_pids(marker: str) -> list[int]:
     return pids
 
 
+def _kill_the_run_and_its_world(child: subprocess.Popen, out: Path) -> None:
+    """SIGKILL the shard run `child` (still running) and wait for its world (named by `out`) to follow it."""
+    assert child.poll() is None, "the shard run finished before it could be killed"
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _world_pids(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _world_pids(str(out)) == []  # no orphaned world goes on holding devices and writing the shard
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the world follows its shard run via PR_SET_PDEATHSIG")
 def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_bytes(tiny_ds, merged_factory, tmp_path):
     merged = merged_factory(make_rows(6, seed=3, min_len=2, max_len=40), [6])
@@ -148,15 +159,72 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
     deadline = time.monotonic() + 120
     while len(_world_pids(str(out))) < 3 and time.monotonic() < deadline and child.poll() is None:
         time.sleep(0.05)  # the agent and both ranks are up (loading the model)
-    assert child.poll() is None, "the shard run finished before it could be killed"
-    os.kill(child.pid, signal.SIGKILL)
-    assert child.wait(30) == -signal.SIGKILL
-    deadline = time.monotonic() + 30
-    while _world_pids(str(out)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _world_pids(str(out)) == []  # no orphaned world goes on holding devices and writing the shard
+    _kill_the_run_and_its_world(child, out)
     assert shard_status(out, 0) != "done"
     again = extract_shard_torchrun(
         TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
     )
     assert not again.skipped and again.sha256 == clean.sha256 and shard_status(out, 0) == "done"
+
+
+_LAYOUT_CHILD = """
+import sys
+from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
+model, merged, out, layout, exports, final_state = sys.argv[1:7]
+extract_shard_torchrun(TorchrunShard(model, merged, shard_index=0, shard_size=24, out_dir=out, tp_size=2,
+                                     max_tokens_per_batch=48, final_state=final_state, layout=layout,
+                                     exports_dir=exports))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the world follows its shard run via PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_files(
+    layout, tiny_ds, merged_factory, tmp_path
+):
+    """A real kill -9 of a torchrun shard run once rank 0 has written some of the trainer's files: the shard is not
+    done, the rerun completes it, and the trainer's folder holds exactly the bytes of an uninterrupted world's, with
+    no stray temporary and no state file twice on disk (inode walk)."""
+    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout
+
+    merged = merged_factory(make_rows(24, seed=8, min_len=2, max_len=40), [24])
+    model_dir = tmp_path / "model"
+    tiny_ds.save_pretrained(model_dir)
+    final_state = final_state_for_layout(layout)
+    files = "hidden_states/hs_*.safetensors" if layout == "speculators" else "*/*.ckpt"
+
+    def shard(out, exports):  # `exports`: the exports root; rank 0 writes under exports / layout
+        return TorchrunShard(
+            model_dir,
+            merged,
+            shard_index=0,
+            shard_size=24,
+            out_dir=out,
+            tp_size=2,
+            max_tokens_per_batch=48,
+            final_state=final_state,
+            layout=layout,
+            exports_dir=exports,
+        )
+
+    def contents(exports):
+        return {str(p.relative_to(exports)): p.read_bytes() for p in exports.rglob("*") if p.is_file()}
+
+    extract_shard_torchrun(shard(tmp_path / "c", tmp_path / "c-exports"))
+    want = contents(tmp_path / "c-exports" / layout)
+    assert len(want) == 24
+    out, exports = tmp_path / "killed", tmp_path / "exports" / layout
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [sys.executable, "-c", _LAYOUT_CHILD, str(model_dir), str(merged), str(out), layout, str(exports.parent)]
+    child = subprocess.Popen([*argv, final_state], env=env)
+    deadline = time.monotonic() + 180
+    while not list(exports.glob(files)) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.01)  # rank 0 has written its first trainer file
+    _kill_the_run_and_its_world(child, out)
+    placed = list(exports.glob(files))
+    assert 1 <= len(placed) < 24 and shard_status(out, 0) != "done"  # killed mid-shard
+    again = extract_shard_torchrun(shard(out, exports.parent))
+    assert not again.skipped and shard_status(out, 0, check_hash=True) == "done"
+    assert contents(exports) == want  # identical bytes, no stray temporary
+    inodes = [(p.stat().st_dev, p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(inodes) == len(set(inodes))

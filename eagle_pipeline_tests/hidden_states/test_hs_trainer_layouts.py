@@ -245,3 +245,21 @@ def test_a_trainer_file_entry_is_verified_by_its_recorded_digest(tmp_path):
     assert sample_file_intact(tmp_path, new, check_hash=False)
     (tmp_path / "hs_0.safetensors").unlink()
     assert not sample_file_intact(tmp_path, new, check_hash=False)
+
+
+def test_a_killed_run_s_temporaries_go_for_its_own_samples_only(tmp_path):
+    """`remove_stale_tmp`: a half-written copy of this shard's sample is deleted; another shard's (maybe being
+    written right now by its own run) and the finished files stay."""
+    from eagle_pipeline.hidden_states.trainer_layouts import LayoutTarget, remove_stale_tmp
+
+    files = {"a": "hidden_states/hs_1.safetensors", "b": "hidden_states/hs_10.safetensors"}
+    target = LayoutTarget("speculators", tmp_path, files)
+    folder = tmp_path / "hidden_states"
+    folder.mkdir()
+    mine = folder / ".hs_1.safetensors.0a1b2c3d4e5f.tmp"
+    others = [folder / ".hs_10.safetensors.0a1b2c3d4e5f.tmp", folder / "hs_1.safetensors", folder / ".hs_1.x"]
+    for p in [mine, *others]:
+        p.write_bytes(b"x")
+    assert remove_stale_tmp(target, ["a"]) == 1
+    assert not mine.exists() and all(p.exists() for p in others)
+    assert remove_stale_tmp(target, ["missing-sample"]) == 0

@@ -338,14 +338,19 @@ _ENGINE_CHILD = """
 import sys
 from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
-merged, out, url, storage, exports = sys.argv[1:6]
+merged, out, url, storage, exports, layout, ckpt = sys.argv[1:8]
 extract_shard_vllm(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
-                   num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1,
-                   layout_target=plan_layout_target("speculators", exports, merged))
+                   num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1, head_checkpoint=ckpt,
+                   layout_target=plan_layout_target(layout, exports, merged))
 """
 
 
-def test_kill_9_mid_shard_in_the_speculators_layout_resumes_with_identical_bytes(tiny_ds, merged_factory, tmp_path):
+@pytest.mark.parametrize("layout", ["speculators", "specforge"])
+def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layout, tiny_ds, merged_factory, tmp_path):
+    """A real kill -9 of a vLLM shard run after some rows were placed in the trainer's layout (speculators: renamed
+    connector files; SpecForge: `.ckpt` files written): the shard is partial, the rerun completes it, and the
+    trainer's folder then holds exactly the bytes of an uninterrupted run, with no stray file and no state file
+    twice on disk."""
     from eagle_pipeline.hidden_states import shard_status
     from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
     from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
@@ -355,29 +360,53 @@ def test_kill_9_mid_shard_in_the_speculators_layout_resumes_with_identical_bytes
 
     merged = merged_factory(make_rows(8, seed=5, min_len=2, max_len=40), [3, 5])
     ids = vllm_layer_ids((1, 3, 4), 8)
+    ckpt = tmp_path / "ckpt"  # the checkpoint the servers load: its final norm makes SpecForge's post-norm state
+    tiny_ds.save_pretrained(ckpt)
+    files = "hidden_states/hs_*.safetensors" if layout == "speculators" else "*/*.ckpt"
 
     def engine(out, storage, exports, url):
-        target = plan_layout_target("speculators", exports, merged)
-        return _vllm_shard(merged, out, storage, url, target, 8, (1, 3, 4), 64)
+        target = plan_layout_target(layout, exports, merged)
+        return _vllm_shard(merged, out, storage, url, target, 8, (1, 3, 4), 64, head_checkpoint=ckpt)
+
+    def contents(exports):
+        return {str(p.relative_to(exports)): p.read_bytes() for p in exports.rglob("*") if p.is_file()}
 
     clean = tmp_path / "clean"
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=clean / "s") as srv:
         engine(clean / "hs", clean / "s", clean / "exports", srv.url)
-    want = {p.name: p.read_bytes() for p in (clean / "exports" / "hidden_states").iterdir()}
+    want = contents(clean / "exports")
     assert len(want) == 8
 
     storage, out, exports = tmp_path / "s", tmp_path / "hs", tmp_path / "exports"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=storage, latency_s=0.3) as srv:
         argv = [sys.executable, "-c", _ENGINE_CHILD, str(merged), str(out), srv.url, str(storage), str(exports)]
-        child = subprocess.Popen(argv, env=env)
+        child = subprocess.Popen([*argv, layout, str(ckpt)], env=env)
         kill_after_requests(srv, child, 4)
         assert shard_status(out, 0) == "partial"
-        placed_before = sorted(p.name for p in (exports / "hidden_states").glob("hs_*.safetensors"))
-        assert 1 <= len(placed_before) < 8  # some rows were handed off, no index vouches for them
+        placed_before = sorted(p.name for p in exports.glob(files))
+        assert 1 <= len(placed_before) < 8  # some rows were placed, no index vouches for them
         engine(out, storage, exports, srv.url)
     assert shard_status(out, 0, check_hash=True) == "done"
-    got = {p.name: p.read_bytes() for p in (exports / "hidden_states").iterdir()}
-    assert got == want  # identical bytes, no temporary or stray file
+    assert contents(exports) == want  # identical bytes, no temporary or stray file
     assert list(storage.iterdir()) == [] and not (out / ".shard-00000.vllm-requests").exists()
     assert all(len(paths) == 1 for paths in _inode_count(tmp_path).values())
+
+
+def test_the_sweep_takes_only_this_shard_s_finished_orphans(tmp_path):
+    """`sweep_orphans`: a finished connector file holding one of the shard's rows goes (a request its killed run
+    never heard back from); another shard's file, and one of ours whose lock the server still holds, stay."""
+    import fcntl
+
+    from eagle_pipeline.hidden_states.vllm_files import sweep_orphans
+
+    storage = tmp_path / "s"
+    ours, other = list(range(3, 20)), list(range(50, 67))
+    orphan = _connector_file(storage / "cmpl-a-0.safetensors", ours)
+    foreign = _connector_file(storage / "cmpl-b-0.safetensors", other)
+    busy = _connector_file(storage / "cmpl-c-0.safetensors", ours)
+    with open(f"{busy}.lock", "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # the server is still writing it
+        assert sweep_orphans(storage, [ours, list(range(5))]) == [orphan]
+    assert not orphan.exists() and not Path(f"{orphan}.lock").exists()
+    assert foreign.exists() and busy.exists()

@@ -31,11 +31,11 @@ def rows():
     return rows
 
 
-def _engine(merged, out, srv, storage, **kw):
+def _engine(merged, out, srv, storage, *, shard_index=0, shard_size=8, **kw):
     return extract_shard_vllm(
         merged,
-        shard_index=0,
-        shard_size=8,
+        shard_index=shard_index,
+        shard_size=shard_size,
         out_dir=out,
         endpoints=[srv.url],
         storage_path=storage,
@@ -133,3 +133,41 @@ def test_dropped_rows_are_recorded_and_never_silent(tiny_ds, merged_factory, row
         with pytest.raises(EngineShardError, match="too_long_rows: drop"):
             _engine(merged, out, srv, storage)
         assert srv.total_requests == 6
+
+
+def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_factory, rows, tmp_path):
+    """speculators reads row i of its Arrow dataset from hs_{i} (`ArrowDataset._get_raw_data`: file index = row
+    index), so a dropped row must leave neither a missing hs_{i} nor a row without states. Two shards in the
+    speculators layout under `too_long_rows: drop`, the later one extracted first: the files are hs_0..hs_5 with no
+    gap, the export's dataset holds the 6 rows with states, row i's token_ids equal its input_ids, and export.json
+    names the 2 dropped rows."""
+    import datasets
+    from safetensors.torch import load_file
+
+    from eagle_pipeline.hidden_states.trainer_exports import export_speculators_states
+    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.shared.storage import read_json
+
+    merged = merged_factory(rows, [3, 5])
+    out, storage, exports = tmp_path / "hs", tmp_path / "s", tmp_path / "exports" / "speculators"
+    target = plan_layout_target("speculators", exports, merged)
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, max_model_len=LIMIT) as srv:
+        for shard in (1, 0):  # row 5 (shard 1) and row 2 (shard 0) are dropped; shard 1 runs before shard 0 drops
+            _engine(
+                merged, out, srv, storage, shard_index=shard, shard_size=4, too_long_rows="drop", layout_target=target
+            )
+    assert sorted(p.name for p in (exports / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(6)]
+    summary = export_speculators_states(out, merged, exports)
+    ds = datasets.load_from_disk(str(exports)).with_format("torch")
+    dropped = {rows[2]["sample_id"], rows[5]["sample_id"]}
+    assert len(ds) == 6 and dropped.isdisjoint(ds["sample_id"])
+    kept = [r for r in rows if r["sample_id"] not in dropped]
+    train_then_eval = [r for split in ("train", "eval") for r in kept if r["split"] == split]
+    assert list(ds["sample_id"]) == [r["sample_id"] for r in train_then_eval]
+    for i in range(len(ds)):  # as speculators reads it: row i from hs_{i}, its token ids equal to the row's
+        t = load_file(str(exports / "hidden_states" / f"hs_{i}.safetensors"))
+        assert t["token_ids"].tolist() == ds[i]["input_ids"].tolist() == train_then_eval[i]["input_ids"]
+    n_train = sum(r["split"] == "train" for r in kept)
+    assert summary.rows == {"train": n_train, "eval": 6 - n_train}
+    recorded = read_json(exports / "export.json")["extra"]["dropped_rows"]
+    assert {d["sample_id"] for d in recorded} == dropped
