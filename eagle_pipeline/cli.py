@@ -6,17 +6,19 @@
     eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--served-model-config PATH]
                                 [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
+    eagle-pipeline plan [--config pipeline.yaml] [--tokens N --samples N]
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
     eagle-pipeline check-drafter --export DIR --draft-config FILE
 
-Why this module is long: it is the one argument parser and the thin handler of each of the six commands above; each
+Why this module is long: it is the one argument parser and the thin handler of each of the seven commands above; each
 handler only parses, calls the core and prints (the logic is in the core packages).
 
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
 Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
-its file is wrong; check-drafter: the draft config does not match the captured layers), 2 usage or input error.
+its file is wrong; check-drafter: the draft config does not match the captured layers; plan: over the disk budget or
+the engine cannot hold the weights), 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -339,6 +341,43 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_config
+    from eagle_pipeline.merge.manifest import MergeManifest
+    from eagle_pipeline.storage import DataRoot
+
+    cfg, vocab = _hidden_states_config(args)
+    if (args.tokens is None) != (args.samples is None):
+        raise CliError("--tokens and --samples go together (a scale to plan), or neither (the merged table's)")
+    if args.tokens is None:  # the merged table's tokens and rows, as the hidden_state_plan asset plans them
+        merged = DataRoot(cfg.data_root).merged_dir
+        try:
+            manifest = MergeManifest.read(merged)
+        except FileNotFoundError:
+            raise CliError(f"{merged}: nothing merged yet; pass --tokens and --samples to plan a scale") from None
+        tokens, samples = manifest.tokens_total, manifest.rows_total
+    else:
+        tokens, samples = args.tokens, args.samples
+    try:
+        plans = plan_for_config(
+            cfg.hidden_states,
+            target_model_config=cfg.target.model_config,
+            n_tokens=tokens,
+            n_samples=samples,
+            vocab_size=vocab,
+        )
+    except PlanRefused as exc:
+        print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
+        return EXIT_BLOCKED
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    plan = plans["this_run"]
+    h = cfg.hidden_states
+    print(f"extraction plan: {h.model} ({h.engine} engine, layout {h.layout}) over {tokens:,} tokens, {samples:,} rows")
+    print(plan.to_markdown())
+    return EXIT_BLOCKED if plan.exceeds_budget else EXIT_OK
+
+
 def cmd_check_drafter(args: argparse.Namespace) -> int:
     from eagle_pipeline.hidden_states.drafter_check import check_drafter
 
@@ -406,7 +445,7 @@ def _add_token_commands(sub: Any) -> None:
 
 
 def _add_vllm_commands(sub: Any) -> None:
-    """`vllm-command` and `vllm-smoke`."""
+    """`vllm-command`, `vllm-smoke` and `plan`."""
     vc = sub.add_parser(
         "vllm-command",
         help="print the `vllm serve` command for extraction with this configuration",
@@ -435,6 +474,18 @@ def _add_vllm_commands(sub: Any) -> None:
     vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
     vs.add_argument("--served-model-config", metavar="PATH", help=served_config_help)
     vs.set_defaults(func=cmd_vllm_smoke)
+
+    pl = sub.add_parser(
+        "plan",
+        help="print the extraction plan (disk, GPU-hours, shards) for this configuration",
+        description="The plan the hidden_state_plan asset writes, over the merged table, or over --tokens and "
+        "--samples to size a run before its data exists. Exit status 1 when it exceeds hidden_states.disk_budget_gb "
+        "or the engine cannot hold the weights.",
+    )
+    _config_option(pl)
+    pl.add_argument("--tokens", type=int, help="tokens to plan for (default: the merged table's)")
+    pl.add_argument("--samples", type=int, help="rows to plan for (default: the merged table's)")
+    pl.set_defaults(func=cmd_plan)
 
 
 def _add_data_commands(sub: Any) -> None:
