@@ -7,6 +7,7 @@
     eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--served-model-config PATH]
                                 [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
+    eagle-pipeline plan [--config pipeline.yaml] [--tokens N --samples N]
     eagle-pipeline retire-responses --dataset B3 [--backend NAME] [--provider NAME] [--config pipeline.yaml]
     eagle-pipeline check-drafter --export DIR --draft-config FILE
 
@@ -16,8 +17,9 @@ handler only parses, calls the core and prints (the logic is in the core package
 `reconstruct` writes the full token-samples schema, including `output_text_hash` (the hash of the text each
 reconstructed row's ids must decode to); `audit` checks it in the `text_agreement` gate.
 
-Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (plan: extraction would be refused for disk; vllm-smoke: the server or
-its file is wrong; check-drafter: the draft config does not match the captured layers), 2 usage or input error.
+Exit status: 0 success (audit: no blocking gate failed), 1 a blocking audit gate failed (vllm-smoke: the server or
+its file is wrong; check-drafter: the draft config does not match the captured layers; plan: over the disk budget or
+the engine cannot hold the weights, or the disk's free space is short), 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -270,40 +272,6 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """The extraction plan over the merged table (written to plan.json, as `hidden_state_plan` writes it), then the
-    check every shard run makes before its first request: exit 1 when it would refuse."""
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import check_disk_for_run, plan_run
-    from eagle_pipeline.hidden_states.runtime import PlanRefused
-    from eagle_pipeline.shared.storage import DataRoot
-    from eagle_pipeline.tokens import resolve_tokenizer
-
-    cfg, _ = _hidden_states_config(args)
-    paths = ExtractionPaths.of(DataRoot(cfg.data_root))
-    try:
-        plans = plan_run(
-            cfg.hidden_states,
-            paths,
-            target_model_config=cfg.target.model_config,
-            vocab_size=resolve_tokenizer(cfg.target.tokenizer).vocab_size,
-            shard_runs=cfg.pools.gpu,
-        )
-    except (PlanRefused, FileNotFoundError) as exc:
-        raise CliError(str(exc)) from None
-    print(f"# This run's extraction ({cfg.hidden_states.model}, engine {cfg.hidden_states.engine})\n")
-    print(plans["this_run"].to_markdown())
-    try:
-        needs = check_disk_for_run(cfg.hidden_states, paths)
-    except DiskBudgetExceeded as exc:
-        print(f"{PROG} plan: {exc}", file=sys.stderr)
-        return EXIT_BLOCKED
-    for n in needs:
-        print(f"free space: {n.path} ({', '.join(n.places)}): {n.needed:,} bytes still to write, {n.free:,} free")
-    return EXIT_OK
-
-
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     from eagle_pipeline.hidden_states.engine_vllm import smoke_request
     from eagle_pipeline.hidden_states.layers import resolve_aux_layers
@@ -374,6 +342,82 @@ def cmd_vllm_smoke(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The extraction plan. Over the merged table: written to plan.json as `hidden_state_plan` writes it, then the
+    disk check every shard run makes before its first request (budget and free space). Over `--tokens`/`--samples`:
+    a scale sized before its data exists (budget only). Exit 1 when extraction would be refused."""
+    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_config
+
+    cfg, vocab = _hidden_states_config(args)
+    h = cfg.hidden_states
+    if (args.tokens is None) != (args.samples is None):
+        raise CliError("--tokens and --samples go together (a scale to plan), or neither (the merged table's)")
+    if args.tokens is None:
+        return _plan_merged(cfg)
+    try:
+        plans = plan_for_config(
+            h,
+            target_model_config=cfg.target.model_config,
+            n_tokens=args.tokens,
+            n_samples=args.samples,
+            vocab_size=vocab,
+        )
+    except PlanRefused as exc:
+        print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
+        return EXIT_BLOCKED
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    plan = plans["this_run"]
+    _print_plan_header(cfg, args.tokens, args.samples)
+    print(plan.to_markdown())
+    return EXIT_BLOCKED if plan.exceeds_budget else EXIT_OK
+
+
+def _print_plan_header(cfg: Any, tokens: int, samples: int) -> None:
+    h = cfg.hidden_states
+    print(f"extraction plan: {h.model} ({h.engine} engine, layout {h.layout}) over {tokens:,} tokens, {samples:,} rows")
+
+
+def _plan_merged(cfg: Any) -> int:
+    """`plan` over the merged table: plan.json written, then the shard runs' disk check (`run.check_disk_for_run`)."""
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.run import check_disk_for_run, plan_run
+    from eagle_pipeline.hidden_states.runtime import PlanRefused
+    from eagle_pipeline.merge.manifest import MergeManifest
+    from eagle_pipeline.shared.storage import DataRoot
+    from eagle_pipeline.tokens import resolve_tokenizer
+
+    paths = ExtractionPaths.of(DataRoot(cfg.data_root))
+    try:
+        manifest = MergeManifest.read(paths.merged_dir)
+    except FileNotFoundError:
+        raise CliError(f"{paths.merged_dir}: nothing merged yet; pass --tokens and --samples to plan a scale") from None
+    try:
+        plans = plan_run(
+            cfg.hidden_states,
+            paths,
+            target_model_config=cfg.target.model_config,
+            vocab_size=resolve_tokenizer(cfg.target.tokenizer).vocab_size,
+            shard_runs=cfg.pools.gpu,
+        )
+    except PlanRefused as exc:
+        print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
+        return EXIT_BLOCKED
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    _print_plan_header(cfg, manifest.tokens_total, manifest.rows_total)
+    print(plans["this_run"].to_markdown())
+    try:
+        needs = check_disk_for_run(cfg.hidden_states, paths)
+    except DiskBudgetExceeded as exc:
+        print(f"{PROG} plan: {exc}", file=sys.stderr)
+        return EXIT_BLOCKED
+    for n in needs:
+        print(f"free space: {n.path} ({', '.join(n.places)}): {n.needed:,} bytes still to write, {n.free:,} free")
+    return EXIT_OK
+
+
 def cmd_check_drafter(args: argparse.Namespace) -> int:
     from eagle_pipeline.hidden_states.drafter_check import check_drafter
 
@@ -441,15 +485,7 @@ def _add_token_commands(sub: Any) -> None:
 
 
 def _add_vllm_commands(sub: Any) -> None:
-    """`plan`, `vllm-command` and `vllm-smoke`."""
-    pl = sub.add_parser(
-        "plan",
-        help="print the extraction plan (disk item by item, GPU-hours) and check the disk before any shard",
-        description="Exit status 0 when extraction fits the disk budget and the free space, 1 when a shard run "
-        "would refuse to start (the message names the bytes needed and the limit).",
-    )
-    _config_option(pl)
-    pl.set_defaults(func=cmd_plan)
+    """`vllm-command`, `vllm-smoke` and `plan`."""
     vc = sub.add_parser(
         "vllm-command",
         help="print the `vllm serve` command for extraction with this configuration",
@@ -478,6 +514,19 @@ def _add_vllm_commands(sub: Any) -> None:
     vs.add_argument("--ids", help="comma-separated token ids to send (default: 100..163)")
     vs.add_argument("--served-model-config", metavar="PATH", help=served_config_help)
     vs.set_defaults(func=cmd_vllm_smoke)
+
+    pl = sub.add_parser(
+        "plan",
+        help="print the extraction plan (disk item by item, GPU-hours, shards) and check the disk before any shard",
+        description="The plan the hidden_state_plan asset writes, over the merged table (then the disk check every "
+        "shard run makes: the budget and the free space), or over --tokens and --samples to size a run before its "
+        "data exists. Exit status 1 when a shard run would refuse to start (the message names the bytes needed and "
+        "the limit) or the engine cannot hold the weights.",
+    )
+    _config_option(pl)
+    pl.add_argument("--tokens", type=int, help="tokens to plan for (default: the merged table's)")
+    pl.add_argument("--samples", type=int, help="rows to plan for (default: the merged table's)")
+    pl.set_defaults(func=cmd_plan)
 
 
 def _add_data_commands(sub: Any) -> None:

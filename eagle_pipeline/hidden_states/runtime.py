@@ -377,7 +377,7 @@ def plan_for_run(
     run = plans["this_run"]
     if not run.fits_engine:
         hint = (
-            "use hidden_states.engine: vllm with servers of enough GPUs (docs/hidden_states.md §11)"
+            "use hidden_states.engine: vllm with servers of enough GPUs (docs/kimi.md)"
             if engine == "in_process"
             else "raise hidden_states.vllm.gpus_per_server (the servers' tensor-parallel size)"
             if engine == "vllm"

@@ -199,3 +199,47 @@ def test_vllm_smoke_against_the_simulated_endpoint(tmp_path, capsys):
     cfg = _config(tmp_path, engine="vllm", vllm=vllm)
     assert main(["vllm-smoke", "--config", str(cfg), "--ids", "5,6,7"]) == 1
     assert "max_tokens must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_plan_at_a_scale_from_the_models_config(tmp_path, capsys, kimi_dir):
+    """`plan --tokens --samples` sizes a run before its data exists, from the served checkpoint's config.json."""
+    model_dir = _kimi_config_dir(tmp_path, kimi_dir)
+    cfg = _config(
+        tmp_path,
+        model=str(model_dir),
+        engine="vllm",
+        disk_budget_gb=9000,
+        vllm={"endpoints": ["http://gpu-node-0:8000"]},
+    )
+    assert main(["plan", "--config", str(cfg), "--tokens", "138400000", "--samples", "40000"]) == 0
+    out = capsys.readouterr().out
+    assert "| hidden size / layers | 7168 / 61 |" in out and "[1, 29, 57] + final" in out
+    assert "| bytes per token | 57,349 |" in out  # (3 aux + final) x 7168 x bf16 + 5 B of id and mask
+    assert "within budget" in out and "vllm: 1 x 8 GPUs" in out
+
+
+def test_plan_refusals(tmp_path, capsys, kimi_dir):
+    """Over the disk budget: exit 1; Kimi in process: refused (exit 1, naming the engine); nothing merged and no
+    scale given: exit 2 naming the merged folder; --tokens without --samples: exit 2."""
+    model_dir = _kimi_config_dir(tmp_path, kimi_dir)
+    small = _config(
+        tmp_path / "a",
+        model=str(model_dir),
+        engine="vllm",
+        disk_budget_gb=100,
+        vllm={"endpoints": ["http://gpu-node-0:8000"]},
+    )
+    assert main(["plan", "--config", str(small), "--tokens", "138400000", "--samples", "40000"]) == 1
+    assert "EXCEEDS the disk budget" in capsys.readouterr().out
+    in_process = _config(tmp_path / "b", model=str(model_dir))
+    assert main(["plan", "--config", str(in_process), "--tokens", "1000", "--samples", "1"]) == 1
+    assert "refused" in capsys.readouterr().err
+    root = tmp_path / "c"
+    cfg = _config(root)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["data_root"] = str(root / "data")
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert "nothing merged yet" in capsys.readouterr().err
+    assert main(["plan", "--config", str(cfg), "--tokens", "5"]) == 2
+    assert "--samples" in capsys.readouterr().err
