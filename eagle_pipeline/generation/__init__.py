@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
     from eagle_pipeline.generation.failures import RequestFailure
+    from eagle_pipeline.generation.options import RunOptions
     from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
     from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
     from eagle_pipeline.generation.simulated import (
@@ -32,6 +33,7 @@ _EXPORTS = {
     "ProgressEvent": "eagle_pipeline.generation.summary",
     "RESPONSES_SCHEMA": "eagle_pipeline.generation.rows",
     "RequestFailure": "eagle_pipeline.generation.failures",
+    "RunOptions": "eagle_pipeline.generation.options",
     "SamplingSpec": "eagle_pipeline.generation.spec",
     "SimulatedOpenRouterServer": "eagle_pipeline.generation.simulated",
     "SimulatedSGLangServer": "eagle_pipeline.generation.simulated",
@@ -56,6 +58,7 @@ __all__ = [
     "GenerationSummary",
     "ProgressEvent",
     "RequestFailure",
+    "RunOptions",
     "SamplingSpec",
     "SimulatedOpenRouterServer",
     "SimulatedSGLangServer",
