@@ -18,9 +18,8 @@ from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
 from eagle_pipeline.drafter_types import DEFAULT_DRAFTERS, DRAFTER_TYPES, drafter_problems, model_depth
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.options import CommitCadence
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
-from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
 from eagle_pipeline.merge.manifest import MergeSettings, merge_settings_problems
 from eagle_pipeline.prompts.formats import PromptFormat
 from eagle_pipeline.shared.spec_model import (
@@ -127,17 +126,14 @@ class DatasetConfig(SpecBase):
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
-class GenerationSettings(SpecBase):
-    """Run-wide generation settings: commit cadence, answer-log interval, progress, the budget of all datasets."""
+class GenerationSettings(CommitCadence):
+    """Run-wide generation settings: the commit cadence, answer-log interval and progress of every run (defined in
+    `generation.options.CommitCadence`, each run's options too) and the budget of all datasets. A null in the file
+    takes the default, so the file cannot turn the answer log off (the Python API's `answer_log_s=None` can)."""
 
     label = "generation"
 
     budget_usd: Annotated[Float, Field(ge=0)] | None = None
-    commit_every_rows: Annotated[Int, Field(ge=1)] = 500
-    commit_every_s: Annotated[Float, Field(ge=0)] = 10.0
-    # Durability only (what a kill -9 can lose), never the rows: not part of any sample id or fingerprint.
-    answer_log_s: Annotated[Float, Field(gt=0)] = DEFAULT_FLUSH_S
-    progress_every_s: Annotated[Float, Field(ge=0)] = DEFAULT_PROGRESS_EVERY_S
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)

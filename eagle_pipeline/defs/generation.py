@@ -1,7 +1,6 @@
 """Generation assets: prompts -> responses, one partition per dataset."""
 
-import contextlib
-from collections.abc import Iterator
+import dataclasses
 from typing import Any
 
 import dagster as dg
@@ -15,6 +14,7 @@ from eagle_pipeline.generation import (
     BackendSpec,
     GenerationSummary,
     ProgressEvent,
+    RunOptions,
     committed_totals,
     generate_dataset,
     pipeline_budget,
@@ -22,7 +22,6 @@ from eagle_pipeline.generation import (
     read_responses,
 )
 from eagle_pipeline.generation.coverage import current_responses
-from eagle_pipeline.generation.runner import backend_endpoint
 from eagle_pipeline.generation.store import committed_sample_ids
 from eagle_pipeline.prompts import dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths
@@ -71,25 +70,14 @@ def provider_token_counters(tok, profile):
     return count_completion, count_prompt
 
 
-@contextlib.contextmanager
-def _live_backend(pipeline: PipelineResource, backend_name: str) -> Iterator[tuple[BackendSpec, bool]]:
-    """The backend spec to call; a 'simulated' backend gets a loopback server for the duration of the step, billing
-    with the target's tokenizer at the backend's prices (the core's `backend_endpoint` starts it)."""
-    cfg = pipeline.config()
-    spec = cfg.backends[backend_name]
+def _with_target_counters(pipeline: PipelineResource, spec: BackendSpec) -> BackendSpec:
+    """A simulated backend without an endpoint (the runner starts its loopback server) counts tokens with the target
+    tokenizer, as a provider bills them; any other spec is returned as it is."""
     if spec.kind != "simulated" or spec.endpoint:
-        yield spec, spec.kind == "simulated"
-        return
+        return spec
     count_completion, count_prompt = provider_token_counters(pipeline.tokenizer(), pipeline.profile())
-    with backend_endpoint(
-        spec,
-        count_completion_tokens=count_completion,
-        count_prompt_tokens=count_prompt,
-        model=spec.model,
-        price_per_m_prompt=spec.price_per_m_prompt or 0.0,
-        price_per_m_completion=spec.price_per_m_completion or 0.0,
-    ) as served:
-        yield served, True
+    counters = {"count_completion_tokens": count_completion, "count_prompt_tokens": count_prompt}
+    return dataclasses.replace(spec, simulated={**counters, **spec.simulated})
 
 
 @dg.asset(
@@ -117,30 +105,24 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
     def render(messages, tools):
         return render_prompt_ids(tok, messages, tools, thinking=thinking)
 
-    with _live_backend(pipeline, ds.backend) as (spec, simulated):
-        context.log.info(
-            f"{ds.name}: {prompt_table.num_rows} prompts via backend {spec.name!r} ({spec.kind}"
-            f"{', SIMULATED loopback server' if simulated else ''}) at {spec.endpoint}"
-        )
-        summary = generate_dataset(
-            dataset=ds.name,
-            prompts=prompt_table,
-            backend=spec,
-            sampling=ds.sampling,
-            out_dir=root.responses_dir(ds.name),
-            errors_dir=root.errors_dir(ds.name),
-            render_prompt_ids=render,
-            budget_usd=ds.budget_usd,
-            run_budget=pipeline_budget(
-                cfg.generation.budget_usd, [root.responses_dir(name) for name in cfg.dataset_names]
-            ),
-            commit_every_rows=cfg.generation.commit_every_rows,
-            commit_every_s=cfg.generation.commit_every_s,
-            progress=lambda event: _report(context, event),
-            progress_every_s=cfg.generation.progress_every_s,
-            regenerate=ds.regenerate,
-            answer_log_s=cfg.generation.answer_log_s,
-        )
+    spec = _with_target_counters(pipeline, cfg.backends[ds.backend])
+    simulated = spec.kind == "simulated"
+    context.log.info(
+        f"{ds.name}: {prompt_table.num_rows} prompts via backend {spec.name!r} ({spec.kind}"
+        f"{', SIMULATED loopback server' if simulated else ''}) at {spec.endpoint or 'a server started for the run'}"
+    )
+    summary = generate_dataset(
+        dataset=ds.name,
+        prompts=prompt_table,
+        backend=spec,
+        sampling=ds.sampling,
+        out_dir=root.responses_dir(ds.name),
+        errors_dir=root.errors_dir(ds.name),
+        options=RunOptions.from_settings(cfg.generation, budget_usd=ds.budget_usd, regenerate=ds.regenerate),
+        render_prompt_ids=render,
+        run_budget=pipeline_budget(cfg.generation.budget_usd, [root.responses_dir(name) for name in cfg.dataset_names]),
+        progress=lambda event: _report(context, event),
+    )
     # Only the rows answering the current prompts describe this materialization; the others are counted.
     table, cov = current_responses(
         ds.name, read_responses(root.responses_dir(ds.name)), prompt_table.column("sample_id").to_pylist()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
+    from eagle_pipeline.generation.options import RunOptions
     from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
     from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
     from eagle_pipeline.generation.spec import BackendKind, BackendSpec, SamplingSpec
@@ -31,6 +32,7 @@ _EXPORTS = {
     "ProgressEvent": "eagle_pipeline.generation.summary",
     "RESPONSES_SCHEMA": "eagle_pipeline.generation.rows",
     "RequestFailure": "eagle_pipeline.shared.failures",
+    "RunOptions": "eagle_pipeline.generation.options",
     "SamplingSpec": "eagle_pipeline.generation.spec",
     "SimulatedOpenRouterServer": "eagle_pipeline.simulation",
     "SpendTracker": "eagle_pipeline.generation.budget",
@@ -53,6 +55,7 @@ __all__ = [
     "GenerationSummary",
     "ProgressEvent",
     "RequestFailure",
+    "RunOptions",
     "SamplingSpec",
     "SimulatedOpenRouterServer",
     "SpendTracker",

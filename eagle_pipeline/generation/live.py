@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from eagle_pipeline.generation.backends import HttpBackend, ParsedResponse, PromptItem
 from eagle_pipeline.generation.budget import SpendLedger
 from eagle_pipeline.generation.client import ChatClient
+from eagle_pipeline.generation.options import CommitCadence
 from eagle_pipeline.generation.pending import RequestPlan
 from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, response_values
 from eagle_pipeline.generation.sink import ShardSink
@@ -97,10 +98,8 @@ class LiveRun:
         sink: ShardSink,
         redact: Redactor,
         ledger: SpendLedger,
-        commit_every_rows: int,
-        commit_every_s: float,
+        cadence: CommitCadence,
         progress: Callable[[ProgressEvent], None] | None,
-        progress_every_s: float,
     ) -> None:
         self.dataset = dataset
         self.plan = plan
@@ -110,10 +109,10 @@ class LiveRun:
         self.sink = sink
         self.redact = redact
         self.ledger = ledger
-        self.commit_every_rows = max(1, commit_every_rows)
-        self.commit_every_s = commit_every_s
+        self.commit_every_rows = cadence.commit_every_rows
+        self.commit_every_s = cadence.commit_every_s
         self.progress = progress
-        self.progress_every_s = progress_every_s
+        self.progress_every_s = cadence.progress_every_s
         self.c = _Counters()
         self.stop_reason: str | None = None
         self.stop_detail: str | None = None

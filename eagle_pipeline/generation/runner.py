@@ -12,6 +12,7 @@ backend is handed to `importer`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -19,30 +20,32 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pyarrow as pa
 
 from eagle_pipeline.generation import store
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
 from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
+from eagle_pipeline.generation.options import CommitCadence, RunOptions
 from eagle_pipeline.generation.pending import RequestPlan, plan_requests, prompt_items
 from eagle_pipeline.generation.retire import complete_pending_retirements
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.spend_ledger import SharedSpend
 from eagle_pipeline.generation.stream_workers import stream_workers
-from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S, GenerationSummary, ProgressEvent
-from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, NO_TURN_KINDS, REGENERATE_MODES
+from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
+from eagle_pipeline.generation.turns import ALL_TURNS, NO_TURN_KINDS, REGENERATE_MODES
 from eagle_pipeline.shared import storage
 from eagle_pipeline.shared.aio import gc_tuned, run_coroutine
 from eagle_pipeline.shared.failures import Redactor
 
 log = logging.getLogger("eagle_pipeline.generation")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 APP_HEADERS = {"HTTP-Referer": "https://github.com/eagle-pipeline/eagle-pipeline", "X-Title": "eagle-pipeline"}
 
@@ -64,9 +67,11 @@ def _request_headers(spec: BackendSpec, key: str | None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def backend_endpoint(spec: BackendSpec, **server_options: Any) -> Iterator[BackendSpec]:
+def backend_endpoint(spec: BackendSpec) -> Iterator[BackendSpec]:
     """The spec to call: a 'simulated' spec without an endpoint gets a `SimulatedOpenRouterServer` on loopback for
-    the duration, built from `server_options` overridden by the spec's own `simulated` options; any other spec as is.
+    the duration of the run, serving `spec.model` at the spec's prices (the server's own when it sets none; an unset
+    one of the two is 0) with `spec.simulated` as further constructor arguments (the Dagster shell adds the target
+    tokenizer's counters there); any other spec as it is.
 
     The one place the product starts the simulated server: `eagle_pipeline.simulation` is imported here, at call time,
     so a run against a real endpoint never loads it (docs/architecture.md, "The simulation seam")."""
@@ -75,7 +80,11 @@ def backend_endpoint(spec: BackendSpec, **server_options: Any) -> Iterator[Backe
         return
     from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
-    with SimulatedOpenRouterServer(**{**server_options, **spec.simulated}) as server:
+    options: dict[str, Any] = {"model": spec.model}
+    if spec.price_per_m_prompt is not None or spec.price_per_m_completion is not None:
+        options["price_per_m_prompt"] = spec.price_per_m_prompt or 0.0
+        options["price_per_m_completion"] = spec.price_per_m_completion or 0.0
+    with SimulatedOpenRouterServer(**{**options, **spec.simulated}) as server:
         yield replace(spec, endpoint=server.url)
 
 
@@ -88,10 +97,8 @@ async def _generate_live(
     sink: ShardSink,
     render_prompt_ids: RenderPromptIds | None,
     ledger: SpendLedger,
-    commit_every_rows: int,
-    commit_every_s: float,
+    cadence: CommitCadence,
     progress: Callable[[ProgressEvent], None] | None,
-    progress_every_s: float,
 ) -> GenerationSummary:
     """Request the plan's prompts from a live endpoint; every row and error in hand is committed whatever happens."""
     try:
@@ -106,10 +113,8 @@ async def _generate_live(
                 sink=sink,
                 redact=Redactor([key] if key else []),
                 ledger=ledger,
-                commit_every_rows=commit_every_rows,
-                commit_every_s=commit_every_s,
+                cadence=cadence,
                 progress=progress,
-                progress_every_s=progress_every_s,
             )
             log.info(
                 "[%s] %d prompts, %d already committed, %d to request from %s (%s, %d in flight)",
@@ -184,19 +189,15 @@ async def agenerate_dataset(
     sampling: SamplingSpec,
     out_dir: Path,
     errors_dir: Path,
+    options: RunOptions | None = None,
     render_prompt_ids: RenderPromptIds | None = None,
-    budget_usd: float | None = None,
     run_budget: SpendTracker | SharedSpend | None = None,
-    commit_every_rows: int = 500,
-    commit_every_s: float = 10.0,
     progress: Callable[[ProgressEvent], None] | None = None,
-    progress_every_s: float = DEFAULT_PROGRESS_EVERY_S,
-    limit: int | None = None,
-    regenerate: str = LAST_TURN,
-    answer_log_s: float | None = DEFAULT_FLUSH_S,
+    **option_fields: Any,
 ) -> GenerationSummary:
     """The async form of `generate_dataset` (same arguments), for callers that already run an event loop."""
-    _check_regenerate(regenerate, backend)
+    opts = (options or RunOptions()).with_overrides(option_fields)
+    _check_regenerate(opts.regenerate, backend)
     t_start = time.monotonic()
     out_dir, errors_dir = Path(out_dir), Path(errors_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -209,11 +210,11 @@ async def agenerate_dataset(
         recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
         # One read of the shards serves the plan, its progress counts and the spend ledger.
         committed = store.read_committed(out_dir)
-        plan = plan_requests(prompts, committed, limit, regenerate=regenerate)
+        plan = plan_requests(prompts, committed, opts.limit, regenerate=opts.regenerate)
         committed_usd = committed.spend_usd
         del committed  # its rows and done set are not needed past the plan: not held for the whole run
         # Imports are not logged: a killed import reads its files again at no cost.
-        sink = ShardSink(out_dir, errors_dir, answer_log_s=answer_log_s if backend.kind.is_http else None)
+        sink = ShardSink(out_dir, errors_dir, answer_log_s=opts.answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
             summary = await _import(
                 dataset=dataset,
@@ -221,7 +222,7 @@ async def agenerate_dataset(
                 backend=backend,
                 sampling=sampling,
                 sink=sink,
-                commit_every_rows=commit_every_rows,
+                commit_every_rows=opts.commit_every_rows,
             )
             label = "import"
         else:
@@ -239,11 +240,9 @@ async def agenerate_dataset(
                     sampling=sampling,
                     sink=sink,
                     render_prompt_ids=render_prompt_ids,
-                    ledger=SpendLedger(committed_usd=committed_usd, budget_usd=budget_usd, run_budget=shared),
-                    commit_every_rows=commit_every_rows,
-                    commit_every_s=commit_every_s,
+                    ledger=SpendLedger(committed_usd=committed_usd, budget_usd=opts.budget_usd, run_budget=shared),
+                    cadence=opts,
                     progress=progress,
-                    progress_every_s=progress_every_s,
                 )
             label = "summary"
         summary.elapsed_s = time.monotonic() - t_start
@@ -261,25 +260,18 @@ def _check_regenerate(regenerate: str, backend: BackendSpec) -> None:
         raise ValueError(f"backend {backend.name!r}: regenerate 'all_turns' is not available for kind {backend.kind!r}")
 
 
-def generate_dataset(
-    *,
-    dataset: str,
-    prompts: pa.Table,
-    backend: BackendSpec,
-    sampling: SamplingSpec,
-    out_dir: Path,
-    errors_dir: Path,
-    render_prompt_ids: RenderPromptIds | None = None,
-    budget_usd: float | None = None,
-    run_budget: SpendTracker | SharedSpend | None = None,
-    commit_every_rows: int = 500,
-    commit_every_s: float = 10.0,
-    progress: Callable[[ProgressEvent], None] | None = None,
-    progress_every_s: float = DEFAULT_PROGRESS_EVERY_S,
-    limit: int | None = None,
-    regenerate: str = LAST_TURN,
-    answer_log_s: float | None = DEFAULT_FLUSH_S,
-) -> GenerationSummary:
+def _signature_of(model: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Gives the decorated function the parameters of `model` (for type checkers and `inspect.signature`)."""
+
+    def give(f: Callable[..., R]) -> Callable[P, R]:
+        f.__signature__ = inspect.signature(model)  # type: ignore[attr-defined]
+        return f
+
+    return give
+
+
+@_signature_of(agenerate_dataset)
+def generate_dataset(*args: Any, **kwargs: Any) -> GenerationSummary:
     """Generate (or import) responses for every prompt of `prompts` not yet committed under `out_dir`.
 
     Exactly-once: rows are committed in atomically renamed shards and a rerun requests only the sample ids missing
@@ -289,26 +281,9 @@ def generate_dataset(
     `errors_dir`; a stop for auth, credits, budget or the circuit breaker commits everything done and is reported in
     `stopped_reason`.
 
+    `options` (`RunOptions`): the commit cadence, the answer-log interval, progress reports, this dataset's budget,
+    `limit` and `regenerate`; a keyword argument named after one of its fields (`budget_usd=50.0`) overrides it.
     `regenerate='all_turns'` regenerates every assistant turn of each prompt's conversation against the target's own
     earlier turns, one row per turn, exactly once per turn (generation/turns.py, docs/generation.md).
     """
-    return run_coroutine(
-        lambda: agenerate_dataset(
-            dataset=dataset,
-            prompts=prompts,
-            backend=backend,
-            sampling=sampling,
-            out_dir=out_dir,
-            errors_dir=errors_dir,
-            render_prompt_ids=render_prompt_ids,
-            budget_usd=budget_usd,
-            run_budget=run_budget,
-            commit_every_rows=commit_every_rows,
-            commit_every_s=commit_every_s,
-            progress=progress,
-            progress_every_s=progress_every_s,
-            limit=limit,
-            regenerate=regenerate,
-            answer_log_s=answer_log_s,
-        )
-    )
+    return run_coroutine(lambda: agenerate_dataset(*args, **kwargs))

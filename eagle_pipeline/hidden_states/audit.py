@@ -107,16 +107,8 @@ class _Failures:
     def result(self, name: str, metrics: dict[str, Any], detail_prefix: str = "") -> AuditCheck:
         passed = self.failing == 0
         detail = "; ".join(([detail_prefix] if detail_prefix else []) + self.notes)
-        return AuditCheck(
-            name,
-            passed,
-            self.checked,
-            self.failing,
-            self.ids,
-            detail,
-            verdict=PASS if passed else FAIL,
-            metrics=metrics,
-        )
+        verdict = PASS if passed else FAIL
+        return AuditCheck(name, passed, self.checked, self.failing, self.ids, detail, verdict=verdict, metrics=metrics)
 
 
 def _layers(t: dict[str, torch.Tensor], n_aux: int, hidden: int) -> dict[str, torch.Tensor]:
@@ -167,77 +159,32 @@ def audit_shard(
     n_layers = meta.get("model", {}).get("num_layers")
     expected = list(resolve_aux_layers(expected_aux_layers, int(n_layers))) if n_layers else aux_layers
     convention = shard_final_state(meta)
-    no_head = ""  # an engine that recorded no final norm / lm_head: those two checks say they cannot judge
-    if head is None:
-        try:
-            head = load_target_head(out_dir)
-        except FileNotFoundError as exc:
-            no_head = f"no recorded final norm / lm_head ({exc})"
-    head = head.prepared(device) if head is not None else None
+    head, no_head = _audit_head(out_dir, head, device)
     merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
     merged_len = {sid: len(ids) for sid, ids in zip(merged.sample_ids, merged.input_ids)}
     sample_ids = index.column("sample_id").to_pylist()
     datasets = index.column("dataset").to_pylist()
-    n = len(sample_ids)
-    teacher_rows = set(np.linspace(0, n - 1, min(sample_rows, n)).round().astype(int).tolist()) if n else set()
-    per_row_positions = max(1, max_positions // max(len(teacher_rows), 1))
 
     degenerate, layout = _Failures(), _Failures()
     layer_counts: dict[str, int] = defaultdict(int)
-    layout_prefix = ""
-    if aux_layers != expected:
-        layout_prefix = f"shard aux layers {aux_layers} != configured {expected} (count or order)"
-    w = head.norm_weight.to(device="cpu", dtype=torch.float32) if head is not None else torch.ones(hidden)
-    w_ok = w != 0
-    near_one = positions = 0
-    rms_values: list[np.ndarray] = []
-    agree_total = pos_total = 0
-    agree_by_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    per_sample_rate: list[tuple[float, str, int]] = []
-
+    norm = _NormStats(head, hidden)
+    teacher = _TeacherStats(head, convention, len(sample_ids), sample_rows, max_positions, device)
     with open_shard(out_dir, shard_index) as reader:
         for i, (sid, ds) in enumerate(zip(sample_ids, datasets)):
             t = reader.get(sid)
-            n_tok = int(t["input_ids"].numel())
             layers = _layers(t, len(aux_layers), hidden)
             problems = [p for name, x in layers.items() for p in _degenerate(name, x)]
             for p in problems:
                 layer_counts[p.split(":", 1)[0]] += 1
             degenerate.record(sid, problems)
-
-            lay: list[str] = []
-            if t["aux_hidden_states"].shape[-1] != len(expected) * hidden:
-                lay.append(f"aux width {t['aux_hidden_states'].shape[-1]} != {len(expected)} layers x {hidden}")
-            if sid in merged_len and n_tok != merged_len[sid]:
-                lay.append(f"T={n_tok} but the merged row has {merged_len[sid]} tokens")
-            names = list(layers)
-            for a in range(len(names)):
-                for b in range(a + 1, len(names)):
-                    xa, xb = layers[names[a]], layers[names[b]]
-                    if xa.shape == xb.shape and bool((xa != 0).any()) and torch.equal(xa, xb):
-                        lay.append(f"{names[a]} and {names[b]} are identical (a wrong layer id)")
-            layout.record(sid, lay)
-
-            final = t["final_hidden_state"].to(torch.float32)
-            finite = torch.isfinite(final).all(-1)
-            r = (final[:, w_ok] / w[w_ok]).pow(2).mean(-1).sqrt()[finite]
-            near_one += int(((r - 1).abs() < POST_NORM_RMS_TOLERANCE).sum())
-            positions += int(r.numel())
-            rms_values.append(r.numpy())
-
-            if head is not None and i in teacher_rows and n_tok > 1:
-                mask = t["loss_mask"].to(torch.bool)
-                pos = torch.nonzero(mask[1:]).flatten()[:per_row_positions]  # p whose next token is supervised
-                if len(pos):
-                    top1 = head.top1(t["final_hidden_state"][pos].to(device), convention).cpu()
-                    agree = int((top1 == t["input_ids"][pos + 1].to(torch.int64)).sum())
-                    agree_total += agree
-                    pos_total += len(pos)
-                    agree_by_ds[ds][0] += agree
-                    agree_by_ds[ds][1] += len(pos)
-                    per_sample_rate.append((agree / len(pos), sid, len(pos)))
+            layout.record(sid, _layout_problems(t, layers, len(expected), hidden, merged_len.get(sid)))
+            norm.record(t["final_hidden_state"])
+            teacher.record(i, sid, ds, t)
 
     deg = degenerate.result("degenerate_states", {"failing_samples_per_layer": dict(layer_counts)})
+    layout_prefix = ""
+    if aux_layers != expected:
+        layout_prefix = f"shard aux layers {aux_layers} != configured {expected} (count or order)"
     lay_result = layout.result(
         "layer_layout", {"aux_layers": aux_layers, "expected_aux_layers": expected}, detail_prefix=layout_prefix
     )
@@ -252,117 +199,162 @@ def audit_shard(
     return {
         "degenerate_states": deg,
         "layer_layout": lay_result,
-        "norm_convention": _norm_result(convention, near_one, positions, rms_values, w, n),
-        "teacher_agreement": _teacher_result(
-            judgement, min_top1, agree_total, pos_total, agree_by_ds, per_sample_rate, int(head.lm_head.shape[0])
-        ),
+        "norm_convention": norm.result(convention, len(sample_ids)),
+        "teacher_agreement": teacher.result(judgement, min_top1, int(head.lm_head.shape[0])),
     }
 
 
-def _norm_result(
-    convention: str, near_one: int, positions: int, rms_values: list[np.ndarray], w: torch.Tensor, n: int
-) -> AuditCheck:
-    share = near_one / positions if positions else 0.0
-    rms = np.concatenate(rms_values) if rms_values else np.zeros(0)
-    metrics = {
-        "recorded_convention": convention,
-        "share_of_positions_with_unit_rms_after_dividing_by_norm_weight": round(share, 4),
-        "rms_over_norm_weight_median": float(np.median(rms)) if rms.size else None,
-        "rms_over_norm_weight_p05_p95": [float(np.percentile(rms, 5)), float(np.percentile(rms, 95))]
-        if rms.size
-        else None,
-        "final_norm_weight_rms": float(w.pow(2).mean().sqrt()),
-        "positions": positions,
-    }
-    if convention == POST_NORM:
-        ok = share >= POST_NORM_SHARE
-        detail = (
-            f"post-norm recorded and {share:.1%} of positions have rms(final / norm weight) = 1"
-            if ok
-            else f"post-norm recorded but only {share:.1%} of positions have rms(final / norm weight) = 1 (a post-norm "
-            "state has it everywhere): the states are not normalised by this target's final norm"
-        )
-    elif convention == PRE_NORM:
-        ok = share <= PRE_NORM_MAX_SHARE
-        detail = (
-            f"pre-norm recorded; {share:.1%} of positions look normalised"
-            if ok
-            else f"pre-norm recorded but {share:.1%} of positions have rms(final / norm weight) = 1: these states are "
-            "already normalised, and the trainer's final norm would be applied twice"
-        )
-    else:
-        ok, detail = False, f"unknown final-state convention {convention!r}"
-    return AuditCheck(
-        "norm_convention", ok, n, 0 if ok else n, [], detail, verdict=PASS if ok else FAIL, metrics=metrics
-    )
+def _audit_head(out_dir: str | Path, head: TargetHead | None, device: str) -> tuple[TargetHead | None, str]:
+    """The head to judge with, on `device` (the recorded one unless given), or None and why: an engine that recorded
+    no final norm / lm_head leaves the norm and teacher checks unjudged."""
+    if head is None:
+        try:
+            head = load_target_head(out_dir)
+        except FileNotFoundError as exc:
+            return None, f"no recorded final norm / lm_head ({exc})"
+    return head.prepared(device), ""
 
 
-def _teacher_result(
-    judgement: TeacherJudgement,
-    min_top1: float,
-    agree: int,
-    positions: int,
-    by_ds: dict[str, list[int]],
-    per_sample: list[tuple[float, str, int]],
-    vocab: int,
-) -> AuditCheck:
-    rate = agree / positions if positions else None
-    worst = sorted(per_sample)[:MAX_FAILING_IDS]
-    metrics = {
-        "top1_agreement": round(rate, 4) if rate is not None else None,
-        "threshold": min_top1,
-        "chance": round(1 / vocab, 8),
-        "positions": positions,
-        "rows_sampled": len(per_sample),
-        "per_dataset": {
-            ds: {"agreement": round(a / p, 4), "positions": p} for ds, (a, p) in sorted(by_ds.items()) if p
-        },
-        "lowest_samples": [{"sample_id": sid, "agreement": round(r, 4), "positions": p} for r, sid, p in worst],
-    }
-    measured = (
-        f"top-1 agreement {rate:.3f} over {positions} positions" if rate is not None else "no supervised position"
-    )
-    if not judgement.judge:
+def _layout_problems(
+    t: dict[str, torch.Tensor], layers: dict[str, torch.Tensor], n_aux: int, hidden: int, merged_tokens: int | None
+) -> list[str]:
+    """One sample's `layer_layout` problems: the aux width, T against the merged row, two identical layers."""
+    problems: list[str] = []
+    if t["aux_hidden_states"].shape[-1] != n_aux * hidden:
+        problems.append(f"aux width {t['aux_hidden_states'].shape[-1]} != {n_aux} layers x {hidden}")
+    n_tok = int(t["input_ids"].numel())
+    if merged_tokens is not None and n_tok != merged_tokens:
+        problems.append(f"T={n_tok} but the merged row has {merged_tokens} tokens")
+    names = list(layers)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            xa, xb = layers[names[a]], layers[names[b]]
+            if xa.shape == xb.shape and bool((xa != 0).any()) and torch.equal(xa, xb):
+                problems.append(f"{names[a]} and {names[b]} are identical (a wrong layer id)")
+    return problems
+
+
+class _NormStats:
+    """`norm_convention`'s figures: rms(final / final-norm weight) at every finite position."""
+
+    def __init__(self, head: TargetHead | None, hidden: int) -> None:
+        self.w = head.norm_weight.to(device="cpu", dtype=torch.float32) if head is not None else torch.ones(hidden)
+        self.w_ok = self.w != 0
+        self.near_one = self.positions = 0
+        self.rms_values: list[np.ndarray] = []
+
+    def record(self, final_state: torch.Tensor) -> None:
+        final = final_state.to(torch.float32)
+        finite = torch.isfinite(final).all(-1)
+        r = (final[:, self.w_ok] / self.w[self.w_ok]).pow(2).mean(-1).sqrt()[finite]
+        self.near_one += int(((r - 1).abs() < POST_NORM_RMS_TOLERANCE).sum())
+        self.positions += int(r.numel())
+        self.rms_values.append(r.numpy())
+
+    def result(self, convention: str, n: int) -> AuditCheck:
+        near_one, positions, rms_values, w = self.near_one, self.positions, self.rms_values, self.w
+        share = near_one / positions if positions else 0.0
+        rms = np.concatenate(rms_values) if rms_values else np.zeros(0)
+        metrics = {
+            "recorded_convention": convention,
+            "share_of_positions_with_unit_rms_after_dividing_by_norm_weight": round(share, 4),
+            "rms_over_norm_weight_median": float(np.median(rms)) if rms.size else None,
+            "rms_over_norm_weight_p05_p95": [float(np.percentile(rms, 5)), float(np.percentile(rms, 95))]
+            if rms.size
+            else None,
+            "final_norm_weight_rms": float(w.pow(2).mean().sqrt()),
+            "positions": positions,
+        }
+        if convention == POST_NORM:
+            ok = share >= POST_NORM_SHARE
+            detail = (
+                f"post-norm recorded and {share:.1%} of positions have rms(final / norm weight) = 1"
+                if ok
+                else f"post-norm recorded but only {share:.1%} of positions have rms(final / norm weight) = 1 (a post-norm "
+                "state has it everywhere): the states are not normalised by this target's final norm"
+            )
+        elif convention == PRE_NORM:
+            ok = share <= PRE_NORM_MAX_SHARE
+            detail = (
+                f"pre-norm recorded; {share:.1%} of positions look normalised"
+                if ok
+                else f"pre-norm recorded but {share:.1%} of positions have rms(final / norm weight) = 1: these states are "
+                "already normalised, and the trainer's final norm would be applied twice"
+            )
+        else:
+            ok, detail = False, f"unknown final-state convention {convention!r}"
         return AuditCheck(
-            "teacher_agreement",
-            True,
-            len(per_sample),
-            0,
-            [],
-            f"NOT JUDGED: {judgement.reason}. Measured {measured} (threshold {min_top1}); it says nothing here.",
-            verdict=NOT_JUDGED,
-            metrics={**metrics, "not_judged_reason": judgement.reason},
+            "norm_convention", ok, n, 0 if ok else n, [], detail, verdict=PASS if ok else FAIL, metrics=metrics
         )
-    if rate is None:
-        return AuditCheck(
-            "teacher_agreement",
-            True,
-            0,
-            0,
-            [],
-            "NOT JUDGED: no supervised position in the sampled rows",
-            verdict=NOT_JUDGED,
-            metrics=metrics,
+
+
+class _TeacherStats:
+    """`teacher_agreement`'s figures: on evenly spread sample rows, whether the head's top-1 at each position whose
+    next token is supervised is that token."""
+
+    def __init__(
+        self, head: TargetHead | None, convention: str, n: int, sample_rows: int, max_positions: int, device: str
+    ) -> None:
+        self.head, self.convention, self.device = head, convention, device
+        self.rows = set(np.linspace(0, n - 1, min(sample_rows, n)).round().astype(int).tolist()) if n else set()
+        self.per_row_positions = max(1, max_positions // max(len(self.rows), 1))
+        self.agree = self.positions = 0
+        self.by_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.per_sample: list[tuple[float, str, int]] = []
+
+    def record(self, i: int, sid: str, ds: str, t: dict[str, torch.Tensor]) -> None:
+        if self.head is None or i not in self.rows or int(t["input_ids"].numel()) <= 1:
+            return
+        mask = t["loss_mask"].to(torch.bool)
+        pos = torch.nonzero(mask[1:]).flatten()[: self.per_row_positions]  # p whose next token is supervised
+        if len(pos):
+            top1 = self.head.top1(t["final_hidden_state"][pos].to(self.device), self.convention).cpu()
+            agree = int((top1 == t["input_ids"][pos + 1].to(torch.int64)).sum())
+            self.agree += agree
+            self.positions += len(pos)
+            self.by_ds[ds][0] += agree
+            self.by_ds[ds][1] += len(pos)
+            self.per_sample.append((agree / len(pos), sid, len(pos)))
+
+    def result(self, judgement: TeacherJudgement, min_top1: float, vocab: int) -> AuditCheck:
+        agree, positions, by_ds, per_sample = self.agree, self.positions, self.by_ds, self.per_sample
+        name = "teacher_agreement"
+        rate = agree / positions if positions else None
+        worst = sorted(per_sample)[:MAX_FAILING_IDS]
+        metrics: dict[str, Any] = {
+            "top1_agreement": round(rate, 4) if rate is not None else None,
+            "threshold": min_top1,
+            "chance": round(1 / vocab, 8),
+            "positions": positions,
+            "rows_sampled": len(per_sample),
+            "per_dataset": {
+                ds: {"agreement": round(a / p, 4), "positions": p} for ds, (a, p) in sorted(by_ds.items()) if p
+            },
+            "lowest_samples": [{"sample_id": sid, "agreement": round(r, 4), "positions": p} for r, sid, p in worst],
+        }
+        measured = (
+            f"top-1 agreement {rate:.3f} over {positions} positions" if rate is not None else "no supervised position"
         )
-    ok = rate >= min_top1
-    low = [sid for r, sid, _ in worst if r < min_top1]
-    detail = (
-        f"{measured} >= {min_top1}"
-        if ok
-        else f"{measured} < {min_top1} (chance {1 / vocab:.2g}): these are not this target's states for these tokens "
-        "(shifted, wrong layer, wrong model, zeroed, or a norm applied wrongly). If the texts were written by "
-        "another model, set hidden_states.texts_by_extraction_model: false."
-    )
-    return AuditCheck(
-        "teacher_agreement",
-        ok,
-        len(per_sample),
-        0 if ok else len(low),
-        low,
-        detail,
-        verdict=PASS if ok else FAIL,
-        metrics=metrics,
-    )
+        if not judgement.judge:
+            detail = (
+                f"NOT JUDGED: {judgement.reason}. Measured {measured} (threshold {min_top1}); it says nothing here."
+            )
+            metrics["not_judged_reason"] = judgement.reason
+            return AuditCheck(name, True, len(per_sample), 0, [], detail, verdict=NOT_JUDGED, metrics=metrics)
+        if rate is None:
+            detail = "NOT JUDGED: no supervised position in the sampled rows"
+            return AuditCheck(name, True, 0, 0, [], detail, verdict=NOT_JUDGED, metrics=metrics)
+        ok = rate >= min_top1
+        low = [sid for r, sid, _ in worst if r < min_top1]
+        detail = (
+            f"{measured} >= {min_top1}"
+            if ok
+            else f"{measured} < {min_top1} (chance {1 / vocab:.2g}): these are not this target's states for these tokens "
+            "(shifted, wrong layer, wrong model, zeroed, or a norm applied wrongly). If the texts were written by "
+            "another model, set hidden_states.texts_by_extraction_model: false."
+        )
+        failing, verdict = (0, PASS) if ok else (len(low), FAIL)
+        return AuditCheck(name, ok, len(per_sample), failing, low, detail, verdict=verdict, metrics=metrics)
 
 
 def audit_path(out_dir: str | Path, shard_index: int) -> Path:

@@ -115,13 +115,7 @@ def extract_shard(
     sample's states straight into a trainer's layout instead of the shard file, which then keeps only ids and masks
     (no second copy of the states).
     """
-    if final_state not in FINAL_STATES:
-        raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
-    if layout_target is not None and final_state != LAYOUT_FINAL_STATE[layout_target.name]:
-        raise ValueError(
-            f"the {layout_target.name} layout holds the final state {LAYOUT_FINAL_STATE[layout_target.name]}; "
-            f"got final_state={final_state!r}"
-        )
+    _check_final_state(final_state, layout_target)
     out_dir = Path(out_dir)
     target = _Target.of(model, aux_layers)
     out_dtype = dtype if dtype is not None else default_state_dtype(device)
@@ -140,78 +134,112 @@ def extract_shard(
         return decision.reuse
 
     rows = _shard_rows(merged_dir, shard_index, shard_size, target.vocab)
-    batches = plan_batches(rows.lengths, max_tokens_per_batch)
+    shard = _Shard(
+        shard_index, rows, plan_batches(rows.lengths, max_tokens_per_batch), wanted, out_dtype, layout_target
+    )
     dev = torch.device(device)
     if next(model.parameters()).device.type != dev.type:
         model.to(dev)
-    post_norm = final_state == POST_NORM
-    extra = {"final_norm_eps": repr(final_norm_eps(model))}
-    if layout_target is not None:
-        extra["layout"] = layout_target.name
-    meta = shard_header(
-        rows,
-        shard_index=shard_index,
-        aux=target.aux,
-        num_layers=len(target.layers),
-        hidden_size=target.hidden,
-        dtype=out_dtype,
-        final_state=final_state,
-        model=_model_description(model),
-        fingerprint=wanted,
-        extra=extra,
-    )
-    st_path, idx_path = shard_paths(out_dir, shard_index)
+    meta = shard.header(target, model)
+    st_path = shard_paths(out_dir, shard_index)[0]
     written = _write_states(
         target,
         rows,
-        batches,
+        shard.batches,
         meta,
         st_path,
         dev=dev,
         out_dtype=out_dtype,
-        post_norm=post_norm,
+        post_norm=final_state == POST_NORM,
         progress=progress,
         layout_target=layout_target,
     )
     # Recorded after the shard is complete, so an aborted shard leaves nothing behind.
     _, head_sha = save_target_head_from_model(model, out_dir, json.loads(meta["model"]))
-    summary = shard_summary(
-        rows,
-        shard_index=shard_index,
-        paths=(st_path, idx_path),
-        sha256=written.sha256,
-        size_bytes=written.size_bytes,
-        dtype=out_dtype,
-        final_state=final_state,
-        fingerprint=wanted,
-        seconds=written.seconds,
-        compute_seconds=written.compute_seconds,
-        write_wait_seconds=written.write_wait_seconds,
-        batches=len(batches),
-        padded_tokens=padding_of(rows.lengths, batches)[1],
-        nonfinite_samples=int((written.nonfinite > 0).sum()),
-    )
-    index_extra: dict[str, Any] = {
-        "final_state": final_state,
-        "final_norm_eps": final_norm_eps(model),
-        "target_head_sha256": head_sha,
-    }
-    if layout_target is not None:
-        index_extra.update(
-            layout=layout_target.name,
-            layout_root=os.path.relpath(layout_target.root, out_dir),
-            sample_files=written.sample_files,
+    return shard.write_index(out_dir, written, target, model, head_sha, json.loads(meta["model"]))
+
+
+def _check_final_state(final_state: str, layout_target: LayoutTarget | None) -> None:
+    if final_state not in FINAL_STATES:
+        raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
+    if layout_target is not None and final_state != LAYOUT_FINAL_STATE[layout_target.name]:
+        raise ValueError(
+            f"the {layout_target.name} layout holds the final state {LAYOUT_FINAL_STATE[layout_target.name]}; "
+            f"got final_state={final_state!r}"
         )
-    write_shard_index(
-        idx_path,
-        rows,
-        summary,
-        written.nonfinite,
-        hidden=target.hidden,
-        model=json.loads(meta["model"]),
-        extra=index_extra,
-    )
-    return summary
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One shard to extract: its rows, their batches, and how its states are stored."""
+
+    index: int
+    rows: MergedRows
+    batches: list[list[int]]
+    fingerprint: ExtractionFingerprint  # its final state is the shard's
+    out_dtype: torch.dtype
+    layout_target: LayoutTarget | None
+
+    def header(self, target: _Target, model: torch.nn.Module) -> dict[str, str]:
+        """The shard file's safetensors header."""
+        extra = {"final_norm_eps": repr(final_norm_eps(model))}
+        if self.layout_target is not None:
+            extra["layout"] = self.layout_target.name
+        return shard_header(
+            self.rows,
+            shard_index=self.index,
+            aux=target.aux,
+            num_layers=len(target.layers),
+            hidden_size=target.hidden,
+            dtype=self.out_dtype,
+            final_state=self.fingerprint.final_state,
+            model=_model_description(model),
+            fingerprint=self.fingerprint,
+            extra=extra,
+        )
+
+    def write_index(
+        self,
+        out_dir: Path,
+        written: _Written,
+        target: _Target,
+        model: torch.nn.Module,
+        head_sha: str,
+        description: dict[str, Any],
+    ) -> ShardSummary:
+        """The shard's summary and index (the 'done' marker), with the head's hash and a layout's files."""
+        rows, st_path, idx_path = self.rows, *shard_paths(out_dir, self.index)
+        summary = shard_summary(
+            rows,
+            shard_index=self.index,
+            paths=(st_path, idx_path),
+            sha256=written.sha256,
+            size_bytes=written.size_bytes,
+            dtype=self.out_dtype,
+            final_state=self.fingerprint.final_state,
+            fingerprint=self.fingerprint,
+            seconds=written.seconds,
+            compute_seconds=written.compute_seconds,
+            write_wait_seconds=written.write_wait_seconds,
+            batches=len(self.batches),
+            padded_tokens=padding_of(rows.lengths, self.batches)[1],
+            nonfinite_samples=int((written.nonfinite > 0).sum()),
+        )
+        index_extra: dict[str, Any] = {
+            "final_state": self.fingerprint.final_state,
+            "final_norm_eps": final_norm_eps(model),
+            "target_head_sha256": head_sha,
+        }
+        if self.layout_target is not None:
+            index_extra.update(
+                layout=self.layout_target.name,
+                layout_root=os.path.relpath(self.layout_target.root, out_dir),
+                sample_files=written.sample_files,
+            )
+        write_shard_index(
+            idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=description, extra=index_extra
+        )
+        return summary
 
 
 def _shard_rows(merged_dir: str | Path, shard_index: int, shard_size: int, vocab: int) -> MergedRows:

@@ -1,4 +1,5 @@
-"""A vLLM shard's rows written straight into a trainer's layout (`hidden_states.layout: speculators | specforge`).
+"""Where a vLLM shard's rows go: the shard file (`VllmShardFile`), or straight into a trainer's layout
+(`hidden_states.layout: speculators | specforge`, `VllmLayoutRows`).
 
 The shard file keeps only ids and masks, as the in-process layouts do (`trainer_layouts.SampleFilesWriter`); each
 row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
@@ -18,14 +19,16 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
-from .format import sample_file_entry
-from .trainer_layouts import SPECFORGE, SPECULATORS, LayoutTarget, SampleFilesWriter, remove_stale_tmp
-from .vllm_files import FileFacts, validate_states_file
+from .format import StreamingSafetensorsWriter, sample_file_entry, shard_layout, tensor_key
+from .merged import MergedRows
+from .shard_index import IDS_DTYPE, MASK_DTYPE
+from .trainer_layouts import SPECFORGE, SPECULATORS, LayoutTarget, SampleFilesWriter, remove_stale_tmp, without_states
+from .vllm_files import EngineShardError, FileFacts, validate_states_file
 from .vllm_handoff import HandedFile, place_file, read_validated
 
 
@@ -106,3 +109,72 @@ class VllmLayoutRows:
         for _, buf in self._validated.values():
             buf.close()
         self._validated.clear()
+
+
+class VllmShardFile:
+    """`ShardRequests.write_row` of a vLLM shard run: copies each validated connector file into the shard file, or
+    hands it to `placed` (a trainer's layout; the shard file then keeps ids and masks), in row order. The first file
+    fixes H and the dtype of the whole shard; `header(facts)` is the shard file's header."""
+
+    def __init__(
+        self,
+        rows: MergedRows,
+        shard_index: int,
+        n_aux: int,
+        fh: BinaryIO,
+        header: Callable[[FileFacts], dict[str, str]],
+        placed: VllmLayoutRows | None,
+    ) -> None:
+        self.rows, self.shard_index, self.n_aux = rows, shard_index, n_aux
+        self.fh, self.header, self.placed = fh, header, placed
+        self.writer: StreamingSafetensorsWriter | None = None
+        self.facts: FileFacts | None = None  # the first file's
+
+    def _open(self, facts: FileFacts) -> StreamingSafetensorsWriter:
+        rows = self.rows
+        layout = shard_layout(
+            rows.sample_ids,
+            rows.lengths,
+            list(range(len(rows))),
+            n_aux=self.n_aux,
+            hidden=facts.hidden_size,
+            state_dtype=facts.dtype,
+            ids_dtype=IDS_DTYPE,
+            mask_dtype=MASK_DTYPE,
+        )
+        if self.placed is not None:  # the states go to the trainer's files; the shard keeps ids and masks
+            layout = without_states(layout)
+        self.facts = facts
+        return StreamingSafetensorsWriter(self.fh, layout, self.header(facts))
+
+    def __call__(self, i: int, path: Path, facts: FileFacts) -> None:
+        from safetensors import safe_open
+
+        if self.writer is None:
+            self.writer = self._open(facts)
+        first, rows, n_aux = self.facts, self.rows, self.n_aux
+        assert first is not None
+        if (facts.hidden_size, facts.dtype) != (first.hidden_size, first.dtype):
+            raise EngineShardError(
+                f"shard {self.shard_index:05d}, merged row {rows.global_row(i)} ({rows.sample_ids[i]}): {path} holds "
+                f"{facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} H={first.hidden_size}: "
+                "the endpoints serve different models"
+            )
+        t, sid, w = facts.tokens, rows.sample_ids[i], self.writer
+        if self.placed is not None:
+            w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+            self.placed.place(sid, path, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
+            return
+        with safe_open(str(path), framework="pt") as f:
+            hs = f.get_tensor("hidden_states")
+        w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :n_aux].reshape(t, n_aux * facts.hidden_size))
+        w.write(tensor_key(sid, "final_hidden_state"), hs[:, n_aux])
+        w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+
+    def finish(self) -> tuple[str, int]:
+        """The loss masks, then the file's sha256 and size."""
+        rows, writer = self.rows, self.writer
+        assert writer is not None
+        for i in range(len(rows)):
+            writer.write(tensor_key(rows.sample_ids[i], "loss_mask"), torch.from_numpy(rows.loss_mask[i]))
+        return writer.finish(), writer.total_bytes

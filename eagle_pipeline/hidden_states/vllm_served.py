@@ -184,12 +184,18 @@ def target_without_too_long(target: Any, merged_dir: str | Path, max_model_len: 
 
 
 def apply_length_limit(
-    rows: MergedRows, max_model_len: int, *, shard_index: int, too_long_rows: str
+    rows: MergedRows,
+    max_model_len: int,
+    *,
+    shard_index: int,
+    too_long_rows: str,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[MergedRows, list[dict[str, Any]]]:
     """Rows a server of `max_model_len` can extract: at most max_model_len - 1 tokens, because the request asks for
     one output token (a row of exactly max_model_len fails in vLLM with "max_tokens must be at least 1, got 0", a
     longer one with "maximum context length"). Over it: refused before any request, naming the rows, or, with
-    `too_long_rows: drop`, left out and returned as records (row, sample_id, n_tokens) for the shard's metadata."""
+    `too_long_rows: drop`, left out and returned as records (row, sample_id, n_tokens, reason) for the shard's
+    metadata, each logged as a warning."""
     lengths = rows.lengths
     over = [i for i, n in enumerate(lengths) if too_long(n, max_model_len)]
     if not over:
@@ -211,4 +217,23 @@ def apply_length_limit(
             f"shard {shard_index:05d}: every one of its {len(lengths)} merged rows has max_model_len {max_model_len} "
             f"tokens or more: nothing to extract. Restart the servers with a larger --max-model-len ({MAX_MODEL_LEN_KEY})"
         )
+    for d in dropped:
+        d["reason"] = f"{d['n_tokens']} tokens >= the servers' max_model_len {max_model_len} (too_long_rows: drop)"
+        if log is not None:
+            log(f"warning: shard {shard_index:05d}: merged row {d['row']} ({d['sample_id']}) dropped: {d['reason']}")
     return rows.select(keep), dropped
+
+
+def check_reused_drops(idx_path: Path, shard_index: int, too_long_rows: str) -> None:
+    """A done shard that left rows out (`too_long_rows: drop`) is not the whole range: taken as done only while
+    dropping is still the choice."""
+    from .format import read_index_meta
+
+    dropped = read_index_meta(idx_path).get("dropped_rows") or []
+    if dropped and too_long_rows != "drop":
+        named = ", ".join(f"{d['row']} ({d['sample_id']})" for d in dropped[:10])
+        raise EngineShardError(
+            f"shard {shard_index:05d} is done without {len(dropped)} merged rows, dropped under too_long_rows: drop "
+            f"({named}); with too_long_rows: {too_long_rows} it would need them: set it back to drop, or delete the "
+            "shard's files and rerun it against servers started with a larger --max-model-len"
+        )

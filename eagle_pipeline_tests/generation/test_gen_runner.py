@@ -413,6 +413,16 @@ def test_simulated_kind_starts_its_own_server(tmp_path):
     assert t.column("endpoint")[0].as_py().startswith("http://127.0.0.1:")
 
 
+def test_a_server_the_runner_starts_bills_at_the_specs_prices(tmp_path):
+    # The same loopback server the Dagster shell gets (runner.backend_endpoint): the spec's prices, else the server's.
+    prompts = make_prompts(4)
+    free = run(prompts, sim_backend(None, price_per_m_prompt=0.0, price_per_m_completion=0.0), tmp_path / "free")
+    dear = run(prompts, sim_backend(None, price_per_m_prompt=100.0, price_per_m_completion=100.0), tmp_path / "dear")
+    default = run(prompts, sim_backend(None), tmp_path / "default")
+    assert (free.completed, dear.completed, default.completed) == (4, 4, 4)
+    assert free.spend_usd == 0 and dear.spend_usd > default.spend_usd > 0
+
+
 def test_missing_api_key_env_fails_before_any_request(tmp_path, monkeypatch):
     monkeypatch.delenv("EAGLE_TEST_ABSENT_KEY", raising=False)
     with SimulatedOpenRouterServer() as srv:
