@@ -10,8 +10,8 @@ Two kinds of difference, each with its bound:
 - **Summation order** (same dtype, another path): a length-n reduction summed in another order moves by up to about
   sqrt(n)·eps·Σ|terms| (the probabilistic rounding bound, Higham & Mary 2019), and a stack of L layers passes each
   layer's difference on to the next, so the differences add up about linearly with depth:
-  `SAFETY · eps(dtype) · sqrt(n) · (L + 1)`, n the longest reduction (hidden size, MLP or expert width, or the
-  sequence length that attention sums over); SAFETY = 4 because the kernels, and so the constant, vary by CPU.
+  `SAFETY · eps(dtype) · sqrt(n) · (L + 1)`, n the longest reduction (hidden size, MLP or expert width, MLA's
+  latent ranks and heads · v dims, or the sequence length that attention sums over); SAFETY = 4 because the kernels, and so the constant, vary by CPU.
 - **Precision** (a bf16 / fp16 run against fp32): PyTorch accumulates low-precision matmuls in fp32, so what differs
   is the rounding of every layer's output to the narrow type, eps/2 each, which random-walks through the residual
   stream: `eps(dtype)/2 · sqrt(L + 1)` (already a bound on the sum, not a typical value).
@@ -37,10 +37,15 @@ SAFETY = 4.0  # the summation-order constant differs between CPUs' kernels; the 
 
 
 def _widest_reduction(config: Any, tokens: int) -> int:
+    heads = getattr(config, "num_attention_heads", 0) or 0
     widths = [
         getattr(config, "hidden_size", 0),
         getattr(config, "intermediate_size", 0),
         getattr(config, "moe_intermediate_size", 0) or 0,
+        # MLA (DeepSeek-V3, Kimi): kv_b_proj and q_b_proj reduce over the latent ranks, o_proj over heads · v dims
+        getattr(config, "kv_lora_rank", 0) or 0,
+        getattr(config, "q_lora_rank", 0) or 0,
+        heads * (getattr(config, "v_head_dim", 0) or 0),
         tokens,
     ]
     return max(int(w or 0) for w in widths)

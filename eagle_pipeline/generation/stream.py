@@ -4,10 +4,10 @@ non-streaming body.
 `ChatStreamAssembler` takes the bytes of an SSE response as they arrive (`feed`, cut anywhere): `:` comment lines
 are keep-alives (they reset nothing but prove liveness; a stream with only them for `keepalive_only_max_s` fails),
 `data:` events are `chat.completion.chunk` objects whose deltas are concatenated (`reasoning`, else the text of
-`reasoning_details`; `content`; `tool_calls` fragments by `index`; vLLM's `token_ids`, and `prompt_token_ids` from
-the first chunk), and the final empty-choices chunk carries `usage`. `body()` returns the chat completion a
-non-streaming request would have returned, which goes through the same parser (`backends.parse_chat_completion`), so
-a streamed and a non-streamed answer give the same row.
+`reasoning_details`; `content`; `tool_calls` by `index`; vLLM's `token_ids`, and `prompt_token_ids` from the first
+chunk, whose `content: ""` vLLM always sends: not content), and the final empty-choices chunk carries `usage`.
+`body()` returns the chat completion a non-streaming request would have returned, parsed by the same parser
+(`backends.parse_chat_completion`): a streamed and a non-streamed answer give the same row.
 
 Every way a stream can fail is a RequestFailure of an existing class, so it is retried and recorded like any other
 failed attempt and never kept as a partial row: a mid-stream `error` chunk or `finish_reason: "error"`
@@ -67,8 +67,7 @@ class ChatStreamAssembler:
         self._role: str | None = None
         self._reasoning: list[str] | None = None
         self._reasoning_field = "reasoning"
-        # Texts are collected in lists and joined once: a long answer has thousands of deltas, and growing one
-        # string per delta is quadratic.
+        # Texts are collected in lists and joined once: growing one string per delta (thousands) is quadratic.
         self._details: dict[int, tuple[dict[str, Any], list[str]]] = {}  # index -> (first fragment, texts)
         self._content: list[str] | None = None
         self._tools: dict[int, tuple[dict[str, Any], list[str], list[str]]] = {}  # index -> (call, names, args)
@@ -261,6 +260,8 @@ class ChatStreamAssembler:
                     F.MALFORMED_BODY, f"stream chunk {n}: choices[0] is not an object", True, self.status
                 )
             delta = ch.get("delta")
+            if n == 1 and self._prompt_ids is not None and delta and delta.get("content") == "":
+                delta = {k: v for k, v in delta.items() if k != "content"}  # vLLM's announcement: not content
             if delta:
                 content = delta.get("content")
                 if content is not None and len(delta) == 1 and self._content is not None:

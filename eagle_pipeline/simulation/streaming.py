@@ -46,8 +46,13 @@ def _pieces(text: str, n: int) -> list[str]:
     return [text[i : i + n] for i in range(0, len(text), n)]
 
 
-def completion_chunks(completion: dict[str, Any], *, chunk_chars: int, include_usage: bool = True) -> list[dict]:
-    """The chunk objects of a streamed form of `completion` (a non-streaming chat completion body)."""
+def completion_chunks(
+    completion: dict[str, Any], *, chunk_chars: int, include_usage: bool = True, announce_content: bool = False
+) -> list[dict]:
+    """The chunk objects of a streamed form of `completion` (a non-streaming chat completion body).
+
+    The first delta names the role, with `content: ""` when the answer has content, or always with
+    `announce_content` (vLLM's first chunk is `{"role": "assistant", "content": ""}` whatever follows)."""
     choice = completion["choices"][0]
     msg = choice["message"]
     base: dict[str, Any] = {
@@ -59,7 +64,7 @@ def completion_chunks(completion: dict[str, Any], *, chunk_chars: int, include_u
         return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None, **extra}]}
 
     first_delta: dict[str, Any] = {"role": msg.get("role", "assistant")}
-    if isinstance(msg.get("content"), str):
+    if isinstance(msg.get("content"), str) or announce_content:
         first_delta["content"] = ""
     first = chunk(first_delta)
     if "prompt_token_ids" in completion:

@@ -27,7 +27,8 @@ lock is never let go). The field's silent bugs hit every attempt: `final_layer_m
 DeepSeek-V2-backbone bug fixed by vLLM PR #46973), `zero_states` (one layer all zero), `nan_states`,
 `short_states` (the first `block_size` positions missing, as under prefix caching), `prompt_ids_mismatch` (a BOS
 the client did not send, in the response and the file), `no_kv_transfer_params` (a server started without the
-connector), `late_file` (the lock is let go at once and the file appears `late_file_s` later).
+connector: `kv_transfer_params: null`, as vLLM 0.32 answers then), `late_file` (the lock is let go at once and the
+file appears `late_file_s` later).
 `die_after_requests: N` makes the server exit when request N + 1 arrives: connections are refused afterwards.
 """
 
@@ -260,6 +261,7 @@ class VLLMHiddenStatesDouble(LoopbackHttpServer):
                 }
             ],
             "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + 1, "completion_tokens": 1},
+            "kv_transfer_params": None,  # what vLLM sends without a connector (the `no_kv_transfer_params` fault)
         }
         if body.get("return_token_ids"):
             out["choices"][0]["prompt_token_ids"] = ids

@@ -23,8 +23,9 @@ class SimulatedVLLMServer(IdServer):
 
     `supports_token_ids=False` imitates a server older than v0.10.2 (the flag is ignored); `reasoning_field`
     chooses `reasoning` (current) or `reasoning_content` (older releases). `stream: true` requests get server-sent
-    events paced by `stream` (a `StreamStyle` or its keyword arguments): `prompt_token_ids` in the first chunk, each
-    chunk's `token_ids`, usage in a last chunk only when `stream_options.include_usage` is set, as vLLM does.
+    events paced by `stream` (a `StreamStyle` or its keyword arguments): `prompt_token_ids` in the first chunk,
+    whose delta is always `{"role": "assistant", "content": ""}`, each chunk's `token_ids`, usage in a last chunk
+    only when `stream_options.include_usage` is set, as vLLM does.
 
     Given the target's `tokenizer` (and its model `profile`), ids are the target's, as a real vLLM serving it
     returns them: `prompt_token_ids` the chat template's render of the request's messages and tools with the
@@ -148,7 +149,10 @@ class SimulatedVLLMServer(IdServer):
         if streaming:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = completion_chunks(
-                self.answer(body), chunk_chars=self.stream_style.chunk_chars, include_usage=include_usage
+                self.answer(body),
+                chunk_chars=self.stream_style.chunk_chars,
+                include_usage=include_usage,
+                announce_content=True,  # vLLM's first delta is {"role": "assistant", "content": ""}, always
             )
             sent = await write_stream(
                 request, chunks, self.stream_style, fault=fault, idle_gap_s=self.plan.timeout_sleep_s

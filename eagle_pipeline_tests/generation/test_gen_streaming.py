@@ -3,11 +3,13 @@ stream failure retried or recorded and never kept, keep-alives keeping long gene
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from eagle_pipeline.generation import (
@@ -25,6 +27,7 @@ from eagle_pipeline_tests.doubles import SimulatedVLLMServer
 from .generation_helpers import (
     GRACE_S,
     READ_SLACK_S,
+    SAMPLING,
     ServerProcess,
     committed_ids,
     drained,
@@ -119,6 +122,28 @@ def test_vllm_streamed_ids_equal_non_streamed(tmp_path, procs):
         assert _answer_cols(row) == _answer_cols(plain[sid]), sid
         assert row["output_token_ids"] and row["prompt_token_ids"] and row["usage_completion_tokens"]
         assert row["stream_chunks"] > 3
+
+
+def test_vllm_streamed_all_reasoning_answer_stores_content_none_as_plain(tmp_path):
+    """vLLM's first streamed delta is `{"role": "assistant", "content": ""}` whatever follows (the real server's,
+    eagle_pipeline_tests/real_vllm): an answer cut inside its reasoning has content null in the plain body, and the
+    streamed one must store the same null, not the announcement's ''."""
+    prompts = make_prompts(6)
+    kw = dict(encode=encode, think_start_id=3, think_end_id=4, eos_id=2)
+    short = dataclasses.replace(SAMPLING, max_tokens=8)  # the reasoning alone is longer: finish "length"
+    with SimulatedVLLMServer(stream={"chunk_chars": 5}, **kw) as srv:
+        base = dict(name="vllm-local", kind="vllm", endpoint=srv.url, model="m", concurrency=2, max_retries=1)
+        run(prompts, BackendSpec(**base, stream=True), tmp_path / "streamed", sampling=short)
+        run(prompts, BackendSpec(**base), tmp_path / "plain", sampling=short)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+        first = httpx.post(f"{srv.url}/chat/completions", json=body).text.split("\n\n")[0]
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed, plain = _rows(tmp_path / "streamed"), _rows(tmp_path / "plain")
+    assert streamed.keys() == plain.keys() and len(plain) == 6
+    for sid, row in streamed.items():
+        assert row["finish_reason"] == "length" and row["reasoning"] and row["content"] is None, sid
+        assert _answer_cols(row) == _answer_cols(plain[sid]), sid
+        assert json.loads(row["raw_response_json"])["choices"][0]["message"]["content"] is None
 
 
 FAULT_CLASS = {

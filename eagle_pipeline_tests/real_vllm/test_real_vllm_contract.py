@@ -8,6 +8,7 @@ The doubles answer an unknown model name with vLLM's 404 and a too-long prompt w
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -223,3 +224,25 @@ def test_double_chat_unknown_model_is_404(real_vllm, gen_double):
     double = _post(gen_double.url, "/chat/completions", _chat("no-such-model"))
     assert double.status_code == real.status_code == 404
     assert not_in_real(json_shape(double.json()), json_shape(real.json())) == []
+
+
+def _first_chunk(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    with httpx.stream("POST", url, json=body, timeout=120.0) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line.removeprefix("data: "))
+    raise AssertionError("no data event")
+
+
+def test_streamed_first_chunk_is_the_same(real_vllm, gen_double):
+    """vLLM's first streamed chunk announces the message with `content: ""` (whatever follows, reasoning included)
+    and carries the prompt ids; the double's does the same, so the streamed-vs-plain tests of generation/ see it."""
+    model = str(real_vllm.model_dir)
+    body = _chat(model, stream=True, stream_options={"include_usage": True})
+    real = _first_chunk(f"{real_vllm.url}/v1/chat/completions", body)
+    double = _first_chunk(f"{gen_double.url}/chat/completions", body)
+    for chunk in (real, double):
+        assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert isinstance(chunk["prompt_token_ids"], list) and chunk["prompt_token_ids"]
+    assert not_in_real(json_shape(double), json_shape(real)) == []
