@@ -13,18 +13,15 @@ from eagle_pipeline.config import (
     REPO_ROOT,
     ConfigError,
     DatasetConfig,
-    GenerationSettings,
-    HiddenStatesConfig,
     PipelineConfig,
     PoolsConfig,
     TargetConfig,
-    TorchrunConfig,
-    VLLMEngineConfig,
     load_config,
 )
-from eagle_pipeline.config.sections import DrafterSpec
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.options import GenerationSettings
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
+from eagle_pipeline.hidden_states.settings import DrafterSpec, HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 from eagle_pipeline.merge import MergeSettings
 from eagle_pipeline.prompts import dataset_prompts_table, load_prompt_file, prompts_table
 
@@ -278,6 +275,19 @@ DOCUMENTED = {
     "`pools`": PoolsConfig,
     "`hidden_states.drafters[i]`": DrafterSpec,
 }
+
+
+def test_each_stage_owns_its_sections_and_the_configuration_re_exports_them():
+    """The stages' own sections are the very classes `eagle_pipeline.config` (and `config.sections`) name: one
+    definition each, in its stage, importable from the configuration as before."""
+    import eagle_pipeline.config as config
+    import eagle_pipeline.config.sections as sections
+
+    for cls in (GenerationSettings, HiddenStatesConfig, VLLMEngineConfig, TorchrunConfig, DrafterSpec):
+        assert cls.__module__ in ("eagle_pipeline.generation.options", "eagle_pipeline.hidden_states.settings")
+        assert getattr(sections, cls.__name__) is cls
+        if cls is not DrafterSpec:
+            assert getattr(config, cls.__name__) is cls
 
 
 def _section_classes(cls: type, seen: set[type] | None = None) -> set[type]:

@@ -303,10 +303,10 @@ def engine_extractor(
     naming the check's model; servers it needs live as long as `stack`. In process the model built here is used as
     it is (`PreloadedModel`: only its config.json is saved, for the fingerprint); torchrun's ranks and the vLLM
     engine's head read its weights, saved once."""
-    from eagle_pipeline.config import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.engine_in_process import InProcessEngine, PreloadedModel
     from eagle_pipeline.hidden_states.run import run_shard
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 
     if engine not in ("in_process", "torchrun", "vllm"):
         raise ValueError(f"unknown engine {engine!r}")

@@ -1,8 +1,9 @@
 """The options of one generation run (`generate_dataset(options=RunOptions(...))`), each defined once with its default.
 
 `CommitCadence` (how often a run commits, writes its answer log and reports progress) is both part of every run's
-options and the configuration's `generation` section (`config.GenerationSettings` extends it with the budget of all
-datasets), so the Python API and the YAML file share one type, bound and default per setting.
+options and the configuration's `generation` section (`GenerationSettings` extends it with the budget of all datasets;
+`eagle_pipeline.config` assembles it), so the Python API and the YAML file share one type, bound and default per
+setting.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ class CommitCadence(SpecBase):
     # Durability only (what a kill -9 can lose), never the rows: not part of any sample id or fingerprint.
     answer_log_s: Annotated[Float, Field(gt=0)] | None = DEFAULT_FLUSH_S
     progress_every_s: Annotated[Float, Field(ge=0)] = DEFAULT_PROGRESS_EVERY_S
+
+
+@dataclass(frozen=True, config=SPEC_CONFIG)
+class GenerationSettings(CommitCadence):
+    """The configuration's `generation` section, run-wide: the commit cadence, answer-log interval and progress of every
+    run (`CommitCadence`, each run's options too) and the budget of all datasets. A null in the file
+    takes the default, so the file cannot turn the answer log off (the Python API's `answer_log_s=None` can)."""
+
+    label = "generation"
+
+    budget_usd: Annotated[Float, Field(ge=0)] | None = None
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)

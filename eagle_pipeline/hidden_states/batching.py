@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # Padded tokens per forward when none is given: the Python API's, torchrun's and `hidden_states.max_tokens_per_batch`'s
-# default (the configuration cannot import this package, which loads torch; a test checks they agree).
+# default (hidden_states.settings; this module must stay free of torch, the configuration loads it).
 DEFAULT_MAX_TOKENS_PER_BATCH = 8192
 
 

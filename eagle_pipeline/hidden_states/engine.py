@@ -17,8 +17,8 @@ from .fingerprint import ExtractionFingerprint
 from .shards import ShardSummary
 
 if TYPE_CHECKING:
-    from ..config.sections import HiddenStatesConfig
     from ..shared.storage import DataRoot
+    from .settings import HiddenStatesConfig
 
 Log = Callable[[str], None]
 

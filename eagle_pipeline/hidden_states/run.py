@@ -27,9 +27,9 @@ from .trainer_layouts import StatesExportSummary
 from .vllm_command import VLLMEngine
 
 if TYPE_CHECKING:
-    from ..config.sections import HiddenStatesConfig
     from ..merge.export import ExportSummary
     from ..shared.storage import DataRoot
+    from .settings import HiddenStatesConfig
 
 # `hidden_states.engine` -> the engine that runs it (docs/hidden_states.md §10-13).
 ENGINES: dict[str, ShardEngine] = {

@@ -23,7 +23,7 @@ from .plan import ExtractionPlan, plan_for_model
 from .trainer_layouts import final_state_for_layout
 
 if TYPE_CHECKING:
-    from ..config import HiddenStatesConfig
+    from .settings import HiddenStatesConfig
 
 TINY_RANDOM = "tiny-random"
 

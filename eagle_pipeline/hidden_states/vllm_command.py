@@ -16,7 +16,7 @@ from .layers import resolve_aux_layers
 from .vllm_files import SIMULATED, vllm_layer_ids
 
 if TYPE_CHECKING:
-    from ..config.sections import HiddenStatesConfig
+    from .settings import HiddenStatesConfig
 
 # The vLLM release the command's flags and environment are written for (docs/hidden_states.md §10: why each flag).
 PINNED_VLLM_VERSION = "0.32.0"

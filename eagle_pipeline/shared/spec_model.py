@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Self
 
 import yaml
-from pydantic import ConfigDict, Strict, ValidationError, ValidationInfo, model_validator
+from pydantic import BeforeValidator, ConfigDict, Strict, ValidationError, ValidationInfo, model_validator
 from pydantic.dataclasses import dataclass
 
 Int = Annotated[int, Strict()]
@@ -86,6 +86,19 @@ def resolve_path(value: str | os.PathLike[str], info: ValidationInfo) -> Path:
     p = Path(os.path.expandvars(os.path.expanduser(os.fspath(value))))
     base = (info.context or {}).get(BASE_DIR)
     return p if p.is_absolute() or base is None else (Path(base) / p).resolve()
+
+
+def field_value(obj: Any, key: str) -> Any:
+    """A field of a validated settings object or a key of the raw mapping it was validated from."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+def _resolved(value: Any, info: ValidationInfo) -> Any:
+    return resolve_path(value, info) if isinstance(value, (str, os.PathLike)) else value
+
+
+# A path field of a settings class, resolved by `resolve_path` (relative to the configuration file's directory).
+ResolvedPath = Annotated[Path, BeforeValidator(_resolved)]
 
 
 def validation_problems(root: type, exc: ValidationError, raw: Any) -> list[Problem]:

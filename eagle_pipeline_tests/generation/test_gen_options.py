@@ -9,9 +9,8 @@ import inspect
 import pydantic
 import pytest
 
-from eagle_pipeline.config import GenerationSettings
 from eagle_pipeline.generation import RunOptions, SimulatedOpenRouterServer, agenerate_dataset, generate_dataset
-from eagle_pipeline.generation.options import CommitCadence
+from eagle_pipeline.generation.options import CommitCadence, GenerationSettings
 
 from .generation_helpers import make_prompts, run, sim_backend
 
