@@ -32,7 +32,7 @@ from eagle_pipeline.audit.spec import AuditSettings
 from eagle_pipeline.config.sections import AuditSection, DatasetConfig, MergeSection, PoolsConfig, TargetConfig
 from eagle_pipeline.generation.options import GenerationSettings
 from eagle_pipeline.generation.spec import BackendKind, BackendSpec
-from eagle_pipeline.generation.turns import NO_TURN_KINDS
+from eagle_pipeline.generation.turns import ALL_TURNS, NO_TURN_KINDS
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 from eagle_pipeline.merge.manifest import MergeSettings
 from eagle_pipeline.shared.spec_model import (
@@ -134,7 +134,7 @@ class PipelineConfig(SpecBase):
                     (("datasets", i, "backend"), f"unknown backend {backend!r}; defined: {sorted(backends)}")
                 )
             elif (
-                field_value(d, "regenerate") == "all_turns"
+                field_value(d, "regenerate") == ALL_TURNS
                 and field_value(field_value(backends, str(backend)), "kind") in NO_TURN_KINDS
             ):
                 msg = f"'all_turns' needs a chat backend (openrouter, vllm, simulated); {backend!r} is not one"

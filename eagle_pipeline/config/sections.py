@@ -23,6 +23,7 @@ from pydantic.dataclasses import dataclass
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
 from eagle_pipeline.generation.options import GenerationSettings
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
+from eagle_pipeline.generation.turns import LAST_TURN, REGENERATE_MODES
 from eagle_pipeline.hidden_states.settings import (
     DrafterSpec,
     DrafterType,
@@ -102,6 +103,10 @@ class TargetConfig(SpecBase):
         return None if value is None else str(resolve_path(value, info))
 
 
+# A dataset's `regenerate`: generation.turns' modes, spelled once there.
+Regenerate = Literal[REGENERATE_MODES]  # type: ignore[valid-type]
+
+
 @dataclass(frozen=True, config=SPEC_CONFIG)
 class DatasetConfig(SpecBase):
     """One prompt dataset (one Dagster partition) and how its responses are sampled."""
@@ -119,7 +124,7 @@ class DatasetConfig(SpecBase):
     sampling_options: SamplingOptions = Field(default_factory=SamplingOptions, alias="sampling")
     budget_usd: Annotated[Float, Field(ge=0)] | None = None
     # last_turn: one new answer after the prompt's history; all_turns: every assistant turn regenerated on-policy
-    regenerate: Literal["last_turn", "all_turns"] = "last_turn"
+    regenerate: Regenerate = LAST_TURN
 
     @_field_validator("name")
     @classmethod
