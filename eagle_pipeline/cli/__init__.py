@@ -581,7 +581,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, AuditSettingsError, AuditInputError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())
