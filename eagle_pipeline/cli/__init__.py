@@ -3,7 +3,6 @@
     eagle-pipeline reconstruct --tokenizer DIR [--profile kimi-k2.5] --in responses.jsonl --out tokens.parquet
     eagle-pipeline audit --tokenizer DIR [--profile kimi-k2.5] --in tokens.parquet --report report.json
                          [--set GATE[@ORIGIN]=ACTION ...] [--set SETTING=VALUE ...] [--kept-out kept.parquet]
-    eagle-pipeline plan [--config pipeline.yaml]
     eagle-pipeline vllm-command [--config pipeline.yaml] [--served-model M] [--served-model-config PATH]
                                 [--tensor-parallel-size 8]
     eagle-pipeline vllm-smoke [--config pipeline.yaml] [--endpoint URL] [--ids 1,2,3] [--served-model-config PATH]
