@@ -123,38 +123,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     h = cfg.hidden_states
     if (args.tokens is None) != (args.samples is None):
         raise CliError("--tokens and --samples go together (a scale to plan), or neither (the merged table's)")
-    if args.tokens is None:
-        return _plan_merged(cfg)
+    merged = args.tokens is None
     try:
-        plans = plan_for_config(
-            h,
-            target_model_config=cfg.target.model_config,
-            n_tokens=args.tokens,
-            n_samples=args.samples,
-            vocab_size=vocab,
-        )
+        if merged:
+            plans, tokens, samples = _plan_merged(cfg)
+        else:
+            tokens, samples = args.tokens, args.samples
+            plans = plan_for_config(
+                h, target_model_config=cfg.target.model_config, n_tokens=tokens, n_samples=samples, vocab_size=vocab
+            )
     except PlanRefused as exc:
         print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
         return EXIT_BLOCKED
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
     plan = plans["this_run"]
-    _print_plan_header(cfg, args.tokens, args.samples)
-    print(plan.to_markdown())
-    return EXIT_BLOCKED if plan.exceeds_budget else EXIT_OK
-
-
-def _print_plan_header(cfg: Any, tokens: int, samples: int) -> None:
-    h = cfg.hidden_states
     print(f"extraction plan: {h.model} ({h.engine} engine, layout {h.layout}) over {tokens:,} tokens, {samples:,} rows")
+    print(plan.to_markdown())
+    if not merged:
+        return EXIT_BLOCKED if plan.exceeds_budget else EXIT_OK
+    return _check_disk(cfg)
 
 
-def _plan_merged(cfg: Any) -> int:
-    """`plan` over the merged table: plan.json written, then the shard runs' disk check (`run.check_disk_for_run`)."""
+def _plan_merged(cfg: Any) -> tuple[dict[str, Any], int, int]:
+    """The plan over the merged table (plan.json written, as the `hidden_state_plan` asset writes it), its tokens
+    and rows."""
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import check_disk_for_run, plan_run
-    from eagle_pipeline.hidden_states.runtime import PlanRefused
+    from eagle_pipeline.hidden_states.run import plan_run
     from eagle_pipeline.merge.manifest import MergeManifest
     from eagle_pipeline.shared.storage import DataRoot
     from eagle_pipeline.tokens import resolve_tokenizer
@@ -164,23 +159,25 @@ def _plan_merged(cfg: Any) -> int:
         manifest = MergeManifest.read(paths.merged_dir)
     except FileNotFoundError:
         raise CliError(f"{paths.merged_dir}: nothing merged yet; pass --tokens and --samples to plan a scale") from None
+    plans = plan_run(
+        cfg.hidden_states,
+        paths,
+        target_model_config=cfg.target.model_config,
+        vocab_size=resolve_tokenizer(cfg.target.tokenizer).vocab_size,
+        shard_runs=cfg.pools.gpu,
+    )
+    return plans, manifest.tokens_total, manifest.rows_total
+
+
+def _check_disk(cfg: Any) -> int:
+    """The disk check every shard run makes before its first request (`run.check_disk_for_run`), with its figures."""
+    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.run import check_disk_for_run
+    from eagle_pipeline.shared.storage import DataRoot
+
     try:
-        plans = plan_run(
-            cfg.hidden_states,
-            paths,
-            target_model_config=cfg.target.model_config,
-            vocab_size=resolve_tokenizer(cfg.target.tokenizer).vocab_size,
-            shard_runs=cfg.pools.gpu,
-        )
-    except PlanRefused as exc:
-        print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
-        return EXIT_BLOCKED
-    except (ValueError, FileNotFoundError) as exc:
-        raise CliError(str(exc)) from None
-    _print_plan_header(cfg, manifest.tokens_total, manifest.rows_total)
-    print(plans["this_run"].to_markdown())
-    try:
-        needs = check_disk_for_run(cfg.hidden_states, paths)
+        needs = check_disk_for_run(cfg.hidden_states, ExtractionPaths.of(DataRoot(cfg.data_root)))
     except DiskBudgetExceeded as exc:
         print(f"{PROG} plan: {exc}", file=sys.stderr)
         return EXIT_BLOCKED
