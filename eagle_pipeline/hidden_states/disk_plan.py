@@ -23,7 +23,7 @@ IDS_BYTES = 4  # int32 input_ids in a shard
 MASK_BYTES = 1  # int8 loss_mask in a shard
 # Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
 PROJECT_SHARD_SAMPLE_BYTES = 640  # four safetensors header entries (~90 B each) + the index row (~380 B measured)
-IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B with a sha256; XXH3 is shorter)
+IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B)
 SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the index's Parquet footer (~8.3 KB)
 SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
 SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)

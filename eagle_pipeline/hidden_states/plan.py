@@ -12,6 +12,7 @@ from ..shared.storage import read_json
 from .disk_plan import (
     IDS_BYTES,
     MASK_BYTES,
+    PROJECT_SHARD_SAMPLE_BYTES,
     SHARDS,
     DiskBudgetExceeded,
     FilesystemNeed,
@@ -20,7 +21,6 @@ from .disk_plan import (
     disk_items,
     free_bytes,
 )
-from .disk_plan import PROJECT_SHARD_SAMPLE_BYTES as PER_SAMPLE_OVERHEAD_BYTES
 from .layers import resolve_aux_layers
 
 __all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]
@@ -201,7 +201,7 @@ def plan_extraction(
         dtype_bytes=dtype_bytes, n_tokens=n_tokens, n_samples=n_samples, total_params=float(total_params),
         active_params=float(active_params), bytes_per_token=hidden_per_token + IDS_BYTES + MASK_BYTES,
         hidden_bytes=n_tokens * hidden_per_token,
-        overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PER_SAMPLE_OVERHEAD_BYTES,
+        overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PROJECT_SHARD_SAMPLE_BYTES,
         bytes_on_disk=total, n_gpus=n_gpus, shard_size=shard_size,
         n_shards=max(math.ceil(n_samples / shard_size), 1) if n_samples else 0,
         tokens_per_shard=n_tokens * frac, bytes_per_shard=total * frac, gpu_hours_per_shard=gpu["gpu_hours"] * frac,
