@@ -37,6 +37,7 @@ from .model import describe_model_config, load_text_config
 from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import SHARDS as LAYOUT_SHARDS
 from .trainer_layouts import plan_layout_target
+from .world_split import is_routed_expert, world_ep_size
 
 ENGINE_TORCHRUN = "torchrun"
 
@@ -113,10 +114,14 @@ def extract_shard_torchrun(
 ) -> ShardSummary:
     """Extract one shard with a `tp_size`-process torchrun world. The shard's fingerprint records engine 'torchrun'
     and `model_identity` (default: the model directory's); a done shard with it starts no world, one made under
-    other settings is refused or redone (`on_mismatch`). A failed world raises RuntimeError naming the shard and
-    the end of its output; rank 0's atomic writes leave no partial shard."""
-    s = shard
-    n_layers = int(describe_model_config(load_text_config(s.model_dir))["num_layers"])
+    other settings is refused or redone (`on_mismatch`). The world runs with `world_split.world_ep_size` (a MoE
+    model's routed experts split whatever the installed transformers' TP plan does; an `ep_size` that would replicate
+    them raises ExpertsReplicated before any process starts). A failed world raises RuntimeError naming the shard
+    and the end of its output; rank 0's atomic writes leave no partial shard."""
+    config = load_text_config(shard.model_dir)
+    # The routed experts are split on purpose: EP where the installed transformers' TP plan would replicate them.
+    s = dataclasses.replace(shard, ep_size=world_ep_size(config, shard.tp_size, shard.ep_size))
+    n_layers = int(describe_model_config(config)["num_layers"])
     aux = resolve_aux_layers(s.aux_layers, n_layers)
     identity = dict(s.model_identity) if s.model_identity is not None else model_dir_identity(s.model_dir)
     wanted = ExtractionFingerprint(
@@ -204,13 +209,16 @@ def die_with_parent(parent: int) -> Callable[[], None]:
     return arm
 
 
-def parallel_layout(model: torch.nn.Module) -> dict[str, Any]:
-    """How the world split the first routed-expert weight: its global and this rank's shape (expert parallel
-    splits the expert dimension, tensor parallel each expert); empty for a dense model."""
+def rank_holdings(model: torch.nn.Module) -> dict[str, int]:
+    """What this rank holds, by parameter count, of all the model's parameters and of its routed experts (a split
+    parameter is a DTensor: its global numel and this rank's local one), as `world_split.RankShare.as_dict` plans."""
+    held = dict.fromkeys(("params", "params_per_rank", "routed_expert_params", "routed_expert_params_per_rank"), 0)
     for name, p in model.named_parameters():
-        if ".experts." in name and hasattr(p, "to_local"):
-            return {"experts_param": name, "global_shape": list(p.shape), "local_shape": list(p.to_local().shape)}
-    return {}
+        here = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for kind in ("params", "routed_expert_params") if is_routed_expert(name) else ("params",):
+            held[kind] += p.numel()
+            held[f"{kind}_per_rank"] += here
+    return held
 
 
 def _rank_main(argv: Sequence[str] | None = None) -> int:
@@ -255,7 +263,7 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
     if rank == 0:
         report = {"shard": s.shard_index, "rows": summary.rows, "sha256": summary.sha256, **dist}
-        print(json.dumps({**report, "parallel": parallel_layout(model)}))
+        print(json.dumps({**report, "holds": rank_holdings(model)}))
     return 0
 
 

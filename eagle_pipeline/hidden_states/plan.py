@@ -55,7 +55,7 @@ class ExtractionPlan:
     gpu_hours_per_shard: float
     disk_budget_bytes: int | None
     exceeds_budget: bool
-    min_gpus_for_weights: int
+    min_gpus_for_weights: int | None  # None: no count of GPUs holds them (each would hold too much whole)
     engine: str = "in_process"
     gpus_per_model: int = 1  # GPUs one copy of the model spans under the engine (a vLLM server's TP size)
     fits_engine: bool = True  # the weights fit in gpus_per_model GPUs
@@ -95,7 +95,8 @@ class ExtractionPlan:
             f"| throughput per GPU | {self.assumed_tokens_per_gpu_s:,.0f} tokens/s assumed (MFU); the field observed "
             f"{self.observed_tokens_per_gpu_s[0]:,.0f}-{self.observed_tokens_per_gpu_s[1]:,.0f} (TorchSpec, "
             f"Kimi-K2.5 on H200): {self.observed_wall_hours[1]:,.1f}-{self.observed_wall_hours[0]:,.1f} h wall |",
-            f"| GPUs needed to hold the weights | >= {self.min_gpus_for_weights}"
+            f"| GPUs needed to hold the weights | "
+            f"{'none: what every GPU holds whole exceeds one' if self.min_gpus_for_weights is None else f'>= {self.min_gpus_for_weights}'}"
             f"{'' if self.fits_engine else f' (**does NOT fit** the {self.gpus_per_model} GPU(s) of one {self.engine} model)'} |",
             f"| shards | {self.n_shards:,} x {self.shard_size} rows: ~{_bytes(self.bytes_per_shard)}, "
             f"~{self.gpu_hours_per_shard:.3g} GPU-hours each |",
@@ -158,6 +159,7 @@ def plan_extraction(
     gpu_memory_bytes: float = 141e9,
     engine: str = "in_process",
     gpus_per_model: int = 1,
+    replicated_params: float = 0.0,
     layer_counts: Sequence[int] = (),
     layout: str = SHARDS,
     disk: Mapping[str, Any] | None = None,
@@ -168,7 +170,9 @@ def plan_extraction(
     dtype_bytes + 5] + n_samples x 640 B + 10 kB per shard; `disk`: its other arguments, e.g. trainer_layouts,
     scratch_rows; per-shard figures default to the tokens spread evenly). FLOPs = 2 x active_params x n_tokens (one
     prefill; lm_head and attention scores ignored); GPU-hours = FLOPs / (peak x mfu) / 3600, wall = / n_gpus; min
-    GPUs = ceil(total_params x weight_bytes_per_param / (0.9 x gpu_memory_bytes)), fitting the engine when <=
+    GPUs = ceil(split x weight_bytes_per_param / (0.9 x gpu_memory_bytes - replicated_params x weight_bytes_per_param))
+    with split = total_params - replicated_params (`replicated_params`: what every GPU of one model holds whole, a
+    torchrun rank's share under the installed transformers, `world_split.RankShare`), fitting the engine when <=
     `gpus_per_model`. `layer_choices`: the disk of EAGLE-3's and SpecForge's 1-/5-layer spreads (and `layer_counts`).
     """
     if n_tokens < 0 or n_samples < 0:
@@ -192,6 +196,7 @@ def plan_extraction(
         n_gpus,
         weight_bytes_per_param,
         gpu_memory_bytes,
+        replicated_params,
     )
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
     per_layer = n_tokens * hidden_size * dtype_bytes
@@ -207,10 +212,10 @@ def plan_extraction(
         tokens_per_shard=n_tokens * frac, bytes_per_shard=total * frac, gpu_hours_per_shard=gpu["gpu_hours"] * frac,
         disk_budget_bytes=disk_budget_bytes,
         exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
-        engine=engine, gpus_per_model=gpus_per_model, fits_engine=gpu["min_gpus_for_weights"] <= gpus_per_model,
+        engine=engine, gpus_per_model=gpus_per_model, fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= gpus_per_model,
         assumptions=_assumptions(
             gpu_bf16_peak_tflops, mfu, engine, gpus_per_model, n_gpus, total_params, weight_bytes_per_param,
-            gpu_memory_bytes, dtype_bytes,
+            gpu_memory_bytes, dtype_bytes, replicated_params,
         ),
         layer_choices=[
             {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer * copies}
@@ -229,16 +234,19 @@ def _gpu_figures(
     n_gpus: int,
     weight_bytes_per_param: float,
     gpu_memory_bytes: float,
+    replicated_params: float,
 ) -> dict[str, Any]:
     """The compute side of the plan (`plan_extraction`'s docstring has the formulas)."""
     flops = 2.0 * active_params * n_tokens
+    room = 0.9 * gpu_memory_bytes - replicated_params * weight_bytes_per_param  # per GPU, for the split weights
+    split = (total_params - replicated_params) * weight_bytes_per_param
     gpu_hours = flops / (peak_tflops * 1e12 * mfu) / 3600.0
     slow, fast = OBSERVED_TOKENS_PER_GPU_S
     return dict(
         flops=flops,
         gpu_hours=gpu_hours,
         wall_hours=gpu_hours / n_gpus,
-        min_gpus_for_weights=max(math.ceil(total_params * weight_bytes_per_param / (0.9 * gpu_memory_bytes)), 1),
+        min_gpus_for_weights=max(math.ceil(split / room), 1) if room > 0 else None,
         assumed_tokens_per_gpu_s=peak_tflops * 1e12 * mfu / (2.0 * active_params) if active_params else float("inf"),
         observed_wall_hours=(n_tokens / (slow * n_gpus) / 3600.0, n_tokens / (fast * n_gpus) / 3600.0),
     )
@@ -268,6 +276,7 @@ def _assumptions(
     weight_bytes_per_param: float,
     gpu_memory_bytes: float,
     dtype_bytes: int,
+    replicated_params: float,
 ) -> dict[str, Any]:
     slow, fast = OBSERVED_TOKENS_PER_GPU_S
     return {
@@ -282,7 +291,13 @@ def _assumptions(
         "engine": f"{engine}: one model copy spans {gpus_per_model} GPU(s); {n_gpus} GPU(s) in all",
         "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
         " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
-        " ~0.55 B/param)",
+        " ~0.55 B/param)"
+        + (
+            f"; {replicated_params:.4g} of them held whole by every GPU of a model, the rest split evenly (what a"
+            " torchrun rank holds under the installed transformers' parallel plans)"
+            if replicated_params
+            else ", split evenly over the GPUs of a model"
+        ),
         "dtype bytes": dtype_bytes,
         "no compression": "hidden states are stored raw; bf16 activations compress poorly",
         "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",

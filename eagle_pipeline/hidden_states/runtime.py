@@ -21,6 +21,7 @@ from .layers import resolve_aux_layers
 from .model import KIMI_K25_TEXT_CONFIG, build_tiny_model, describe_model_config, load_text_config, tiny_config
 from .plan import ExtractionPlan, plan_for_model
 from .trainer_layouts import final_state_for_layout
+from .world_split import ExpertsReplicated, rank_share, world_ep_size
 
 if TYPE_CHECKING:
     from .settings import HiddenStatesConfig
@@ -293,9 +294,26 @@ class PlanRefused(ValueError):
     """The configured engine cannot hold the model's weights."""
 
 
-def _engine_layout(
-    engine: str, facts: dict[str, Any], n_servers: int, gpus_per_server: int, tp_size: int
-) -> dict[str, Any]:
+def _torchrun_layout(config: Any, tp_size: int, ep_size: int | None, *, refuse: bool) -> dict[str, Any]:
+    """One world of tp_size processes holds one model: each rank what the installed transformers' plans give it,
+    with the ep_size the engine runs (`world_split.world_ep_size`; `refuse`: a world that would replicate the
+    routed experts raises PlanRefused naming the setting, else the plan shows what it would hold)."""
+    try:
+        ep_size = world_ep_size(config, tp_size, ep_size)
+    except ExpertsReplicated as e:
+        if refuse:
+            raise PlanRefused(str(e)) from e
+    share = rank_share(config, tp_size, ep_size)
+    return dict(
+        engine="torchrun",
+        gpus_per_model=tp_size,
+        n_gpus=tp_size,
+        weight_bytes_per_param=BF16_WEIGHT_BYTES_PER_PARAM,
+        replicated_params=share.replicated if share is not None else 0.0,
+    )
+
+
+def _engine_layout(engine: str, facts: dict[str, Any], n_servers: int, gpus_per_server: int) -> dict[str, Any]:
     if engine == "vllm":
         q = facts.get("quantized_weight_bytes_per_param")
         return dict(
@@ -303,10 +321,6 @@ def _engine_layout(
             gpus_per_model=gpus_per_server,
             n_gpus=n_servers * gpus_per_server,
             weight_bytes_per_param=q or BF16_WEIGHT_BYTES_PER_PARAM,
-        )
-    if engine == "torchrun":  # one world of tp_size processes holds one model
-        return dict(
-            engine=engine, gpus_per_model=tp_size, n_gpus=tp_size, weight_bytes_per_param=BF16_WEIGHT_BYTES_PER_PARAM
         )
     return dict(engine=engine, gpus_per_model=1, n_gpus=1, weight_bytes_per_param=BF16_WEIGHT_BYTES_PER_PARAM)
 
@@ -327,6 +341,7 @@ def plan_for_run(
     n_servers: int = 1,
     gpus_per_server: int = 8,
     tp_size: int = 2,
+    ep_size: int | None = None,
     layout: str = "shards",
     disk: Mapping[str, Any] | None = None,
 ) -> dict[str, ExtractionPlan]:
@@ -334,21 +349,28 @@ def plan_for_run(
     'this_run' (the model configured for extraction here; the disk budget applies to it; each with the disk of
     other layer choices, `layer_counts` among them), both under the configured
     engine: in process one GPU holds one model; with vLLM, `n_servers` servers of `gpus_per_server` GPUs each; under
-    torchrun, one world of `tp_size` GPUs.
+    torchrun, one world of `tp_size` GPUs (`ep_size`: `hidden_states.torchrun.ep_size`), each holding what the installed
+    transformers gives a rank (`world_split`).
     `layout` and `disk` (`plan.plan_extraction`'s): what is written, item by item, in both plans.
-    Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU)."""
+    Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU), or when its
+    torchrun world would hold every routed expert on every rank."""
     budget = int(disk_budget_gb * 1e9) if disk_budget_gb is not None else None
-    target = (
-        _facts(load_text_config(target_model_config), str(target_model_config))
-        if target_model_config
-        else KIMI_K25_TEXT_CONFIG
-    )
+    target_config = load_text_config(target_model_config) if target_model_config else KIMI_K25_TEXT_CONFIG
+    target = _facts(target_config, str(target_model_config)) if target_model_config else KIMI_K25_TEXT_CONFIG
     if extraction_model == TINY_RANDOM:
-        this_run = _facts(tiny_config(vocab_size, family=extraction_family), f"tiny-random {extraction_family}")
+        config = tiny_config(vocab_size, family=extraction_family)
+        this_run = _facts(config, f"tiny-random {extraction_family}")
         dtype_bytes = 2 if torch.cuda.is_available() else 4
     else:
-        this_run = _facts(load_text_config(extraction_model), extraction_model)
+        config = load_text_config(extraction_model)
+        this_run = _facts(config, extraction_model)
         dtype_bytes = 2
+
+    def engine_layout(facts: dict[str, Any], model_config: Any, *, refuse: bool) -> dict[str, Any]:
+        if engine == "torchrun":
+            return _torchrun_layout(model_config, tp_size, ep_size, refuse=refuse)
+        return _engine_layout(engine, facts, n_servers, gpus_per_server)
+
     common: dict[str, Any] = dict(
         n_tokens=n_tokens,
         n_samples=n_samples,
@@ -362,7 +384,7 @@ def plan_for_run(
             target,
             aux_layers=aux_layers if isinstance(aux_layers, int) else None,  # a count fits any depth; ids do not
             disk_budget_bytes=None,
-            **_engine_layout(engine, target, n_servers, gpus_per_server, tp_size),
+            **engine_layout(target, target_config, refuse=False),
             **common,
         ),
         "this_run": plan_for_model(
@@ -370,7 +392,7 @@ def plan_for_run(
             aux_layers=aux_layers,
             dtype_bytes=dtype_bytes,
             disk_budget_bytes=budget,
-            **_engine_layout(engine, this_run, n_servers, gpus_per_server, tp_size),
+            **engine_layout(this_run, config, refuse=True),
             **common,
         ),
     }
@@ -383,10 +405,10 @@ def plan_for_run(
             if engine == "vllm"
             else "raise hidden_states.torchrun.tp_size, or use engine: vllm"
         )
+        need = "more than any count of" if run.min_gpus_for_weights is None else f"at least {run.min_gpus_for_weights}"
         raise PlanRefused(
-            f"{this_run['name']}: {this_run['total_params']:.4g} parameters need at least {run.min_gpus_for_weights} "
-            f"GPUs of 141 GB for their weights, but engine {engine!r} holds one model on {run.gpus_per_model} "
-            f"GPU(s): {hint}"
+            f"{this_run['name']}: {this_run['total_params']:.4g} parameters need {need} GPUs of 141 GB for their "
+            f"weights, but engine {engine!r} holds one model on {run.gpus_per_model} GPU(s): {hint}"
         )
     return plans
 
@@ -418,6 +440,7 @@ def plan_for_config(
         n_servers=max(len(h.vllm.endpoints), 1),
         gpus_per_server=h.vllm.gpus_per_server,
         tp_size=h.torchrun.tp_size,
+        ep_size=h.torchrun.ep_size,
         layout=h.layout,
         disk=disk,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -62,7 +63,9 @@ def test_budget_refusal_flag_and_markdown():
 
 
 def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir):
+    from eagle_pipeline.hidden_states.model import load_text_config
     from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_run
+    from eagle_pipeline.hidden_states.world_split import rank_share, world_ep_size
 
     common = dict(
         n_tokens=138_400_000,
@@ -78,9 +81,14 @@ def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir)
         plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", **common)
     with pytest.raises(PlanRefused, match=r"at least 5 GPUs .*on 4 GPU\(s\).*gpus_per_server"):
         plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", engine="vllm", gpus_per_server=4, **common)
-    # transformers decompresses the INT4 experts to bf16: a TP = 8 world cannot hold Kimi-K2.5 either.
+    # transformers decompresses the INT4 experts to bf16: a TP = 8 world cannot hold Kimi-K2.5 either. Every rank
+    # holds whole what the installed transformers' plans leave whole (5.24: the MLA attention, routers and norms,
+    # 6.3B parameters: 18 GPUs; 5.25 splits the attention: 1.1B, 17), its share of the rest.
+    share = rank_share(load_text_config(kimi), 8, world_ep_size(load_text_config(kimi), 8, None))
+    need = math.ceil((share.params - share.replicated) * 2 / (0.9 * 141e9 - share.replicated * 2))
+    assert share.routed_experts_per_rank * 8 == share.routed_experts and need >= 17  # 17: the even split's
     with pytest.raises(
-        PlanRefused, match=r"at least 17 GPUs .*engine 'torchrun' holds one model on 8 GPU\(s\).*tp_size"
+        PlanRefused, match=rf"at least {need} GPUs .*engine 'torchrun' holds one model on 8 GPU\(s\).*tp_size"
     ):
         plan_for_run(extraction_model=kimi, extraction_family="deepseek_v3", engine="torchrun", tp_size=8, **common)
     world = plan_for_run(extraction_model="tiny-random", extraction_family="deepseek_v3", engine="torchrun", **common)

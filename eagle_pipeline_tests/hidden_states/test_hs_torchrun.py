@@ -1,9 +1,11 @@
 """engine: torchrun: a real 2-process torchrun world (gloo, CPU) with transformers' DistributedConfig(tp_size=2),
-and with tp_size=2, ep_size=2 (the routed experts split between the ranks), writes the same shard as one process,
-within 1e-5 in fp32, on a tiny DeepSeek-V3 (MLA + MoE) and a tiny llama."""
+and with tp_size=2, ep_size=2, writes the same shard as one process, within 1e-5 in fp32, on a tiny DeepSeek-V3
+(MLA + MoE) and a tiny llama. Each rank holds half of the routed-expert parameters, whatever the installed
+transformers' TP plan splits (EP where it would replicate them), and exactly what `world_split` plans for it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,6 +20,13 @@ from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
 from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun, torchrun_argv
+from eagle_pipeline.hidden_states.world_split import (
+    EP_SETTING,
+    ExpertsReplicated,
+    is_routed_expert,
+    rank_share,
+    world_ep_size,
+)
 
 from ..tolerances import assert_forwards_close
 from .conftest import make_rows
@@ -35,7 +44,18 @@ def _world(model, merged, tmp_path, **dist):
     assert "--nproc-per-node 2" in logs[0] and not s.skipped
     report = json.loads(logs[-1].split("world done: ", 1)[1])
     assert report["sha256"] == s.sha256 and report["tp_size"] == 2
-    return s, model_dir, report["parallel"]
+    holds = report["holds"]
+    ep_size = world_ep_size(model.config, 2, dist.get("ep_size"))
+    assert report.get("ep_size") == ep_size
+    assert holds == rank_share(model.config, 2, ep_size).as_dict()  # the plan's per-rank figures are what it holds
+    assert holds["params"] == sum(p.numel() for p in model.parameters())
+    return s, model_dir, holds
+
+
+def _assert_half_the_routed_experts_per_rank(holds, model):
+    routed = sum(p.numel() for name, p in model.named_parameters() if is_routed_expert(name))
+    assert routed > 0 and holds["routed_expert_params"] == routed
+    assert holds["routed_expert_params_per_rank"] * 2 == routed  # split, by TP or EP, never replicated
 
 
 def test_the_world_gets_exactly_the_shard_run_s_parameters(tmp_path):
@@ -72,9 +92,8 @@ def _assert_same_shard(path, ref_path, config):
 def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     rows = make_rows(6, seed=9, min_len=2, max_len=40)
     merged = merged_factory(rows, [6])
-    s, model_dir, parallel = _world(tiny_ds, merged, tmp_path, tp_size=2)
-    n_experts = tiny_ds.config.n_routed_experts
-    assert parallel["global_shape"][0] == parallel["local_shape"][0] == n_experts  # TP splits inside each expert
+    s, model_dir, holds = _world(tiny_ds, merged, tmp_path, tp_size=2)
+    _assert_half_the_routed_experts_per_rank(holds, tiny_ds)
     assert shard_status(tmp_path / "tp", 0) == "done"
     assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
@@ -87,21 +106,55 @@ def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
 
 def test_tp2_ep2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     merged = merged_factory(make_rows(6, seed=4, min_len=2, max_len=40), [6])
-    s, _, parallel = _world(tiny_ds, merged, tmp_path, tp_size=2, ep_size=2)
-    n_experts = tiny_ds.config.n_routed_experts
-    assert parallel["global_shape"][0] == n_experts and parallel["local_shape"][0] == n_experts // 2  # EP: 4 + 4
+    s, _, holds = _world(tiny_ds, merged, tmp_path, tp_size=2, ep_size=2)
+    _assert_half_the_routed_experts_per_rank(holds, tiny_ds)
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
     _assert_same_shard(s.path, ref.path, tiny_ds.config)
 
 
 def test_tp2_world_equals_one_process_on_llama(tiny_llama, merged_factory, tmp_path):
     merged = merged_factory(make_rows(6, seed=2, min_len=2, max_len=40), [6])
-    s, _, parallel = _world(tiny_llama, merged, tmp_path, tp_size=2)
-    assert parallel == {}  # dense: no experts
+    s, _, holds = _world(tiny_llama, merged, tmp_path, tp_size=2)
+    assert holds["routed_expert_params"] == 0 and holds["params_per_rank"] < holds["params"]  # dense, split by TP
     ref = extract_shard(
         tiny_llama, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm"
     )
     _assert_same_shard(s.path, ref.path, tiny_llama.config)
+
+
+def _tp_plan_without_routed_experts(monkeypatch, config):
+    """The installed transformers' DeepSeek-V3 TP plan as 5.25 ships it: the routed experts only in the EP plan."""
+    plan = {k: v for k, v in type(config).base_model_tp_plan.items() if not is_routed_expert(k)}
+    monkeypatch.setattr(type(config), "base_model_tp_plan", plan)
+
+
+def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_setting(
+    tiny_ds, merged_factory, tmp_path, monkeypatch
+):
+    """Refused before any process starts (this process's transformers decides, as the ranks' does); unset, ep_size
+    becomes tp_size. Under a transformers whose TP plan splits the experts, ep_size 1 is TP inside each expert."""
+    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_run
+
+    merged = merged_factory(make_rows(2, seed=1), [2])
+    tiny_ds.save_pretrained(tmp_path / "model")
+    if rank_share(tiny_ds.config, 2, None).routed_experts_replicated == 0:
+        assert world_ep_size(tiny_ds.config, 2, 1) == 1 and world_ep_size(tiny_ds.config, 2, None) is None
+        _tp_plan_without_routed_experts(monkeypatch, tiny_ds.config)
+    assert rank_share(tiny_ds.config, 2, 1).routed_experts_per_rank == rank_share(tiny_ds.config, 2, 1).routed_experts
+    assert world_ep_size(tiny_ds.config, 2, None) == 2 and world_ep_size(tiny_ds.config, 2, 2) == 2
+    shard = TorchrunShard(tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2)
+    with pytest.raises(ExpertsReplicated, match=rf"{EP_SETTING}: 1 with tp_size 2 would hold .* on each of the 2"):
+        extract_shard_torchrun(dataclasses.replace(shard, ep_size=1))
+    assert shard_status(tmp_path / "o", 0) == "missing" and not (tmp_path / "o").exists()
+    plan = dict(n_tokens=100, n_samples=2, target_model_config=None, extraction_model=str(tmp_path / "model"))
+    plan |= dict(extraction_family="deepseek_v3", vocab_size=0, aux_layers=None, shard_size=2, disk_budget_gb=None)
+    with pytest.raises(PlanRefused, match=EP_SETTING):
+        plan_for_run(**plan, engine="torchrun", tp_size=2, ep_size=1)
+    this_run = plan_for_run(**plan, engine="torchrun", tp_size=2)["this_run"]  # unset: EP, half per rank
+    share = rank_share(tiny_ds.config, 2, 2)
+    assert share.routed_experts_per_rank * 2 == share.routed_experts
+    assert this_run.assumptions["weights"].startswith(f"{share.params:.4g} params")
+    assert f"{share.replicated:.4g} of them held whole" in this_run.assumptions["weights"]
 
 
 def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):
