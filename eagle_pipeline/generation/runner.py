@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from eagle_pipeline.generation import store
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
-from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
+from eagle_pipeline.generation.budget import SpendLedger
 from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
@@ -191,7 +191,7 @@ async def agenerate_dataset(
     errors_dir: Path,
     options: RunOptions | None = None,
     render_prompt_ids: RenderPromptIds | None = None,
-    run_budget: SpendTracker | SharedSpend | None = None,
+    run_budget: SharedSpend | None = None,
     progress: Callable[[ProgressEvent], None] | None = None,
     **option_fields: Any,
 ) -> GenerationSummary:

@@ -23,9 +23,10 @@ import yaml
 
 from eagle_pipeline.defs.generation import prompts
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import SimulatedOpenRouterServer, generate_dataset
+from eagle_pipeline.generation import generate_dataset
 from eagle_pipeline.generation.store import read_committed, read_shard_columns
 from eagle_pipeline.shared.storage import DataRoot
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from ..generation.generation_helpers import durable_ids
 from .conftest import write_config

@@ -19,10 +19,11 @@ from typing import Any, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, request_key
+from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset
 from eagle_pipeline.generation.answer_log import read_log
 from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
+from eagle_pipeline.simulation import request_key
 from eagle_pipeline.simulation.server import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[2]
