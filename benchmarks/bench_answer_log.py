@@ -35,7 +35,7 @@ def _cpu() -> float:
 
 
 def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) -> dict:
-    from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset, read_responses
 
     prompts = bg.bench_prompts(n)
     backend = BackendSpec(
@@ -59,8 +59,9 @@ def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) ->
                 sampling=SamplingSpec(seed=1, max_tokens=4096),
                 out_dir=Path(d) / "r",
                 errors_dir=Path(d) / "r" / "errors",
-                progress_every_s=3600,
-                answer_log_s=answer_log.DEFAULT_FLUSH_S if with_log else None,
+                options=RunOptions(
+                    progress_every_s=3600, answer_log_s=answer_log.DEFAULT_FLUSH_S if with_log else None
+                ),
             )
             wall, cpu = time.monotonic() - t0, _cpu() - cpu0
             steady = bg.steady_of_responses(read_responses(Path(d) / "r"), in_flight, latency)

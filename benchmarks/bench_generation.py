@@ -216,7 +216,7 @@ def steady_of_responses(table, in_flight: int, latency: float) -> dict:
 def client_pipeline(
     url: str, in_flight: int, n: int, latency: float, stream: bool = False, stream_processes: int | None = None
 ) -> dict:
-    from eagle_pipeline.generation import BackendSpec, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset, read_responses
 
     sampling = SamplingSpec(seed=1, max_tokens=4096)
     prompts = bench_prompts(n)
@@ -242,7 +242,7 @@ def client_pipeline(
             sampling=sampling,
             out_dir=Path(d) / "r",
             errors_dir=Path(d) / "r" / "errors",
-            progress_every_s=3600,
+            options=RunOptions(progress_every_s=3600),
         )
         wall = time.monotonic() - t0
         cpu1, rss = _usage()

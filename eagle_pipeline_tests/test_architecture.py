@@ -118,44 +118,25 @@ def _top_level_names() -> set[str]:
 
 def test_the_layers_contract_places_every_top_level_module():
     """The layers contract is exhaustive over eagle_pipeline (lint-imports then fails on a module given no layer), and
-    its layers and ignored names are exactly the top-level modules and packages on disk; the shell is its top."""
+    its layers are exactly the top-level modules and packages on disk; the shell is its top."""
     layers = _contracts()["layers"]
     assert layers["containers"] == ["eagle_pipeline"] and layers["exhaustive"] is True
+    assert "exhaustive_ignores" not in layers  # no module escapes the layers
     placed = set().union(*_layers())
-    ignored = set(layers.get("exhaustive_ignores", []))
-    assert not placed & ignored
     tops = _top_level_names()
-    assert placed | ignored == tops, f"on disk, not in the layers: {sorted(tops - placed - ignored)}; " + (
-        f"in the layers, not on disk: {sorted((placed | ignored) - tops)}"
+    assert placed == tops, f"on disk, not in the layers: {sorted(tops - placed)}; " + (
+        f"in the layers, not on disk: {sorted(placed - tops)}"
     )
     shell_layers = _layers()[: len(SHELL)]
     assert set().union(*shell_layers) == {s.removesuffix(".py") for s in SHELL}
 
 
-def test_old_import_paths_only_re_export_their_new_module():
-    """Each name the layers contract ignores is a moved module's old path (docs/architecture.md, Moved modules): one
-    import of its new module, every public name of which it still offers."""
-    import importlib
-
-    moved = (REPO / "docs" / "architecture.md").read_text().split("## Moved modules", 1)[1]
-    for name in _contracts()["layers"].get("exhaustive_ignores", []):
-        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
-        imports = [n for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import)]
-        assert len(imports) == 1 and isinstance(imports[0], ast.ImportFrom), name
-        assert len(tree.body) == 2 and ast.get_docstring(tree), f"{name}.py holds more than its re-export"
-        target = imports[0].module or ""
-        assert f"| `eagle_pipeline.{name}` | `{target}` (old path) |" in moved, name
-        old, new = importlib.import_module(f"eagle_pipeline.{name}"), importlib.import_module(target)
-        public = {n for n in vars(new) if not n.startswith("_")}
-        assert public and all(getattr(old, n) is getattr(new, n) for n in public), name
-
-
 def test_the_core_contract_covers_every_core_module():
-    """The 'no Dagster in the core' contract names its source modules: exactly the layers below the shell and the old
-    import paths, so no module escapes the rule unnoticed."""
+    """The 'no Dagster in the core' contract names its source modules: exactly the layers below the shell, so no
+    module escapes the rule unnoticed."""
     contracts = _contracts()
     covered = {m.removeprefix("eagle_pipeline.") for m in contracts["forbidden"]["source_modules"]}
-    below_shell = set().union(*_layers()[len(SHELL) :]) | set(contracts["layers"].get("exhaustive_ignores", []))
+    below_shell = set().union(*_layers()[len(SHELL) :])
     assert covered == below_shell, f"add: {sorted(below_shell - covered)}; remove: {sorted(covered - below_shell)}"
     tops = {p.relative_to(PACKAGE).parts[0] for p in _core_modules()}
     core_tops = {t.removesuffix(".py") for t in tops if t.endswith(".py") or (PACKAGE / t).is_dir()}

@@ -6,8 +6,8 @@ raises one `ConfigError` that lists every problem with its path in the file and 
 config file. API keys are never in the file: a backend names the environment variable that holds its key.
 
 Every section is a typed settings class (`eagle_pipeline.shared.spec_model`), defined by its stage (`generation.options`,
-`hidden_states.settings`, `audit.spec`, `merge.manifest`) or, for the sections no stage owns, in `config.sections`, and
-importable from here; the backends and the sampling are the very classes of the Python API (`BackendSpec`,
+`hidden_states.settings`, `audit.spec`, `merge.manifest`) or, for the sections no stage owns, in `config.sections`
+(importable from here); the backends and the sampling are the very classes of the Python API (`BackendSpec`,
 `SamplingSpec`), and the audit section is the audit's own `AuditSettings`, so each setting has one type, one check and
 one default whichever way it is given. This module holds the whole file (`PipelineConfig`, its rules across sections)
 and its loading.
@@ -33,7 +33,7 @@ from eagle_pipeline.config.sections import AuditSection, DatasetConfig, MergeSec
 from eagle_pipeline.generation.options import GenerationSettings
 from eagle_pipeline.generation.spec import BackendKind, BackendSpec
 from eagle_pipeline.generation.turns import ALL_TURNS, NO_TURN_KINDS
-from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
+from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 from eagle_pipeline.merge.manifest import MergeSettings
 from eagle_pipeline.shared.spec_model import (
     BASE_DIR,
@@ -48,9 +48,6 @@ from eagle_pipeline.shared.spec_model import (
     validation_problems,
 )
 
-# The `merge` section's class: the merge's own settings (the name the configuration API had before).
-MergeConfig = MergeSettings
-
 __all__ = [
     "CONFIG_ENV",
     "DATA_ROOT_ENV",
@@ -59,15 +56,9 @@ __all__ = [
     "REPO_ROOT",
     "ConfigError",
     "DatasetConfig",
-    "GenerationSettings",
-    "HiddenStatesConfig",
-    "MergeConfig",
-    "MergeSettings",
     "PipelineConfig",
     "PoolsConfig",
     "TargetConfig",
-    "TorchrunConfig",
-    "VLLMEngineConfig",
     "config_path",
     "load_config",
     "parse_config",

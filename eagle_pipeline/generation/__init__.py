@@ -1,6 +1,5 @@
 """Response generation: backends (OpenRouter, vLLM, SGLang, import, simulated), the exactly-once runner. The simulated
-OpenRouter server lives in `eagle_pipeline.simulation` (re-exported here, with its request keys, on first use). See
-docs/generation.md (module map in docs/architecture.md)."""
+OpenRouter server lives in `eagle_pipeline.simulation`. See docs/generation.md (module map in docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle_pipeline.generation.budget import SpendTracker, pipeline_budget
+    from eagle_pipeline.generation.budget import pipeline_budget
     from eagle_pipeline.generation.options import RunOptions
     from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
     from eagle_pipeline.generation.runner import agenerate_dataset, generate_dataset
@@ -16,11 +15,6 @@ if TYPE_CHECKING:
     from eagle_pipeline.generation.store import read_errors, read_responses
     from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
     from eagle_pipeline.shared.failures import RequestFailure
-    from eagle_pipeline.simulation import (
-        SimulatedOpenRouterServer,
-        ids_key,
-        request_key,
-    )
 
 # Imported on first use: a stream worker process (`stream_workers`) imports only the modules it runs, not the
 # runner's Parquet and configuration stack (~0.3 s and 35 MiB per process instead of ~1.4 s and 104 MiB).
@@ -34,16 +28,12 @@ _EXPORTS = {
     "RequestFailure": "eagle_pipeline.shared.failures",
     "RunOptions": "eagle_pipeline.generation.options",
     "SamplingSpec": "eagle_pipeline.generation.spec",
-    "SimulatedOpenRouterServer": "eagle_pipeline.simulation",
-    "SpendTracker": "eagle_pipeline.generation.budget",
     "agenerate_dataset": "eagle_pipeline.generation.runner",
     "committed_totals": "eagle_pipeline.generation.summary",
     "generate_dataset": "eagle_pipeline.generation.runner",
-    "ids_key": "eagle_pipeline.simulation",
     "pipeline_budget": "eagle_pipeline.generation.budget",
     "read_errors": "eagle_pipeline.generation.store",
     "read_responses": "eagle_pipeline.generation.store",
-    "request_key": "eagle_pipeline.simulation",
 }
 
 
@@ -57,16 +47,12 @@ __all__ = [
     "RequestFailure",
     "RunOptions",
     "SamplingSpec",
-    "SimulatedOpenRouterServer",
-    "SpendTracker",
     "agenerate_dataset",
     "committed_totals",
     "generate_dataset",
-    "ids_key",
     "pipeline_budget",
     "read_errors",
     "read_responses",
-    "request_key",
 ]
 
 

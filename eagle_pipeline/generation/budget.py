@@ -3,25 +3,22 @@ stops new requests before a budget is overshot.
 
 Committed rows carry their `cost_usd`, so a dataset's spend is rebuilt from disk at every start: a budget holds across
 runs, resumes and kills. The pipeline-wide cap is shared while runs of the data root run in parallel through the
-spend ledger of `spend_ledger` (`pipeline_budget`); `SpendTracker` is the in-process form (threads of one process).
+spend ledger of `spend_ledger` (`pipeline_budget`).
 The Dagster asset and any other caller (CLI, scripts) use the same functions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle_pipeline.generation import store
 from eagle_pipeline.generation.spend_ledger import SharedSpend
 
 
 class RunBudget(Protocol):
-    """A pipeline-wide cap as one run sees it: `SpendTracker`, or a run's share of the data root's spend ledger."""
+    """A pipeline-wide cap as one run sees it: its share of the data root's spend ledger (`SharedSpend.join`)."""
 
     budget_usd: float | None
 
@@ -33,46 +30,6 @@ class RunBudget(Protocol):
 
     @property
     def spent_usd(self) -> float: ...
-
-
-class SpendTracker:
-    """Spend shared by every dataset of one pipeline run (thread-safe: datasets may generate in parallel threads)."""
-
-    def __init__(self, budget_usd: float | None = None) -> None:
-        self.budget_usd = budget_usd
-        self._spent = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, usd: float) -> None:
-        with self._lock:
-            self._spent += usd
-
-    @property
-    def spent_usd(self) -> float:
-        with self._lock:
-            return self._spent
-
-    def reached(self, projected_extra_usd: float = 0.0) -> bool:
-        """True when the spend (plus what in-flight requests are expected to cost) reaches the budget."""
-        if self.budget_usd is None:
-            return False
-        with self._lock:
-            return self._spent + projected_extra_usd >= self.budget_usd
-
-    def why_reached(self) -> str | None:
-        if self.budget_usd is None or not self.reached():
-            return None
-        return f"run budget ${self.budget_usd:,.4f} reached (${self.spent_usd:,.4f} spent)"
-
-    @contextlib.contextmanager
-    def join(self, dataset: str, committed_usd: float) -> Iterator[SpendTracker]:
-        """This tracker for a run of `dataset` (the same interface as `SharedSpend.join`; nothing to set up)."""
-        yield self
-
-
-def committed_spend(responses_dirs: Iterable[str | os.PathLike]) -> float:
-    """The spend recorded by every committed response shard of these dataset directories."""
-    return sum(store.committed_sample_ids(d)[1] for d in responses_dirs)
 
 
 def pipeline_budget(
@@ -90,8 +47,7 @@ def pipeline_budget(
 class SpendLedger:
     """One dataset's spend during a run: what earlier runs committed, what this run's answers cost, and the caps.
 
-    Not thread-safe: one run's workers share one event loop. The pipeline-wide `run_budget` is shared across threads
-    and has its own lock.
+    Not thread-safe: one run's workers share one event loop.
     """
 
     def __init__(

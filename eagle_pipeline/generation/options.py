@@ -61,10 +61,3 @@ class RunOptions(CommitCadence):
         """The run options of a configured run: the `generation` section's cadence and the dataset's own options."""
         shared = {f.name: getattr(cadence, f.name) for f in dataclasses.fields(CommitCadence)}
         return cls(**shared, **per_dataset)
-
-    def with_overrides(self, overrides: dict[str, Any]) -> RunOptions:
-        """These options with some fields replaced (keyword arguments of `generate_dataset` named after a field)."""
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise TypeError(f"generate_dataset got unexpected keyword arguments {unknown}")
-        return dataclasses.replace(self, **overrides) if overrides else self

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from eagle_pipeline.generation import store
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
-from eagle_pipeline.generation.budget import SpendLedger, SpendTracker
+from eagle_pipeline.generation.budget import SpendLedger
 from eagle_pipeline.generation.client import ChatClient
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
@@ -191,12 +191,11 @@ async def agenerate_dataset(
     errors_dir: Path,
     options: RunOptions | None = None,
     render_prompt_ids: RenderPromptIds | None = None,
-    run_budget: SpendTracker | SharedSpend | None = None,
+    run_budget: SharedSpend | None = None,
     progress: Callable[[ProgressEvent], None] | None = None,
-    **option_fields: Any,
 ) -> GenerationSummary:
     """The async form of `generate_dataset` (same arguments), for callers that already run an event loop."""
-    opts = (options or RunOptions()).with_overrides(option_fields)
+    opts = options or RunOptions()
     _check_regenerate(opts.regenerate, backend)
     t_start = time.monotonic()
     out_dir, errors_dir = Path(out_dir), Path(errors_dir)
@@ -282,7 +281,7 @@ def generate_dataset(*args: Any, **kwargs: Any) -> GenerationSummary:
     `stopped_reason`.
 
     `options` (`RunOptions`): the commit cadence, the answer-log interval, progress reports, this dataset's budget,
-    `limit` and `regenerate`; a keyword argument named after one of its fields (`budget_usd=50.0`) overrides it.
+    `limit` and `regenerate` (`options=RunOptions(budget_usd=50.0)`).
     `regenerate='all_turns'` regenerates every assistant turn of each prompt's conversation against the target's own
     earlier turns, one row per turn, exactly once per turn (generation/turns.py, docs/generation.md).
     """

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,11 +423,3 @@ class LedgerRun:
                 "by every run of the data root"
             )
         return None
-
-
-def shared_spend(budget_usd: float | None, responses_dirs: Mapping[str, Path] | list[Path]) -> SharedSpend | None:
-    """A SharedSpend for `budget_usd` over these dataset directories (None when there is no cap)."""
-    if budget_usd is None:
-        return None
-    dirs = list(responses_dirs.values()) if isinstance(responses_dirs, Mapping) else list(responses_dirs)
-    return SharedSpend(budget_usd, [Path(d) for d in dirs])

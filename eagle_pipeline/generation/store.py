@@ -51,13 +51,15 @@ _CONVERSATION_COLUMNS = ("conversation_id", "turn_index", "conversation_end")
 
 
 def read_shard_columns(p: Path, columns: list[str]) -> pa.Table:
-    """Columns of a committed shard, from one open of the file; optional columns an older shard lacks are left out."""
+    """Columns of a committed shard, from one open of the file."""
     try:
         with pq.ParquetFile(p) as f:
-            names = set(f.schema_arrow.names)
-            return f.read(columns=[c for c in columns if c in names])
+            missing = [c for c in columns if c not in f.schema_arrow.names]
+            if not missing:
+                return f.read(columns=columns)
     except Exception as exc:  # an atomically renamed file is complete; anything else is outside damage
         raise RuntimeError(f"{p}: committed shard unreadable ({exc}); move it aside to regenerate its rows") from exc
+    raise RuntimeError(f"{p}: committed shard lacks the columns {missing}; move it aside to regenerate its rows")
 
 
 def answered_ids(table: pa.Table) -> set[str]:

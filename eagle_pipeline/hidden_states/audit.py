@@ -433,5 +433,6 @@ def audit_markdown(summary: dict[str, Any]) -> str:
     for shard, d in summary["shards"].items():
         verdicts = " | ".join(d["verdicts"].get(n, "-") for n in AUDIT_CHECKS)
         rms = d["rms_over_norm_weight_median"]
-        lines.append(f"| {shard} | {verdicts} | {d['top1_agreement']} | {rms:.3g} |" if rms is not None else "")
+        rms_cell = f"{rms:.3g}" if rms is not None else "-"
+        lines.append(f"| {shard} | {verdicts} | {d['top1_agreement']} | {rms_cell} |")
     return "\n".join(lines)

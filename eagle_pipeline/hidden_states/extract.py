@@ -138,8 +138,7 @@ def extract_shard(
         shard_index, rows, plan_batches(rows.lengths, max_tokens_per_batch), wanted, out_dtype, layout_target
     )
     dev = torch.device(device)
-    if next(model.parameters()).device.type != dev.type:
-        model.to(dev)
+    _place_model(model, dev)
     meta = shard.header(target, model)
     st_path = shard_paths(out_dir, shard_index)[0]
     written = _write_states(
@@ -157,6 +156,13 @@ def extract_shard(
     # Recorded after the shard is complete, so an aborted shard leaves nothing behind.
     _, head_sha = save_target_head_from_model(model, out_dir, json.loads(meta["model"]))
     return shard.write_index(out_dir, written, target, model, head_sha, json.loads(meta["model"]))
+
+
+def _place_model(model: torch.nn.Module, dev: torch.device) -> None:
+    """Puts the model on the leased device: the whole device, index included, so a model preloaded on one GPU of the
+    host and leased another is moved, not left where the forward cannot reach its inputs."""
+    if next(model.parameters()).device != dev:
+        model.to(dev)
 
 
 def _check_final_state(final_state: str, layout_target: LayoutTarget | None) -> None:

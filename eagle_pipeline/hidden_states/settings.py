@@ -1,7 +1,7 @@
 """The hidden-state stage's settings: the configuration's `hidden_states` section (`HiddenStatesConfig`) and its
 sub-sections (`hidden_states.vllm`, `hidden_states.torchrun`, `hidden_states.drafters[i]`).
 
-The stage owns them; `eagle_pipeline.config` assembles them into `PipelineConfig` (and re-exports them), so the
+The stage owns them; `eagle_pipeline.config` assembles them into `PipelineConfig`, so the
 engines, the plan and the CLI take this one settings object. Each is a `shared.spec_model.SpecBase`: its fields' types
 and bounds are the checks, and `rule_problems` the rules across fields of the section.
 """

@@ -22,8 +22,9 @@ from eagle_pipeline.merge.manifest import (
     MergeInput,
     MergeManifest,
     MergeSettings,
+    merged_shard_paths,
 )
-from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths, read_merged
+from eagle_pipeline.merge.reader import iter_merged_shards, read_merged
 from eagle_pipeline.merge.vocab import (
     D2T_NPY,
     DRAFT_VOCAB_PT,

@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline.merge.arrow_ops import row_of_position
-from eagle_pipeline.merge.manifest import SHARD_GLOB, MergeManifest
-from eagle_pipeline.merge.reader import iter_merged_shards, merged_shard_paths
+from eagle_pipeline.merge.manifest import SHARD_GLOB, MergeManifest, merged_shard_paths
+from eagle_pipeline.merge.reader import iter_merged_shards
 from eagle_pipeline.shared.arrow import as_array, list_parts
 from eagle_pipeline.shared.storage import file_sha256
 

@@ -12,8 +12,6 @@ import pyarrow.parquet as pq
 from .core import MERGED_SCHEMA
 from .manifest import merged_shard_paths
 
-__all__ = ["iter_merged_shards", "merged_shard_paths", "read_merged"]
-
 
 def iter_merged_shards(
     out_dir: str | Path, columns: list[str] | None = None, *, batch_rows: int | None = None

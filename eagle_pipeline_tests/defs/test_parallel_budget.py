@@ -23,9 +23,10 @@ import yaml
 
 from eagle_pipeline.defs.generation import prompts
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import SimulatedOpenRouterServer, generate_dataset
+from eagle_pipeline.generation import RunOptions, generate_dataset
 from eagle_pipeline.generation.store import read_committed, read_shard_columns
 from eagle_pipeline.shared.storage import DataRoot
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from ..generation.generation_helpers import durable_ids
 from .conftest import write_config
@@ -77,7 +78,7 @@ def _one_dataset_spend(root: DataRoot, tmp_path: Path) -> float:
         sampling=ds.sampling,
         out_dir=tmp_path / "scratch" / "B1",
         errors_dir=tmp_path / "scratch" / "B1" / "errors",
-        progress_every_s=3600,
+        options=RunOptions(progress_every_s=3600),
     )
     assert s.completed == PROMPTS and s.stopped_reason is None
     return s.spend_usd

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, generate_dataset
+from eagle_pipeline.generation import BackendSpec, RunOptions, generate_dataset
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
 
 from .generation_helpers import SAMPLING
@@ -45,11 +45,13 @@ def main() -> None:
         sampling=SAMPLING,
         out_dir=root / "responses" / dataset,
         errors_dir=root / "responses" / dataset / "errors",
-        commit_every_rows=options.get("commit_every_rows", 4),
-        commit_every_s=options.get("commit_every_s", 0.05),
-        progress_every_s=3600,
-        regenerate=options.get("regenerate", "last_turn"),
-        answer_log_s=options.get("answer_log_s", DEFAULT_FLUSH_S),
+        options=RunOptions(
+            commit_every_rows=options.get("commit_every_rows", 4),
+            commit_every_s=options.get("commit_every_s", 0.05),
+            progress_every_s=3600,
+            regenerate=options.get("regenerate", "last_turn"),
+            answer_log_s=options.get("answer_log_s", DEFAULT_FLUSH_S),
+        ),
     )
     print(json.dumps(s.to_dict()))
 

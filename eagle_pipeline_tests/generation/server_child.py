@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from eagle_pipeline.generation import SimulatedOpenRouterServer
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 
 def answer(srv: SimulatedOpenRouterServer, req: dict[str, Any]) -> Any:

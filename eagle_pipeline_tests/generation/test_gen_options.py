@@ -1,5 +1,5 @@
 """A run's options (`RunOptions`): one definition per setting, shared with the configuration's `generation` section,
-taken as an object or, as documented, as keyword arguments named after its fields."""
+taken as one object (`options=`), the only way the runner takes them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import inspect
 import pydantic
 import pytest
 
-from eagle_pipeline.generation import RunOptions, SimulatedOpenRouterServer, agenerate_dataset, generate_dataset
+from eagle_pipeline.generation import RunOptions, agenerate_dataset, generate_dataset
 from eagle_pipeline.generation.options import CommitCadence, GenerationSettings
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
-from .generation_helpers import make_prompts, run, sim_backend
+from .generation_helpers import SAMPLING, make_prompts, run, sim_backend
 
 CADENCE = {f.name for f in dataclasses.fields(CommitCadence)}
 
@@ -36,24 +37,28 @@ def test_a_configured_run_takes_the_sections_cadence_and_the_datasets_options():
     assert (opts.budget_usd, opts.regenerate, opts.limit) == (3.0, "all_turns", None)
 
 
-def test_keyword_overrides_are_checked_like_the_object():
-    opts = RunOptions(limit=5)
-    assert opts.with_overrides({"budget_usd": 1.5}) == RunOptions(limit=5, budget_usd=1.5)
-    assert opts.with_overrides({}) is opts
-    with pytest.raises(TypeError, match="commit_every_row"):
-        opts.with_overrides({"commit_every_row": 3})  # a misspelt option is refused, not ignored
+def test_options_are_checked_and_only_the_object_passes_them(tmp_path):
+    with pytest.raises(pydantic.ValidationError, match="commit_every_row"):
+        RunOptions(commit_every_row=3)  # a misspelt option is refused, not ignored
     with pytest.raises(pydantic.ValidationError, match="commit_every_rows"):
-        opts.with_overrides({"commit_every_rows": 0})
+        RunOptions(commit_every_rows=0)
     assert RunOptions(answer_log_s=None).answer_log_s is None  # the API can turn the answer log off
+    with pytest.raises(TypeError, match="limit"):  # one way to pass an option: the object
+        generate_dataset(
+            dataset="B1",
+            prompts=make_prompts(1),
+            backend=sim_backend("http://127.0.0.1:9"),
+            sampling=SAMPLING,
+            out_dir=tmp_path / "r",
+            errors_dir=tmp_path / "e",
+            limit=4,
+        )
+    assert not (tmp_path / "r").exists()
 
 
-def test_the_object_and_the_keyword_form_run_alike(tmp_path):
+def test_the_options_object_runs(tmp_path):
     prompts = make_prompts(10)
     with SimulatedOpenRouterServer() as srv:
         by_object = run(prompts, sim_backend(srv.url), tmp_path / "a", options=RunOptions(limit=4, answer_log_s=None))
-        by_keyword = run(prompts, sim_backend(srv.url), tmp_path / "b", limit=4, answer_log_s=None)
-        overridden = run(prompts, sim_backend(srv.url), tmp_path / "c", options=RunOptions(limit=9), limit=3)
     assert (by_object.total_prompts, by_object.completed, by_object.answer_log_s) == (4, 4, None)
-    assert (by_keyword.total_prompts, by_keyword.completed, by_keyword.answer_log_s) == (4, 4, None)
-    assert (overridden.total_prompts, overridden.completed) == (3, 3)
-    assert srv.total_requests == 11
+    assert srv.total_requests == 4

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.generation import (
-    ProgressEvent,
-    SimulatedOpenRouterServer,
-    committed_totals,
-    read_errors,
-    read_responses,
-)
+from eagle_pipeline.generation import ProgressEvent, committed_totals, read_errors, read_responses
 from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend
 
 

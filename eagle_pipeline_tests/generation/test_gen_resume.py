@@ -13,8 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.generation import RESPONSES_SCHEMA, SimulatedOpenRouterServer, read_responses
+from eagle_pipeline.generation import RESPONSES_SCHEMA, read_responses
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (
     GRACE_S,
@@ -106,6 +107,18 @@ def test_read_responses_dedupes_defensively(tmp_path):
     assert t.num_rows == 3 and t.column("content").to_pylist() == ["a", "b", "c"]  # the first copy is kept
     assert t.schema.metadata[b"duplicates_dropped"] == b"1"
     assert read_responses(tmp_path / "missing").num_rows == 0
+
+
+def test_a_committed_shard_without_the_conversation_columns_is_refused_by_name(tmp_path):
+    """Every committed shard has the responses schema; one that lacks its columns is refused with its path, not read
+    as if the conversation columns were optional."""
+    from eagle_pipeline.generation.store import read_committed, write_shard
+
+    names = [n for n in RESPONSES_SCHEMA.names if n not in ("conversation_id", "turn_index", "conversation_end")]
+    table = pa.table({n: pa.array([None], RESPONSES_SCHEMA.field(n).type) for n in names})
+    path = write_shard(table.set_column(0, "sample_id", pa.array(["s1"])), tmp_path, 0)
+    with pytest.raises(RuntimeError, match=rf"{path}: committed shard lacks the columns \['conversation_id'"):
+        read_committed(tmp_path)
 
 
 def _torn_copy(out: Path, sample_id: str) -> int:

@@ -14,16 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import (
-    ERRORS_SCHEMA,
-    RESPONSES_SCHEMA,
-    SimulatedOpenRouterServer,
-    SpendTracker,
-    read_errors,
-    read_responses,
-)
+from eagle_pipeline.generation import ERRORS_SCHEMA, RESPONSES_SCHEMA, pipeline_budget, read_errors, read_responses
 from eagle_pipeline.generation.spec import REQUEST_SEED_SCHEME
 from eagle_pipeline.generation.store import DirLock, part_files
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sample_keys, sim_backend
 
@@ -326,12 +320,12 @@ def test_budget_stops_new_requests(tmp_path):
 
 
 def test_run_budget_is_shared_across_datasets(tmp_path):
-    tracker = SpendTracker(budget_usd=None)
+    dirs = [out_dirs(tmp_path, ds)[0] for ds in ("B1", "B2")]
+    shared = pipeline_budget(1e9, dirs)
     with SimulatedOpenRouterServer() as srv:
-        s1 = run(make_prompts(10), sim_backend(srv.url), tmp_path, run_budget=tracker)
-        assert tracker.spent_usd == pytest.approx(s1.spend_usd) and s1.spend_usd > 0
-        capped = SpendTracker(budget_usd=s1.spend_usd * 0.5)
-        capped.add(s1.spend_usd)  # another dataset already spent past the run-wide cap
+        s1 = run(make_prompts(10), sim_backend(srv.url), tmp_path, run_budget=shared)
+        assert shared.spent_usd == pytest.approx(s1.spend_usd) and s1.spend_usd > 0
+        capped = pipeline_budget(s1.spend_usd * 0.5, dirs)  # another dataset already spent past the run-wide cap
         s2 = run(make_prompts(10, dataset="B2"), sim_backend(srv.url), tmp_path, dataset="B2", run_budget=capped)
         assert s2.stopped_reason == "budget" and s2.requested == 0 and srv.total_requests == 10
 

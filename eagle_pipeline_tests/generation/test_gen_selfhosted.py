@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from eagle_pipeline.generation import (
-    BackendSpec,
-    SamplingSpec,
-    ids_key,
-    read_errors,
-    read_responses,
-)
+from eagle_pipeline.generation import BackendSpec, SamplingSpec, read_errors, read_responses
+from eagle_pipeline.simulation import ids_key
 from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sample_key

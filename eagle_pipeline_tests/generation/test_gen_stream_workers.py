@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SimulatedOpenRouterServer, read_errors, read_responses
+from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
 from eagle_pipeline.generation.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (
     committed_ids,

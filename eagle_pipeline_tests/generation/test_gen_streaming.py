@@ -12,14 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagle_pipeline.generation import (
-    BackendSpec,
-    SimulatedOpenRouterServer,
-    read_errors,
-    read_responses,
-)
+from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
 from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
 from eagle_pipeline.shared.failures import RequestFailure
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline.simulation.streaming import STREAM_FAULTS
 from eagle_pipeline.tokens import load_tokenizer, reconstruct_table
 from eagle_pipeline_tests.doubles import SimulatedVLLMServer

@@ -17,7 +17,7 @@ import jinja2.ext
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import SimulatedOpenRouterServer, read_responses
+from eagle_pipeline.generation import read_responses
 from eagle_pipeline.generation.store import part_files
 from eagle_pipeline.generation.turns import (
     END_COMPLETE,
@@ -32,6 +32,7 @@ from eagle_pipeline.generation.turns import (
     turn_sample_id,
 )
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (
     SAMPLING,

@@ -10,12 +10,19 @@ import time
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec, SimulatedOpenRouterServer, request_key
+from eagle_pipeline.generation import BackendSpec, SamplingSpec
 from eagle_pipeline.generation.backends import OpenRouterBackend, ParsedResponse, PromptItem, parse_chat_completion
 from eagle_pipeline.generation.rows import RESPONSES_SCHEMA, RowProvenance, error_row, response_values
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import Redactor, RequestFailure, classify_status, parse_retry_after
-from eagle_pipeline.simulation import Answer, FaultPlan, synthesize, truncate_answer
+from eagle_pipeline.simulation import (
+    Answer,
+    FaultPlan,
+    SimulatedOpenRouterServer,
+    request_key,
+    synthesize,
+    truncate_answer,
+)
 
 from .generation_helpers import SEARCH_TOOL, WEATHER_TOOL
 

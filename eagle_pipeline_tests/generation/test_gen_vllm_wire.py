@@ -11,13 +11,9 @@ import urllib.request
 
 import pytest
 
-from eagle_pipeline.generation import (
-    SamplingSpec,
-    SimulatedOpenRouterServer,
-    read_errors,
-    read_responses,
-)
+from eagle_pipeline.generation import SamplingSpec, read_errors, read_responses
 from eagle_pipeline.prompts import canonical_json
+from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend

@@ -230,3 +230,22 @@ def test_bf16_shards_pass_and_the_recorded_norm_is_bit_exact(merged_factory, tmp
         assert pre.dtype == torch.bfloat16
         with torch.no_grad():
             assert torch.equal(load_target_head(tmp_path / "hs").final_norm(pre), get_backbone(model).norm(pre))
+
+
+def test_audit_markdown_keeps_the_row_of_a_shard_without_an_rms_median():
+    from eagle_pipeline.hidden_states.audit import AUDIT_CHECKS, audit_markdown
+
+    verdicts = dict.fromkeys(AUDIT_CHECKS, "pass")
+    summary = {
+        "per_dataset_top1_agreement": {"G1": 1.0},
+        "per_dataset_positions": {"G1": 7},
+        "shards": {
+            "shard-00000": {"verdicts": verdicts, "top1_agreement": 1.0, "rms_over_norm_weight_median": None},
+            "shard-00001": {"verdicts": verdicts, "top1_agreement": 0.9, "rms_over_norm_weight_median": 1.25},
+        },
+    }
+    table = audit_markdown(summary).split("\n\n")[1].splitlines()
+    # header, separator, then one row per shard: a shard without the median keeps its row, and the table goes on
+    assert len(table) == 4
+    assert table[2].startswith("| shard-00000 |") and table[2].endswith("| 1.0 | - |")
+    assert table[3].startswith("| shard-00001 |") and table[3].endswith("| 0.9 | 1.25 |")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -208,3 +209,31 @@ def test_bad_inputs_are_refused(tiny_ds, merged_factory, tmp_path):
         extract_shard(tiny_ds, merged, shard_index=1, shard_size=4, out_dir=tmp_path / "hs3")
     with pytest.raises(ValueError, match="out of range"):
         extract_shard(tiny_ds, merged, shard_index=0, shard_size=4, out_dir=tmp_path / "hs4", aux_layers=(1, 8))
+
+
+class _DeviceRecorder(torch.nn.Module):
+    """A model that says its parameters live on `device` (no GPU needed) and records where it is moved."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.on, self.moved_to = torch.device(device), []
+
+    def parameters(self, recurse: bool = True):
+        yield types.SimpleNamespace(device=self.on)
+
+    def to(self, dev):
+        self.moved_to.append(dev)
+        self.on = dev
+        return self
+
+
+@pytest.mark.parametrize(
+    ("on", "leased", "moved"),
+    [("cuda:0", "cuda:1", True), ("cpu", "cuda:0", True), ("cuda:1", "cuda:1", False), ("cpu", "cpu", False)],
+)
+def test_a_preloaded_model_is_moved_to_the_leased_gpu(on, leased, moved):
+    from eagle_pipeline.hidden_states.extract import _place_model
+
+    model = _DeviceRecorder(on)
+    _place_model(model, torch.device(leased))
+    assert model.moved_to == ([torch.device(leased)] if moved else [])
