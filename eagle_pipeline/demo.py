@@ -79,6 +79,7 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
     import pyarrow.parquet as pq
 
     from eagle_pipeline.generation.coverage import dataset_coverage, prompt_sample_ids
+    from eagle_pipeline.generation.identity import dataset_identity
     from eagle_pipeline.tokens import resolve_tokenizer
 
     tok = resolve_tokenizer(cfg.target.tokenizer)
@@ -90,7 +91,8 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
     print(f"{'dataset':<8}{'responses':>10}{'tokens rows':>12}{'audit':>8}  failing gates")
     for ds in cfg.dataset_names:
         ids = prompt_sample_ids(root.prompts(ds))
-        n_resp = dataset_coverage(ds, ids, root.responses_dir(ds)).answered  # responses to the current prompts
+        # Responses to the current prompts, by the configured backend (generation/identity.py).
+        n_resp = dataset_coverage(ds, ids, root.responses_dir(ds), dataset_identity(cfg, ds, tok)).answered
         n_tok = pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0
         verdict, failing = "-", ""
         if root.audit_report(ds).exists():

@@ -22,6 +22,7 @@ from eagle_pipeline.generation import (
     read_responses,
 )
 from eagle_pipeline.generation.coverage import current_responses
+from eagle_pipeline.generation.identity import tokenizer_label
 from eagle_pipeline.generation.store import committed_sample_ids
 from eagle_pipeline.prompts import dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths
@@ -120,12 +121,16 @@ def responses(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> 
         errors_dir=root.errors_dir(ds.name),
         options=RunOptions.from_settings(cfg.generation, budget_usd=ds.budget_usd, regenerate=ds.regenerate),
         render_prompt_ids=render,
+        usage_tokenizer=tokenizer_label(tok),
         run_budget=pipeline_budget(cfg.generation.budget_usd, [root.responses_dir(name) for name in cfg.dataset_names]),
         progress=lambda event: _report(context, event),
     )
     # Only the rows answering the current prompts describe this materialization; the others are counted.
     table, cov = current_responses(
-        ds.name, read_responses(root.responses_dir(ds.name)), prompt_table.column("sample_id").to_pylist()
+        ds.name,
+        read_responses(root.responses_dir(ds.name)),
+        prompt_table.column("sample_id").to_pylist(),
+        pipeline.backend_identity(ds.name),
     )
     errors = read_errors(root.errors_dir(ds.name))
     metadata = {

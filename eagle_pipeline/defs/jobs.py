@@ -79,7 +79,7 @@ def incomplete_datasets(pipeline: PipelineResource) -> dict[str, str]:
     for name in cfg.dataset_names:
         ds = cfg.datasets[name]
         ids = dataset_prompts_table(ds).column("sample_id").to_pylist()
-        reason = resume_reason(name, ids, root.responses_dir(name), root.tokens(name))
+        reason = resume_reason(name, ids, root.responses_dir(name), root.tokens(name), pipeline.backend_identity(name))
         if reason is not None:
             todo[name] = reason
     return todo

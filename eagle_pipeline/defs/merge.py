@@ -4,13 +4,13 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from eagle_pipeline.audit.overview import dataset_overview
-from eagle_pipeline.audit.records import audits_for_merge
+from eagle_pipeline.audit.records import GateProblem, audits_for_merge
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
-from eagle_pipeline.generation.coverage import response_overview
+from eagle_pipeline.generation.coverage import response_overview, stale_token_samples
 from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckSpec
 from eagle_pipeline.shared.figures import histogram_markdown
 
@@ -35,6 +35,11 @@ def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource
     problems, audits = audits_for_merge(
         root, cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
     )
+    # A passed audit of token samples built from rows that no longer count (another backend's) is no licence.
+    for ds in cfg.dataset_names:
+        reason = stale_token_samples(ds, root.tokens(ds), root.responses_dir(ds), pipeline.backend_identity(ds))
+        if reason:
+            problems.append(GateProblem(ds, "responses", reason))
     if problems:
         from eagle_pipeline.audit.overview import audit_overview, refusal_summary
 

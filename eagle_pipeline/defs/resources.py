@@ -51,6 +51,12 @@ class PipelineResource(dg.ConfigurableResource):
     def audit_settings(self):
         return self.config().audit
 
+    def backend_identity(self, dataset: str):
+        """What the dataset's committed rows must have been produced by to count (generation/identity.py)."""
+        from eagle_pipeline.generation.identity import dataset_identity
+
+        return dataset_identity(self.config(), dataset, self.tokenizer())
+
 
 # The one resource every asset, check, schedule and sensor of the location takes.
 resources = dg.Definitions(resources={"pipeline": PipelineResource()})

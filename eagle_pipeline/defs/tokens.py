@@ -39,7 +39,11 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     tok = pipeline.tokenizer()
     prompt_ids = prompt_sample_ids(root.prompts(ds.name))
     # Rows committed for other prompts (an earlier limit or seed) stay on disk and are counted, never used.
-    resp, cov = current_responses(ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids)
+    # So are rows another backend produced (another kind, model or endpoint class, or simulated usage counted with
+    # another tokenizer): generation/identity.py.
+    resp, cov = current_responses(
+        ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids, pipeline.backend_identity(ds.name)
+    )
     if resp.num_rows == 0:
         raise dg.Failure(
             f"{ds.name}: no committed response under {root.responses_dir(ds.name)} answers a current prompt "

@@ -3,7 +3,8 @@
 A dataset's current prompts are the sample ids of its prompts table, each a hash of the dataset, the prompt and the
 sampling settings. Responses committed under other settings (a larger `limit`, another seed) stay on disk and are
 counted, but never reconstructed, audited or merged; retire them with `eagle-pipeline retire-responses` to move them
-out of the dataset directory (generation/retire.py).
+out of the dataset directory (generation/retire.py). So are rows another backend produced: a row answers a current
+prompt only while its backend identity matches the dataset's backend (generation/identity.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline.generation import store
+from eagle_pipeline.generation.identity import BackendIdentity, counting_identities
 from eagle_pipeline.shared.arrow import value_counts
 
 
@@ -30,6 +32,7 @@ class Coverage:
     prompts: int  # distinct current sample ids
     answered: int  # current sample ids with a committed response
     other_rows: int  # committed responses whose sample id is no current prompt's (kept on disk, never used)
+    mismatched: str = ""  # rows of another backend (`identity.mismatch_report`): kept on disk, never used
 
     @property
     def missing(self) -> int:
@@ -44,6 +47,8 @@ class Coverage:
         text = f"{self.answered}/{self.prompts} current prompts answered"
         if self.other_rows:
             text += f" ({self.other_rows} committed rows answer other prompts: kept on disk, not used)"
+        if self.mismatched:
+            text += f" (not from the configured backend, kept on disk, not used: {self.mismatched})"
         return text
 
     def metadata(self) -> dict[str, int]:
@@ -61,18 +66,29 @@ def prompt_sample_ids(prompts_path: str | os.PathLike) -> list[str]:
     return pq.read_table(p, columns=["sample_id"]).column("sample_id").to_pylist() if p.exists() else []
 
 
-def coverage_of(dataset: str, prompt_ids: Iterable[str], committed_ids: Iterable[str]) -> Coverage:
+def coverage_of(
+    dataset: str, prompt_ids: Iterable[str], committed_ids: Iterable[str], mismatched: str = ""
+) -> Coverage:
     """Coverage of the prompts `prompt_ids` by the responses `committed_ids` (both sample ids)."""
     current = set(prompt_ids)
     committed = set(committed_ids)
     answered = len(current & committed)
-    return Coverage(dataset=dataset, prompts=len(current), answered=answered, other_rows=len(committed) - answered)
+    return Coverage(
+        dataset=dataset,
+        prompts=len(current),
+        answered=answered,
+        other_rows=len(committed) - answered,
+        mismatched=mismatched,
+    )
 
 
-def dataset_coverage(dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike) -> Coverage:
-    """Coverage of a dataset's current prompts by the shards committed under `responses_dir`."""
-    committed, _ = store.committed_sample_ids(responses_dir)
-    return coverage_of(dataset, prompt_ids, committed)
+def dataset_coverage(
+    dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike, identity: BackendIdentity | None = None
+) -> Coverage:
+    """Coverage of a dataset's current prompts by the shards committed under `responses_dir` (by `identity`'s
+    backend, when given: store.read_committed)."""
+    state = store.read_committed(responses_dir, identity)
+    return coverage_of(dataset, prompt_ids, state.answered, state.mismatched)
 
 
 def _prompt_of_row(table: pa.Table) -> pa.ChunkedArray:
@@ -82,14 +98,20 @@ def _prompt_of_row(table: pa.Table) -> pa.ChunkedArray:
     return pc.coalesce(table.column("conversation_id"), table.column("sample_id"))
 
 
-def current_responses(dataset: str, responses: pa.Table, prompt_ids: Iterable[str]) -> tuple[pa.Table, Coverage]:
+def current_responses(
+    dataset: str, responses: pa.Table, prompt_ids: Iterable[str], identity: BackendIdentity | None = None
+) -> tuple[pa.Table, Coverage]:
     """The rows of `responses` that answer one of `prompt_ids` (every turn of a current conversation; commit order
-    kept), and the coverage."""
+    kept) and, with `identity`, were produced by that backend (the others are described in the coverage)."""
+    mismatched = ""
+    if identity is not None and responses.num_rows:
+        counting, mismatched = counting_identities(identity, responses.column("backend_identity"))
+        responses = responses.filter(pc.is_in(responses.column("backend_identity"), value_set=counting))
     current = pa.array(sorted(set(prompt_ids)), pa.string())
     keep = pc.is_in(_prompt_of_row(responses), value_set=current)
     selected = responses.filter(keep)
-    cov = coverage_of(dataset, current.to_pylist(), store.answered_ids(responses) if responses.num_rows else [])
-    return selected, cov
+    answered = store.answered_ids(responses) if responses.num_rows else []
+    return selected, coverage_of(dataset, current.to_pylist(), answered, mismatched)
 
 
 def current_row_count(rows: pa.Table, prompt_ids: Iterable[str]) -> int:
@@ -101,7 +123,11 @@ def current_row_count(rows: pa.Table, prompt_ids: Iterable[str]) -> int:
 
 
 def resume_reason(
-    dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike, tokens_path: str | os.PathLike
+    dataset: str,
+    prompt_ids: Iterable[str],
+    responses_dir: str | os.PathLike,
+    tokens_path: str | os.PathLike,
+    identity: BackendIdentity | None = None,
 ) -> str | None:
     """Why a dataset needs another run (generation, reconstruction or audit), or None when it is complete.
 
@@ -109,7 +135,7 @@ def resume_reason(
     those responses (not those of earlier settings).
     """
     ids = set(prompt_ids)
-    cov = dataset_coverage(dataset, ids, responses_dir)
+    cov = dataset_coverage(dataset, ids, responses_dir, identity)
     if not cov.complete:
         return cov.describe()
     tokens = Path(tokens_path)
@@ -120,6 +146,28 @@ def resume_reason(
     if set(_prompt_of_row(token_rows).to_pylist()) != ids:
         return f"{cov.describe()}; the token samples on disk are not those of the current prompts"
     return None
+
+
+def stale_token_samples(
+    dataset: str, tokens_path: str | os.PathLike, responses_dir: str | os.PathLike, identity: BackendIdentity
+) -> str | None:
+    """Why the token samples on disk must not be merged because rows they were built from no longer count (another
+    backend produced them: generation/identity.py), or None. Their audit may have passed: it judged other rows."""
+    tokens = Path(tokens_path)
+    if not tokens.exists():
+        return None
+    names = set(pq.read_schema(tokens).names)
+    rows = pq.read_table(tokens, columns=[c for c in ("sample_id", "conversation_id") if c in names])
+    built_from = set(_prompt_of_row(rows).to_pylist())
+    state = store.read_committed(responses_dir, identity)
+    stale = built_from - state.answered
+    if not stale:
+        return None
+    cov = coverage_of(dataset, built_from, state.answered, state.mismatched)
+    return (
+        f"{len(stale)} of {len(built_from)} token samples were built from rows that no longer count for backend "
+        f"{identity.describe()} ({cov.describe()}); rematerialise the dataset (EAGLE_dataset) to regenerate them"
+    )
 
 
 def response_overview(root: Any, dataset: str) -> dict[str, Any]:

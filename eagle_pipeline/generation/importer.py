@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
+from eagle_pipeline.generation.identity import BackendIdentity
 from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
@@ -178,6 +179,7 @@ class _Import:
             quantization=None,
             sampling_json=canonical_json(sampling.to_dict()),
             thinking=bool(sampling.thinking),
+            identity=BackendIdentity.of(backend).to_json(),
         )
         self.matched = self.completed = self.failed = self.dups = 0
         self.errors_by_class: dict[str, int] = {}

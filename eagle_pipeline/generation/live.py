@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from eagle_pipeline.generation.backends import HttpBackend, ParsedResponse, PromptItem
 from eagle_pipeline.generation.budget import SpendLedger
 from eagle_pipeline.generation.client import ChatClient
+from eagle_pipeline.generation.identity import BackendIdentity
 from eagle_pipeline.generation.options import CommitCadence
 from eagle_pipeline.generation.pending import RequestPlan
 from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, response_values
@@ -68,8 +69,9 @@ class _Counters:
     errors_by_class: dict[str, int] = field(default_factory=dict)
 
 
-def row_provenance(dataset: str, spec: BackendSpec, sampling: SamplingSpec) -> RowProvenance:
-    """The fixed columns of every row a live run of `spec` produces."""
+def row_provenance(dataset: str, spec: BackendSpec, sampling: SamplingSpec, identity: BackendIdentity) -> RowProvenance:
+    """The fixed columns of every row a live run of `spec` produces (`identity`: of the configured spec, before a
+    loopback server gave it an endpoint)."""
     q = spec.provider.get("quantizations") if isinstance(spec.provider, dict) else None
     return RowProvenance(
         dataset=dataset,
@@ -81,6 +83,7 @@ def row_provenance(dataset: str, spec: BackendSpec, sampling: SamplingSpec) -> R
         quantization=q[0] if isinstance(q, list) and len(q) == 1 else None,
         sampling_json=canonical_json(sampling.provenance_dict()),
         thinking=bool(sampling.thinking),
+        identity=identity.to_json(),
     )
 
 

@@ -57,6 +57,8 @@ RESPONSES_SCHEMA = pa.schema(
         ("conversation_id", pa.string()),
         ("turn_index", pa.int32()),
         ("conversation_end", pa.string()),
+        # What served the row (generation/identity.py): a row counts for a dataset only while this matches its backend.
+        ("backend_identity", pa.string()),
     ]
 )
 
@@ -99,6 +101,7 @@ class RowProvenance:
     quantization: str | None
     sampling_json: str
     thinking: bool
+    identity: str | None = None  # `BackendIdentity.to_json()`; None: rows outside a dataset's store (CLI files)
 
 
 def response_values(
@@ -156,6 +159,7 @@ def response_values(
         item.conversation_id,
         item.turn_index,
         conversation_end,
+        prov.identity,
     )
 
 

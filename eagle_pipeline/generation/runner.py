@@ -28,6 +28,7 @@ from eagle_pipeline.generation import store
 from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
 from eagle_pipeline.generation.budget import SpendLedger
 from eagle_pipeline.generation.client import ChatClient
+from eagle_pipeline.generation.identity import BackendIdentity
 from eagle_pipeline.generation.importer import import_responses
 from eagle_pipeline.generation.live import LiveRun, row_provenance
 from eagle_pipeline.generation.options import CommitCadence, RunOptions
@@ -96,6 +97,7 @@ async def _generate_live(
     sampling: SamplingSpec,
     sink: ShardSink,
     render_prompt_ids: RenderPromptIds | None,
+    identity: BackendIdentity,
     ledger: SpendLedger,
     cadence: CommitCadence,
     progress: Callable[[ProgressEvent], None] | None,
@@ -109,7 +111,7 @@ async def _generate_live(
                 plan=plan,
                 backend=spec,
                 http_backend=make_backend(spec, sampling, render_prompt_ids),
-                provenance=row_provenance(dataset, spec, sampling),
+                provenance=row_provenance(dataset, spec, sampling, identity),
                 sink=sink,
                 redact=Redactor([key] if key else []),
                 ledger=ledger,
@@ -191,6 +193,7 @@ async def agenerate_dataset(
     errors_dir: Path,
     options: RunOptions | None = None,
     render_prompt_ids: RenderPromptIds | None = None,
+    usage_tokenizer: str | None = None,
     run_budget: SharedSpend | None = None,
     progress: Callable[[ProgressEvent], None] | None = None,
 ) -> GenerationSummary:
@@ -208,7 +211,19 @@ async def agenerate_dataset(
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
         recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
         # One read of the shards serves the plan, its progress counts and the spend ledger.
-        committed = store.read_committed(out_dir)
+        # Rows another backend produced (another kind, model, endpoint class, or simulated usage counted with another
+        # tokenizer: generation/identity.py) stay on disk but answer nothing: their prompts are requested again.
+        identity = BackendIdentity.of(backend, usage_tokenizer)
+        committed = store.read_committed(out_dir, identity)
+        if committed.mismatched:
+            log.warning(
+                "[%s] committed rows that do not count for backend %r (%s): %s; kept on disk, their prompts are "
+                "requested again",
+                dataset,
+                backend.name,
+                identity.describe(),
+                committed.mismatched,
+            )
         plan = plan_requests(prompts, committed, opts.limit, regenerate=opts.regenerate)
         committed_usd = committed.spend_usd
         del committed  # its rows and done set are not needed past the plan: not held for the whole run
@@ -239,6 +254,7 @@ async def agenerate_dataset(
                     sampling=sampling,
                     sink=sink,
                     render_prompt_ids=render_prompt_ids,
+                    identity=identity,
                     ledger=SpendLedger(committed_usd=committed_usd, budget_usd=opts.budget_usd, run_budget=shared),
                     cadence=opts,
                     progress=progress,

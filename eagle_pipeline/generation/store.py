@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_pipeline.generation import answer_log
+from eagle_pipeline.generation.identity import BackendIdentity, counting_identities
 from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA, ColumnBuffer
 from eagle_pipeline.shared import storage
 
@@ -81,20 +82,23 @@ def answered_ids(table: pa.Table) -> set[str]:
 
 
 # What a run's start needs of every committed row: the prompts answered, the spend, the conversations to continue.
-COMMITTED_COLUMNS = ("sample_id", "cost_usd", *_CONVERSATION_COLUMNS)
+COMMITTED_COLUMNS = ("sample_id", "cost_usd", *_CONVERSATION_COLUMNS, "backend_identity")
 
 
 @dataclass(frozen=True)
 class CommittedState:
     """A dataset's committed rows as a run's start needs them, from one read of each shard (`read_committed`): the
     prompts they answer, the dataset's spend, the conversations to continue, and the rows themselves (counted by
-    `coverage.current_row_count`)."""
+    `coverage.current_row_count`). Read for a backend identity, only the rows it produced answer prompts (`rows`,
+    `answered`, the conversations); the others are described in `mismatched` and still count in the spend."""
 
     out_dir: Path
     shards: tuple[tuple[Path, pa.Table], ...]  # each committed shard and its COMMITTED_COLUMNS, in commit order
     rows: pa.Table  # every committed row's COMMITTED_COLUMNS, in commit order (those an older shard lacks: null)
     answered: set[str]  # `answered_ids` of the rows
     spend_usd: float  # the dataset's committed spend (`read_committed`)
+    counting: frozenset[str] | None = None  # the `backend_identity` values whose rows count (None: every row)
+    mismatched: str = ""  # `identity.mismatch_report` of the rows that do not count ('' when every row counts)
 
     def open_conversations(self, wanted: set[str]) -> dict[str, tuple[int, dict[str, Any]]]:
         """The regenerated conversations of `wanted` (not answered: `answered_ids`) with committed turns: conversation
@@ -110,8 +114,9 @@ class CommittedState:
         for p, t in self.shards:
             if "conversation_id" not in t.column_names:
                 continue
+            ids = t.column("backend_identity").to_pylist() if "backend_identity" in t.column_names else [None] * len(t)
             for i, (c, k) in enumerate(zip(*(t.column(n).to_pylist() for n in cols))):
-                if c in wanted:
+                if c in wanted and (self.counting is None or ids[i] in self.counting):
                     turns.setdefault(c, {})[int(k)] = (p, i)
         wanted_rows: dict[Path, list[tuple[str, int, int]]] = {}  # shard -> (conversation, last turn, row), read once
         for c, by_turn in turns.items():
@@ -132,9 +137,10 @@ class CommittedState:
         return out
 
 
-def read_committed(out_dir: str | os.PathLike) -> CommittedState:
+def read_committed(out_dir: str | os.PathLike, identity: BackendIdentity | None = None) -> CommittedState:
     """The committed rows of `out_dir` (their COMMITTED_COLUMNS, each shard read once), what they answer
-    (`answered_ids`), and the dataset's committed spend (for its budgets across resumes).
+    (`answered_ids`; with `identity`, only the rows that backend produced: `identity.matching_identities`), and the
+    dataset's committed spend (for its budgets across resumes).
 
     The spend counts retired rows too (`retired_spend`): money spent stays spent when its rows are archived; and the
     answers in an answer log a killed run left that no shard holds yet (the next run of the dataset commits them),
@@ -147,18 +153,26 @@ def read_committed(out_dir: str | os.PathLike) -> CommittedState:
         rows = pa.schema([RESPONSES_SCHEMA.field(c) for c in COMMITTED_COLUMNS]).empty_table()
     spend = float(pc.sum(rows.column("cost_usd")).as_py() or 0.0)
     logged = _logged_spend(out_dir, set(rows.column("sample_id").to_pylist()))
+    counting, mismatched = None, ""
+    if identity is not None:
+        values, mismatched = counting_identities(identity, rows.column("backend_identity"))
+        rows = rows.filter(pc.is_in(rows.column("backend_identity"), value_set=values))
+        counting = frozenset(values.to_pylist())
     return CommittedState(
         out_dir=Path(out_dir),
         shards=shards,
         rows=rows,
         answered=answered_ids(rows),
         spend_usd=spend + logged + retired_spend(out_dir),
+        counting=counting,
+        mismatched=mismatched,
     )
 
 
-def committed_sample_ids(out_dir: str | os.PathLike) -> tuple[set[str], float]:
-    """The prompts answered by committed rows and the dataset's committed spend (`read_committed`)."""
-    state = read_committed(out_dir)
+def committed_sample_ids(out_dir: str | os.PathLike, identity: BackendIdentity | None = None) -> tuple[set[str], float]:
+    """The prompts answered by committed rows (of `identity`'s backend, when given) and the dataset's committed spend
+    (`read_committed`)."""
+    state = read_committed(out_dir, identity)
     return state.answered, state.spend_usd
 
 
@@ -317,21 +331,27 @@ def _read_parts(directory: str | os.PathLike, schema: pa.Schema) -> pa.Table:
 def read_responses(out_dir: str | os.PathLike) -> pa.Table:
     """All committed response shards, concatenated in commit order.
 
-    A sample id appears once by construction; should two shards ever hold the same id (e.g. shards copied in by hand),
-    the first is kept and the count of dropped rows is logged and stored in the schema metadata `duplicates_dropped`.
+    A sample id appears once per backend identity by construction (a prompt is requested again only when the rows
+    of it on disk came from another backend: generation/identity.py); should two shards ever hold the same pair (e.g.
+    shards copied in by hand), the first is kept and the count of dropped rows is logged and stored in the schema
+    metadata `duplicates_dropped`.
     """
     table = _read_parts(out_dir, RESPONSES_SCHEMA)
     dropped = 0
-    if table.num_rows and pc.count_distinct(table.column("sample_id")).as_py() < table.num_rows:
-        seen: set[str] = set()
+    pair = ["sample_id", "backend_identity"]
+    if table.num_rows and table.select(pair).group_by(pair).aggregate([]).num_rows < table.num_rows:
+        keys = list(zip(*(table.column(c).to_pylist() for c in pair)))
+        seen: set[tuple[str, str | None]] = set()
         keep = []
-        for i, sid in enumerate(table.column("sample_id").to_pylist()):
-            if sid not in seen:
-                seen.add(sid)
+        for i, key in enumerate(keys):
+            if key not in seen:
+                seen.add(key)
                 keep.append(i)
         dropped = table.num_rows - len(keep)
         table = table.take(pa.array(keep, type=pa.int64()))
-        log.warning("%s: dropped %d duplicate response rows (kept the first of each sample_id)", out_dir, dropped)
+        log.warning(
+            "%s: dropped %d duplicate response rows (kept the first of each sample_id and backend)", out_dir, dropped
+        )
     return table.replace_schema_metadata({"duplicates_dropped": str(dropped)})
 
 

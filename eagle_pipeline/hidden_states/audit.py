@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -392,17 +392,27 @@ def audit_shard_cached(
     return results
 
 
-def summarize_audits(out_dir: str | Path) -> dict[str, Any]:
-    """Per-dataset and per-shard summary of every stored shard audit: teacher agreement (position-weighted),
-    norm statistics, and which shards and samples failed which check."""
+def summarize_audits(out_dir: str | Path, shard_indices: Iterable[int]) -> dict[str, Any]:
+    """Per-dataset and per-shard summary of the stored audits of the shards `shard_indices` (the current ones):
+    teacher agreement (position-weighted), norm statistics, and which shards and samples failed which check.
+
+    Only an audit of the shard's present bytes counts: audits of superseded shards, and of shards beyond the current
+    merged table, stay in `audit/` but never reach the summary. A shard without one is listed in `unaudited_shards`."""
     from ..shared.storage import read_json
 
     per_ds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     shards: dict[str, Any] = {}
     failing: dict[str, list[str]] = defaultdict(list)
-    for path in sorted((Path(out_dir) / "audit").glob("shard-*.audit.json")):
-        checks = read_json(path)["checks"]
+    unaudited: list[str] = []
+    for index in shard_indices:
+        path = audit_path(out_dir, index)
         shard = path.name.split(".")[0]
+        stored = read_json(path) if path.exists() else None
+        current = read_index_meta(shard_paths(out_dir, index)[1])["sha256"]
+        if stored is None or stored.get("key", {}).get("shard_sha256") != current:
+            unaudited.append(shard)
+            continue
+        checks = stored["checks"]
         teacher = checks["teacher_agreement"]["metrics"]
         for ds, d in teacher.get("per_dataset", {}).items():
             per_ds[ds][0] += round(d["agreement"] * d["positions"])
@@ -420,6 +430,7 @@ def summarize_audits(out_dir: str | Path) -> dict[str, Any]:
         "per_dataset_positions": {ds: p for ds, (_a, p) in sorted(per_ds.items())},
         "shards": shards,
         "failing_shards_per_check": dict(failing),
+        "unaudited_shards": unaudited,
     }
 
 

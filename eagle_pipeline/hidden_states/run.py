@@ -237,7 +237,7 @@ def export_for_trainers(
         "specforge_jsonl": spec.to_dict(),
         "hf_parquet": hf.to_dict(),
         **{name: e.to_dict() for name, e in exported.items()},
-        "hidden_state_audit": summarize_audits(root.hidden_states_dir),
+        "hidden_state_audit": summarize_audits(root.hidden_states_dir, [s.shard_index for s in states]),
         "hidden_states_dir": str(root.hidden_states_dir),
         "hidden_state_shards": shard_keys,
         "draft_vocab_dir": str(root.draft_vocab_dir),

@@ -226,3 +226,75 @@ def test_an_overbilling_providers_rows_keep_failing_until_retired_and_their_spen
     assert len(list((root.responses_dir("B1") / "retired").iterdir())) == 2
     assert committed_sample_ids(root.responses_dir("B1"))[1] == pytest.approx(ledger, rel=1e-12)
     assert _schedule(instance) == ["B1"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_simulated_dataset_switched_to_a_real_backend_keeps_none_of_its_simulated_rows(
+    pipeline_config, instance, tmp_path, monkeypatch
+):
+    """quickstart.md §3: copy pipeline.yaml, set `backend: openrouter`, keep limit and max_tokens. The simulated
+    answers on disk must not count as the real backend's: the dataset is not reported answered, and the merge
+    (which passed on them before) refuses to use them."""
+    path = pipeline_config(datasets=("B1",), limit=4)
+    defs = build_defs()
+    root = DataRoot(tmp_path / "data")
+    assert _run(defs, instance).success
+    assert _run(defs, instance, job="EAGLE_merge", partition_key=None).success
+
+    raw = yaml.safe_load(path.read_text())
+    # A real backend that cannot be reached (nothing listens on the port): every request fails at once.
+    endpoint = f"http://127.0.0.1:{_free_port()}/api/v1"
+    raw["backends"]["openrouter"].update(endpoint=endpoint, max_retries=0, timeout_s=5)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    _edit(path, backend="openrouter")
+    monkeypatch.setenv("OPENROUTER_API_KEY", "test-key-not-a-secret")
+    assert _schedule(instance) == ["B1"]  # incomplete before any run: the stored rows are another backend's
+    result = _run(defs, instance)
+    assert not result.success
+    meta = _responses_meta(instance)
+    assert (meta["current_prompts"], meta["current_prompts_answered"]) == (4, 0)
+    assert meta["requested_this_run"] == 4  # the simulated answers were not taken as the real backend's
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    message = failure.event_specific_data.error.message
+    assert failure.step_key == "token_samples" and "0/4 current prompts answered" in message
+    assert "4 row(s) from simulated moonshotai/kimi-k2.5 at loopback" in message and "kind: simulated" in message
+
+    merge = _run(defs, instance, job="EAGLE_merge", partition_key=None)
+    assert not merge.success
+    refusal = next(e for e in merge.all_events if e.is_step_failure).event_specific_data.error.message
+    assert "B1/responses: 4 of 4 token samples were built from rows that no longer count" in refusal
+    assert read_responses(root.responses_dir("B1")).num_rows == 4  # kept on disk, never merged
+
+
+def test_switching_to_the_real_tokenizer_regenerates_the_simulated_rows_and_every_audit_passes(
+    pipeline_config, instance, tmp_path, kimi_dir
+):
+    """`make demo`, then EAGLE_KIMI_TOKENIZER_DIR, then `make demo`: the simulated answers' usage was counted with
+    the demo tokenizer, so the real one's billing audit would refuse them; they are free, and are asked again."""
+    path = pipeline_config(datasets=("B1", "B6"), limit=4)
+    raw = yaml.safe_load(path.read_text())
+    raw["target"]["tokenizer"] = "demo"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    defs = build_defs()
+    root = DataRoot(tmp_path / "data")
+    for ds in ("B1", "B6"):
+        assert _run(defs, instance, partition_key=ds).success
+
+    raw["target"]["tokenizer"] = str(kimi_dir)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert _schedule(instance) == ["B1", "B6"]
+    for ds in ("B1", "B6"):
+        result = _run(defs, instance, partition_key=ds)
+        checks = _checks(result)
+        assert result.success and checks and all(checks.values()), (ds, checks)
+        assert _responses_meta(instance)["requested_this_run"] == 4
+        assert read_responses(root.responses_dir(ds)).num_rows == 8  # the demo tokenizer's rows stay on disk
+    assert _run(defs, instance, job="EAGLE_merge", partition_key=None).success
+    assert "every dataset is complete" in _schedule(instance)

@@ -208,10 +208,34 @@ def test_cached_audit_and_per_dataset_summary(normed_model, texts, merged_factor
     assert not strict["teacher_agreement"].passed and path.stat().st_mtime_ns != stamp  # new settings, new audit
     audit_shard_cached(hs, 0, merged, expected_aux_layers=None, judgement=JUDGE)
     audit_shard_cached(hs, 1, merged, expected_aux_layers=None, judgement=JUDGE)
-    summary = summarize_audits(hs)
+    summary = summarize_audits(hs, [0, 1])
     assert summary["per_dataset_top1_agreement"] == {"G1": 1.0, "G2": 1.0}
     assert sum(summary["per_dataset_positions"].values()) == sum(sum(r["loss_mask"][1:]) for r in texts)
     assert set(summary["shards"]) == {"shard-00000", "shard-00001"} and summary["failing_shards_per_check"] == {}
+    assert summary["unaudited_shards"] == []
+
+
+def test_the_audit_summary_reads_only_the_audits_of_the_current_shards(normed_model, texts, merged_factory, tmp_path):
+    """Issue 32, defect 7: audits stay in `audit/` after their shard is superseded or falls beyond a smaller merged
+    table; the export manifest's summary must not carry them."""
+    from eagle_pipeline.hidden_states.audit import audit_path, audit_shard_cached, summarize_audits
+
+    merged = merged_factory(texts)
+    hs = tmp_path / "hs"
+    for shard in range(2):
+        extract_shard(normed_model, merged, shard_index=shard, shard_size=5, out_dir=hs)
+        audit_shard_cached(hs, shard, merged, expected_aux_layers=None, judgement=JUDGE, min_top1=1.01)  # fails
+    # The table shrinks to one shard, extracted again (other rows): shard 1's audit and shard 0's old audit remain.
+    smaller = merged_factory(texts[:3])
+    extract_shard(normed_model, smaller, shard_index=0, shard_size=5, out_dir=hs, force=True)
+    assert audit_path(hs, 1).exists() and audit_path(hs, 0).exists()
+    summary = summarize_audits(hs, [0])
+    assert summary["shards"] == {} and summary["failing_shards_per_check"] == {}
+    assert summary["unaudited_shards"] == ["shard-00000"] and summary["per_dataset_positions"] == {}
+    audit_shard_cached(hs, 0, smaller, expected_aux_layers=None, judgement=JUDGE)
+    summary = summarize_audits(hs, [0])
+    assert set(summary["shards"]) == {"shard-00000"} and summary["failing_shards_per_check"] == {}
+    assert summary["unaudited_shards"] == []
 
 
 @pytest.mark.parametrize("final_state", ["pre_norm", "post_norm"])
