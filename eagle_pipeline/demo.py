@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_pipeline.config import DEFAULT_CONFIG, load_config
+from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from eagle_pipeline.shared.storage import DataRoot, read_json
 
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-dagster-home", action="store_true", help="prepare and print $DAGSTER_HOME, then exit")
     args = parser.parse_args(argv)
     if args.print_dagster_home:
-        print(prepare_dagster_home(DataRoot(load_config().data_root)))
+        try:
+            cfg = load_config()
+        except ConfigError as exc:  # `make ui` ends on this message: the problems, not a traceback above them
+            print(f"ConfigError: {exc}", file=sys.stderr)
+            return 2
+        print(prepare_dagster_home(DataRoot(cfg.data_root)))
         return 0
     return run_demo()
 
