@@ -389,3 +389,28 @@ def test_make_ui_with_a_configuration_typo_ends_on_the_config_error(tmp_path):
     assert "DAGSTER_HOME" not in done.stdout + done.stderr and "Traceback" not in done.stderr
     assert lines[-2].startswith("ConfigError: ") and "1 problem(s)" in lines[-2]
     assert lines[-1].startswith("  - data_rooot: unknown key") and lines[-1].endswith(f"(line {line_no})")
+
+
+def test_the_demo_summary_lists_blocking_gates_apart_from_findings_that_only_warn():
+    from eagle_pipeline.demo import _audit_findings
+
+    def gate(failing, action, blocking=False):
+        return {"failing": failing, "checked": 24, "action": action, "blocking": blocking}
+
+    report = {
+        "passed": False,
+        "gates": {
+            "billing_agreement": gate(24, "block", blocking=True),
+            "single_eot": gate(0, "block"),
+            "not_truncated": gate(2, "filter"),
+            "prompt_agreement": gate(3, "warn"),
+        },
+    }
+    assert _audit_findings(report) == (
+        "FAIL",
+        "blocked by billing_agreement 24 of 24; not_truncated 2 (filter); prompt_agreement 3 (warn)",
+    )
+    assert _audit_findings({"passed": True, "gates": {"prompt_agreement": gate(3, "warn")}}) == (
+        "pass",
+        "prompt_agreement 3 (warn)",
+    )
