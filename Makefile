@@ -80,9 +80,10 @@ validate: venv
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
 
 ui: venv
-	@# The pools of pipeline.yaml exist (with their limits) before the first run uses them.
-	export DAGSTER_HOME=$$($(PY) -m eagle_pipeline.demo --print-dagster-home) && $(PY) -m eagle_pipeline.defs.pools \
-		&& $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	@# `export X=$$(cmd)` succeeds when cmd fails: the assignment alone carries cmd's status, so a configuration error
+	@# stops here, last on screen. The pools of pipeline.yaml exist (with their limits) before the first run uses them.
+	home=$$($(PY) -m eagle_pipeline.demo --print-dagster-home) && export DAGSTER_HOME="$$home" \
+		&& $(PY) -m eagle_pipeline.defs.pools && exec $(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: venv
 	$(PY) benchmarks/bench_reconstruct.py

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_pipeline.config import DEFAULT_CONFIG, load_config
+from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from eagle_pipeline.shared.storage import DataRoot, read_json
 
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
@@ -47,7 +47,7 @@ def run_demo() -> int:
     instance = dg.DagsterInstance.get()
     ensure_pool_limits(instance, cfg.pools.limits())  # the UI's Concurrency page lists them from the start
     t0 = time.monotonic()
-    failures: list[str] = []
+    failures: dict[str, str] = {}  # run label -> its first failed step and that step's message
 
     def run(job_name: str, partition_key: str | None = None) -> bool:
         label = f"{job_name}[{partition_key}]" if partition_key else job_name
@@ -56,12 +56,14 @@ def run_demo() -> int:
             instance=instance, partition_key=partition_key, raise_on_error=False, run_config=QUIET
         )
         if not result.success:
-            failures.append(label)
             for event in result.all_events:
                 if event.is_step_failure:
                     error = event.step_failure_data.error
                     message = error.message.strip() if error is not None else "no error recorded"
+                    message = message.removeprefix("dagster._core.definitions.events.Failure: ")
                     print(f"    step failed: {event.step_key}: {message[:500]}")
+                    failures.setdefault(label, f"{event.step_key} failed: {message.splitlines()[0][:160]}")
+            failures.setdefault(label, "failed")
         return result.success
 
     for ds in cfg.dataset_names:
@@ -75,7 +77,7 @@ def run_demo() -> int:
     return 1 if failures else 0
 
 
-def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> None:
+def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str]) -> None:
     import pyarrow.parquet as pq
 
     from eagle_pipeline.generation.coverage import dataset_coverage, prompt_sample_ids
@@ -88,19 +90,18 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
     label = "DEMO tokenizer (set EAGLE_KIMI_TOKENIZER_DIR for the real Kimi one)" if tok.kind == "demo" else tok.source
     print(f"tokenizer: {tok.name} [{tok.kind}] {label}")
     print("generation: SIMULATED OpenRouter-format loopback server (no API key, no spend)\n")
-    print(f"{'dataset':<8}{'responses':>10}{'tokens rows':>12}{'audit':>8}  failing gates")
+    # One heading word per column: answered = responses to the current prompts, token_samples = its audited rows.
+    print(f"{'dataset':<8}{'answered':>9}{'token_samples':>15}{'audit':>7}  findings")
     for ds in cfg.dataset_names:
-        ids = prompt_sample_ids(root.prompts(ds))
+        ids = prompt_sample_ids(root.prompts(ds)) if root.prompts(ds).exists() else []
         # Responses to the current prompts, by the configured backend (generation/identity.py).
         n_resp = dataset_coverage(ds, ids, root.responses_dir(ds), dataset_identity(cfg, ds, tok)).answered
         n_tok = pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0
-        verdict, failing = "-", ""
+        verdict, findings = "-", failures.get(f"EAGLE_dataset[{ds}]", "")
         if root.audit_report(ds).exists():
-            report = read_json(root.audit_report(ds))
-            bad = [f"{name}({g['failing']})" for name, g in report["gates"].items() if g["failing"]]
-            verdict = "pass" if report.get("passed") else "FAIL"
-            failing = ", ".join(bad)
-        print(f"{ds:<8}{n_resp:>10}{n_tok:>12}{verdict:>8}  {failing}")
+            verdict, audit_findings = _audit_findings(read_json(root.audit_report(ds)))
+            findings = "; ".join(f for f in (findings, audit_findings) if f)
+        print(f"{ds:<8}{n_resp:>9}{n_tok:>15}{verdict:>7}  {findings}")
     manifest = root.merged_dir / "manifest.json"
     if manifest.exists():
         m = read_json(manifest)
@@ -116,11 +117,25 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: list[str]) -> N
         if export.exists():
             e = read_json(export)
             extra = e["extra"].get("args") or e["extra"]["config"]["data.hidden_states_path"]
-            print(f"  {name}: {e['rows']} rows, final state {e['final_state']}; {extra}")
+            rows = ", ".join(f"{n} {split}" for split, n in sorted(e["rows"].items(), key=lambda kv: kv[0] != "train"))
+            print(f"  {name}: {rows} rows, final state {e['final_state']}; {extra}")
     if failures:
         print(f"\nFAILED runs: {', '.join(failures)}")
     print("\nOpen the Dagster UI on these runs:  make ui   (then http://127.0.0.1:3000)")
     print("=" * 78)
+
+
+def _audit_findings(report: dict) -> tuple[str, str]:
+    """The audit column and what it found, for people: the gates that block by their counts, then the gates that
+    only filtered or warned, apart (a warn-only gate is not a failing gate)."""
+    blocks, others = [], []
+    for name, g in report["gates"].items():
+        if g.get("blocking"):
+            blocks.append(f"{name} {g['failing']} of {g['checked']}")
+        elif g["failing"]:
+            others.append(f"{name} {g['failing']} ({g['action']})")
+    parts = ([f"blocked by {', '.join(blocks)}"] if blocks else []) + others
+    return ("pass" if report.get("passed") else "FAIL"), "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-dagster-home", action="store_true", help="prepare and print $DAGSTER_HOME, then exit")
     args = parser.parse_args(argv)
     if args.print_dagster_home:
-        print(prepare_dagster_home(DataRoot(load_config().data_root)))
+        try:
+            cfg = load_config()
+        except ConfigError as exc:  # `make ui` ends on this message: the problems, not a traceback above them
+            print(f"ConfigError: {exc}", file=sys.stderr)
+            return 2
+        print(prepare_dagster_home(DataRoot(cfg.data_root)))
         return 0
     return run_demo()
 

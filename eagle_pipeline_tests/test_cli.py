@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -363,3 +365,52 @@ def test_retire_responses_refuses_a_dataset_without_responses_naming_the_directo
     assert result.returncode == 2
     assert f"{tmp_path.resolve() / 'responses' / 'B9'}: no committed responses for dataset 'B9'" in result.stderr
     assert "retire-responses" in run_cli("--help").stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_ui_with_a_configuration_typo_ends_on_the_config_error(tmp_path):
+    """`make ui` stops at the first failing step; before, `export DAGSTER_HOME=$(...)` hid it and the last line on
+    screen was Dagster's advice to export DAGSTER_HOME."""
+    (tmp_path / "data").symlink_to(ROOT / "data")  # the file's relative prompt paths resolve beside it
+    text = (ROOT / "pipeline.yaml").read_text()
+    line_no = text[: text.index("\ndata_root:")].count("\n") + 2
+    (tmp_path / "pipeline.yaml").write_text(text.replace("\ndata_root:", "\ndata_rooot:", 1))
+    venv = Path(sys.prefix)  # this interpreter's environment; `-o venv`: not rebuilt by the test
+    done = subprocess.run(
+        ["make", "-s", "-o", "venv", "ui", f"VENV={venv}"],
+        cwd=ROOT,
+        env={**os.environ, "EAGLE_PIPELINE_CONFIG": str(tmp_path / "pipeline.yaml")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line and not line.startswith("make: ***")]
+    assert "DAGSTER_HOME" not in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert lines[-2].startswith("ConfigError: ") and "1 problem(s)" in lines[-2]
+    assert lines[-1].startswith("  - data_rooot: unknown key") and lines[-1].endswith(f"(line {line_no})")
+
+
+def test_the_demo_summary_lists_blocking_gates_apart_from_findings_that_only_warn():
+    from eagle_pipeline.demo import _audit_findings
+
+    def gate(failing, action, blocking=False):
+        return {"failing": failing, "checked": 24, "action": action, "blocking": blocking}
+
+    report = {
+        "passed": False,
+        "gates": {
+            "billing_agreement": gate(24, "block", blocking=True),
+            "single_eot": gate(0, "block"),
+            "not_truncated": gate(2, "filter"),
+            "prompt_agreement": gate(3, "warn"),
+        },
+    }
+    assert _audit_findings(report) == (
+        "FAIL",
+        "blocked by billing_agreement 24 of 24; not_truncated 2 (filter); prompt_agreement 3 (warn)",
+    )
+    assert _audit_findings({"passed": True, "gates": {"prompt_agreement": gate(3, "warn")}}) == (
+        "pass",
+        "prompt_agreement 3 (warn)",
+    )

@@ -79,7 +79,6 @@ def test_invalid_config_lists_every_problem_with_its_path(tmp_path):
         "backends.or.api_key_env: required",
         "backends.weird.kind: must be one of",
         "backends.weird.provider.favourite",
-        "datasets[0].prompts: file not found",
         "datasets[0].backend: unknown backend 'nope'",
         "datasets[0].limit: must be >= 1",
         "datasets[1].name: duplicate dataset name 'B1'",
@@ -254,9 +253,23 @@ def test_problems_name_their_line_in_file_order(tmp_path):
         load_config(p)
     assert exc.value.problems == [
         "backends.sim.concurrency: must be >= 1 (line 7)",
-        f"datasets[0].prompts: file not found: {tmp_path / 'nowhere.jsonl'} (line 10)",
         "datasets[0].sampling.temperature: expected int/float, got str 'hot' (line 14)",
     ]
+
+
+def test_a_missing_prompts_file_is_the_datasets_problem_not_the_files(tmp_path):
+    """The file loads (the code location, `plan` and the other datasets need it); the dataset names its problem."""
+    p = tmp_path / "pipeline.yaml"
+    (tmp_path / "here.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    p.write_text(
+        "target:\n  tokenizer: demo\n"
+        "backends:\n  sim:\n    kind: simulated\n    model: m\n"
+        "datasets:\n  - name: B1\n    prompts: here.jsonl\n    domain: coding\n    backend: sim\n"
+        "  - name: B2\n    prompts: nowhere.jsonl\n    domain: coding\n    backend: sim\n"
+    )
+    cfg = load_config(p)
+    assert cfg.prompts_problem("B1") is None
+    assert cfg.prompts_problem("B2") == f"datasets[1].prompts: file not found: {tmp_path / 'nowhere.jsonl'} (line 13)"
 
 
 # docs/configuration.md section heading -> the class whose fields it documents.

@@ -68,7 +68,7 @@ def audit_failure_summary(dataset: str, name: str, gate: Mapping[str, Any]) -> s
     return (
         f"Audit failed: {name} blocks {dataset}: {gate_counts(gate)}."
         + (f" First failing row: {example}." if example else "")
-        + f" What to do: see docs/audit.md#{name} for the usual causes; fix the data or the configuration, then "
+        + f" What to do: the `{name}` section of docs/audit.md gives its usual causes; fix the data or the configuration, then "
         f"rerun EAGLE_dataset for {dataset}. The merge refuses until every blocking gate passes on {dataset}'s latest "
         "token samples; audit_overview shows every dataset's verdict."
     )
@@ -219,11 +219,25 @@ def refusal_summary(audits: Sequence[DatasetAudit]) -> str:
     """The one paragraph a refused merge starts with: which datasets are unfit, each one's figures, what to do."""
     unfit = [a for a in audits if not a.fit]
     reasons = " ".join(f"{a.dataset}: {a.reason}." for a in unfit)
+    # A dataset with no audited token samples stopped before its audit (a prompt file, the backend): docs/audit.md
+    # has nothing to say about it; its own run's failed step does.
+    audited = [a.dataset for a in unfit if a.gates]
+    unaudited = [a.dataset for a in unfit if not a.gates]
+    fixes = []
+    if audited:
+        fixes.append(
+            f"fix the data or the configuration behind each failing gate of {', '.join(audited)} (docs/audit.md gives "
+            "each gate's usual causes)"
+        )
+    if unaudited:
+        fixes.append(
+            f"for {', '.join(unaudited)}, with no audited token samples, the failed step of its last EAGLE_dataset run "
+            "says what stopped it before the audit (a prompt file, the backend)"
+        )
     return (
         f"Merge refused: {len(unfit)} of {len(audits)} datasets are not fit to merge. {reasons} Nothing was merged. "
-        "What to do: fix each unfit dataset (docs/audit.md gives each gate's usual causes), rerun EAGLE_dataset for it "
-        "so every gate runs on its latest token samples, then run EAGLE_merge again; the audit_overview asset shows "
-        "every dataset's verdict."
+        f"What to do: {'; '.join(fixes)}; rerun EAGLE_dataset for each so every gate runs on its latest token "
+        "samples, then run EAGLE_merge again; the audit_overview asset shows every dataset's verdict."
     )
 
 

@@ -147,6 +147,18 @@ class PipelineConfig(SpecBase):
     def dataset_names(self) -> list[str]:
         return [d.name for d in self.dataset_list]
 
+    def prompts_problem(self, name: str) -> str | None:
+        """`datasets[i].prompts: file not found: PATH (line N)` when dataset `name`'s prompts are not there, as a
+        ConfigError names a problem; None when they are. The file is not read: a malformed one is refused, naming
+        its line, when the dataset's prompts are loaded (`prompts.load_prompt_file`)."""
+        i = self.dataset_names.index(name)
+        where = self.dataset_list[i].prompts
+        if where.exists():
+            return None
+        text = self.source.read_text() if self.source.is_file() else None
+        document = yaml.compose(text, Loader=yaml.SafeLoader) if text else None
+        return describe_problems([(("datasets", i, "prompts"), f"file not found: {where}")], document)[0]
+
     def config_hash(self) -> str:
         """A short hash of the whole configuration (paths included), recorded in manifests."""
         return hashlib.sha256(json.dumps(_jsonable(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -88,6 +88,9 @@ class DatasetConfig(SpecBase):
     label = "dataset"
 
     name: Str
+    # A file, or a folder (Parquet files, a save_to_disk dataset). Whether it is there is asked when the dataset runs
+    # (`PipelineConfig.prompts_problem`), not when the file loads: one missing file must not take down the code
+    # location, the other datasets, or `plan`, which reads no prompts.
     prompts: ResolvedPath
     domain: Str
     backend: Str
@@ -105,13 +108,6 @@ class DatasetConfig(SpecBase):
     def _name_chars(cls, value: str) -> str:
         if not value.replace("_", "").replace("-", "").isalnum():
             raise ValueError("use letters, digits, '-' and '_' only (it becomes a partition key and a file name)")
-        return value
-
-    @_field_validator("prompts")
-    @classmethod
-    def _prompts_exist(cls, value: Path) -> Path:
-        if not value.exists():  # a file, or a folder (Parquet files, a save_to_disk dataset)
-            raise ValueError(f"file not found: {value}")
         return value
 
     @property

@@ -7,6 +7,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_pipeline.config import DatasetConfig, PipelineConfig
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.progress import report_progress
 from eagle_pipeline.defs.resources import PipelineResource
@@ -24,7 +25,7 @@ from eagle_pipeline.generation import (
 from eagle_pipeline.generation.coverage import current_responses
 from eagle_pipeline.generation.identity import tokenizer_label
 from eagle_pipeline.generation.store import committed_sample_ids
-from eagle_pipeline.prompts import dataset_prompts_table
+from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths
 from eagle_pipeline.shared.figures import histogram_markdown
 from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
@@ -40,7 +41,7 @@ from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 def prompts(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     cfg = pipeline.config()
     ds = cfg.datasets[context.partition_key]
-    table = dataset_prompts_table(ds)
+    table = _prompts_table_or_fail(cfg, ds)
     path = write_parquet_atomic(table, pipeline.data_root().prompts(ds.name))
     digest = file_sha256(path)
     with_tools = sum(1 for t in table.column("tools_json").to_pylist() if t)
@@ -56,6 +57,18 @@ def prompts(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg
         },
         data_version=dg.DataVersion(digest[:16]),
     )
+
+
+def _prompts_table_or_fail(cfg: PipelineConfig, ds: DatasetConfig) -> pa.Table:
+    """The dataset's prompts, or a failure of this dataset alone whose message is the problem: a missing file by
+    its line in the configuration, a malformed one by its own file and line (no traceback to read through)."""
+    problem = cfg.prompts_problem(ds.name)
+    if problem is not None:
+        raise dg.Failure(description=f"{ds.name}: {cfg.source}: {problem}", allow_retries=False)
+    try:
+        return dataset_prompts_table(ds)
+    except PromptFileError as exc:
+        raise dg.Failure(description=f"{ds.name}: {exc}", allow_retries=False) from None
 
 
 def provider_token_counters(tok, profile):

@@ -8,6 +8,7 @@ import dagster as dg
 
 from eagle_pipeline.defs.automation import after_checks_pass
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
+from eagle_pipeline.defs.metadata import readable
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.progress import step_progress
 from eagle_pipeline.defs.resources import PipelineResource
@@ -108,8 +109,8 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "dagster/row_count": summary.rows,
             "path": dg.MetadataValue.path(summary.path),
             "tokens": summary.tokens,
-            "padding_fraction": float(summary.padding_fraction),
-            "tokens_per_s": float(summary.tokens_per_s),
+            "padding_fraction": readable(summary.padding_fraction),
+            "tokens_per_s": readable(summary.tokens_per_s),
             "device": run.device,
             "model": h.model,
             "engine": h.engine,
@@ -164,34 +165,41 @@ def _shard_check(spec: ShardCheckSpec) -> dg.AssetChecksDefinition:
         if spec.kind == "structure":
             result = verify_shard(paths.out_dir, shard, paths.merged_dir)[spec.key]
             return dg.AssetCheckResult(
-                passed=bool(result.passed), description=result.detail or None, metadata=_check_counts(result)
+                passed=bool(result.passed),
+                description=result.detail or None,
+                metadata=_check_counts(context.partition_key, result),
             )
         # The semantic audit is computed once per shard and shared by its four checks (hidden_states/audit.py).
         audit = audit_shard_for_settings(pipeline.config().hidden_states, paths, shard)[spec.key]
         return dg.AssetCheckResult(
-            passed=bool(audit.passed), description=audit.detail or None, metadata=_audit_metadata(audit)
+            passed=bool(audit.passed),
+            description=audit.detail or None,
+            metadata=_audit_metadata(context.partition_key, audit),
         )
 
     return _check
 
 
-def _check_counts(result: Any) -> dict[str, Any]:
+def _check_counts(shard: str, result: Any) -> dict[str, Any]:
+    # The numbers carry the shard in their key: Dagster plots a check's numeric metadata over time across all
+    # partitions, so a key shared by every shard would draw them all as one line (token_samples' checks do the same).
     return {
-        "samples_checked": result.checked,
-        "samples_failing": result.failing,
+        "shard": shard,
+        f"shard {shard}: samples checked": result.checked,
+        f"shard {shard}: samples failing": result.failing,
         "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),
     }
 
 
-def _audit_metadata(result: Any) -> dict[str, Any]:
+def _audit_metadata(shard: str, result: Any) -> dict[str, Any]:
     """A semantic check's verdict, counts and figures; the teacher check's agreement per dataset as a table."""
     metadata: dict[str, Any] = {
         "verdict": result.verdict,
-        **_check_counts(result),
+        **_check_counts(shard, result),
         "figures": dg.MetadataValue.json(result.metrics),
     }
     if result.name == "teacher_agreement" and result.metrics.get("top1_agreement") is not None:
-        metadata["top1_agreement"] = float(result.metrics["top1_agreement"])
+        metadata[f"shard {shard}: top-1 agreement"] = readable(result.metrics["top1_agreement"])
         rows = "".join(
             f"| {ds} | {d['agreement']:.3f} | {d['positions']} |\n" for ds, d in result.metrics["per_dataset"].items()
         )

@@ -71,15 +71,24 @@ def incomplete_datasets(pipeline: PipelineResource) -> dict[str, str]:
     """Datasets that need a run, each with the reason (coverage.resume_reason), judged by the sample ids of the
     prompts the configuration asks for now, so a changed limit or seed counts as incomplete."""
     from eagle_pipeline.generation.coverage import resume_reason
-    from eagle_pipeline.prompts import dataset_prompts_table
+    from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table
 
     cfg = pipeline.config()
     root = pipeline.data_root()
     todo = {}
     for name in cfg.dataset_names:
         ds = cfg.datasets[name]
-        ids = dataset_prompts_table(ds).column("sample_id").to_pylist()
-        reason = resume_reason(name, ids, root.responses_dir(name), root.tokens(name), pipeline.backend_identity(name))
+        # A dataset whose prompts cannot be read is launched too: its run fails with the problem, the others go on.
+        reason = cfg.prompts_problem(name)
+        if reason is None:
+            try:
+                ids = dataset_prompts_table(ds).column("sample_id").to_pylist()
+            except PromptFileError as exc:
+                reason = str(exc)
+            else:
+                reason = resume_reason(
+                    name, ids, root.responses_dir(name), root.tokens(name), pipeline.backend_identity(name)
+                )
         if reason is not None:
             todo[name] = reason
     return todo

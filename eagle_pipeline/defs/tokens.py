@@ -8,7 +8,7 @@ from eagle_pipeline.audit.overview import audit_failure_summary, first_failure, 
 from eagle_pipeline.audit.records import audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.defs.automation import after_any_audit
 from eagle_pipeline.defs.generation import responses
-from eagle_pipeline.defs.metadata import records_table
+from eagle_pipeline.defs.metadata import readable, records_table
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.shared.arrow import list_lengths, value_counts
@@ -139,7 +139,7 @@ def gate_check_metadata(dataset: str, result: dict) -> dict:
         "counts": gate_counts(result),
         f"{dataset}: rows checked": result["checked"],
         f"{dataset}: rows failing": result["failing"],
-        f"{dataset}: failure rate": float(result["rate"]),
+        f"{dataset}: failure rate": readable(float(result["rate"])),
         f"{dataset}: rows excluded downstream": result["excluded"],
         "actions_by_origin": dg.MetadataValue.json(result["origin_actions"]),
         "failing_sample_ids": dg.MetadataValue.json(list(result["failing_sample_ids"])),

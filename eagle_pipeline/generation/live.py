@@ -1,5 +1,5 @@
 """The request loop of a live run: a fixed pool of worker coroutines, retries with backoff, account-wide pauses on
-Retry-After, rpm pacing, stops (auth, credits, budget, circuit breaker), periodic commits and progress.
+Retry-After, rpm pacing, stops (auth, credits, an unreachable endpoint, budget, circuit breaker), periodic commits and progress.
 
 `LiveRun` turns each prompt (each turn of a regenerated conversation, `turns`) into one responses row or one
 errors row in the sink; `runner` sets it up and tears it down. The wire format (request bodies, response parsing) is the backend's (`backends`), the transport the client's.
@@ -8,6 +8,7 @@ errors row in the sink; `runner` sets it up and tears it down. The wire format (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -121,6 +122,7 @@ class LiveRun:
         self.stop_detail: str | None = None
         self.inflight = 0
         self.consecutive_failures = 0
+        self.endpoint_answered = False  # any HTTP answer this run, even an error status
         self.pause_until = 0.0
         self.pause_spread_s = 0.0
         self.rpm = _RpmBucket(backend.rpm) if backend.rpm else None
@@ -291,9 +293,11 @@ class LiveRun:
             try:
                 text, parsed = await self.backend.exchange(self.client, item, attempt)
             except RequestFailure as f:
-                last = f
+                last = f = self._unreachable_stops(f)
+                if f.http_status is not None:
+                    self.endpoint_answered = True
                 if f.stop_reason:
-                    self.stop(f.stop_reason, self.redact(f.message) or "")
+                    self.stop(f.stop_reason, f"{self.backend.url}: {self.redact(f.message) or ''}")
                     await self._fail(item, attempt, f)
                     return None
                 if not f.retryable or attempt > self.spec.max_retries:
@@ -311,7 +315,17 @@ class LiveRun:
                     await self.rpm.acquire()
                 continue
             latency = time.perf_counter() - t_attempt
+            self.endpoint_answered = True
             return await self._succeed(item, parsed, text, attempt, started_us, latency)
+
+    def _unreachable_stops(self, f: RequestFailure) -> RequestFailure:
+        """An endpoint this run never reached stops the run at its first unreachable attempt: a name that does not
+        resolve or a port nothing listens on fails every request the same way, and minutes of retries (8 per prompt)
+        would only hide the cause. Once the endpoint has answered, losing it is a fault to retry (a restarting
+        server, a dropped route) like any other connection failure."""
+        if f.error_class != F.UNREACHABLE or self.endpoint_answered:
+            return f
+        return dataclasses.replace(f, retryable=False, stop_reason=F.STOP_UNREACHABLE)
 
     async def _succeed(
         self, item: PromptItem, p: ParsedResponse, text: str, attempts: int, started_us: int, latency: float

@@ -204,11 +204,15 @@ def export_specforge_states(
 
 def train_data_ratio(n_train: int, n_eval: int) -> float | None:
     """speculators' `--train-data-ratio` that puts exactly the first n_train rows in train: int(n * r) = n_train.
-    None when there is no eval row (speculators needs a ratio strictly inside (0, 1))."""
+    None when there is no eval row (speculators needs a ratio strictly inside (0, 1)).
+
+    The middle of the interval that works, [n_train / n, (n_train + 1) / n), to as many decimals as n has digits:
+    off the middle by at most half a unit of the last decimal, less than half the interval, and printed in a
+    command as 0.966 rather than 0.9661458333333334."""
     n = n_train + n_eval
     if n_eval == 0 or n_train == 0:
         return None
-    return (n_train + 0.5) / n
+    return round((n_train + 0.5) / n, len(str(n)))
 
 
 def _speculators_table(merged_dir: str | Path, left_out: set[str]) -> tuple[pa.Table, int]:

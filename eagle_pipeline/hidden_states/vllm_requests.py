@@ -192,7 +192,7 @@ class ShardRequests:
                 if self.log is not None:
                     self.log(f"retrying {where}")
                 asyncio.get_running_loop().call_later(self._backoff(attempt, f), self._requeue, i)
-                if f.error_class in (F.CONNECTION, F.SERVER_ERROR, F.TIMEOUT):
+                if f.error_class in (F.CONNECTION, F.UNREACHABLE, F.SERVER_ERROR, F.TIMEOUT):
                     consecutive += 1  # an endpoint that keeps failing slows down; others take its rows
                     await asyncio.sleep(min(self.backoff_base_s * 2 ** (consecutive - 1), 60.0))
             except Exception as exc:  # a bug or a local I/O error: stop the shard rather than wait for this row

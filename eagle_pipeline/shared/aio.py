@@ -69,7 +69,9 @@ def run_coroutine(make_coro: Callable[[], Any]) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(make_coro())
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle-generation") as ex:
-        return ex.submit(run_coroutine, make_coro).result()
+        pass  # no loop here: the run starts below, outside this handler, so its errors are not chained to this one
+    else:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle-generation") as ex:
+            return ex.submit(run_coroutine, make_coro).result()
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(make_coro())

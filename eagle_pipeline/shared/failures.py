@@ -15,7 +15,8 @@ RATE_LIMIT = "rate_limit"  # 429, in-body rate_limit_exceeded, retryable 402 in-
 SERVER_ERROR = "server_error"  # 5xx
 TIMEOUT = "timeout"  # client-side timeout or HTTP 408
 TRANSIENT_HTTP = "transient_http"  # 409, 425
-CONNECTION = "connection"  # refused, reset, body cut mid-transfer
+CONNECTION = "connection"  # reset, body cut mid-transfer
+UNREACHABLE = "unreachable"  # no connection made: the host name does not resolve, nothing listens, TLS refused
 MALFORMED_BODY = "malformed_body"  # not JSON / not the expected shape
 NO_CHOICES = "no_choices"  # 200 without choices and without an error
 PROVIDER_ERROR = "provider_error"  # 200 with an `error` body, finish_reason 'error', SGLang abort
@@ -35,6 +36,7 @@ STOP_CREDITS = "credits"
 STOP_BUDGET = "budget"
 STOP_CIRCUIT = "circuit_breaker"
 STOP_UNKNOWN_MODEL = "unknown_model"
+STOP_UNREACHABLE = "unreachable"
 
 # vLLM's answer to a model name it does not serve (OpenAIServing._check_model): HTTP 404, error param "model".
 _UNKNOWN_MODEL_MESSAGE = re.compile(r"model .* does not exist", re.IGNORECASE)

@@ -6,7 +6,8 @@ does work proportional to its size (measurements in docs/generation.md).
 
 Timeouts: `timeout_s` bounds connecting and each read (no byte from the server for that long fails the attempt),
 not the whole request: a streamed answer that keeps sending data or keep-alive comments may run as long as it needs.
-`max_request_s` is an optional overall cap. Transport failures become `failures.RequestFailure`.
+`max_request_s` is an optional overall cap. Transport failures become `failures.RequestFailure`; a connection that
+could not be made at all (the name does not resolve, nothing listens) is `UNREACHABLE`, apart from a connection lost.
 """
 
 from __future__ import annotations
@@ -97,6 +98,15 @@ class HttpClient:
         except aiohttp.ClientPayloadError as exc:
             raise RequestFailure(
                 F.CONNECTION, F.truncate(f"response body cut: {type(exc).__name__}: {exc}"), True
+            ) from None
+        except aiohttp.ClientConnectorDNSError as exc:
+            raise RequestFailure(
+                F.UNREACHABLE, F.truncate(f"cannot resolve {exc.host} ({exc.os_error})"), True
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            where = f"{exc.host}:{exc.port}"
+            raise RequestFailure(
+                F.UNREACHABLE, F.truncate(f"cannot connect to {where} ({exc.os_error})"), True
             ) from None
         except aiohttp.ClientResponseError as exc:
             raise RequestFailure(

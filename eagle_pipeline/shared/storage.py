@@ -186,10 +186,12 @@ def iter_jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[int, str, dict
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
+            text = line.rstrip("\r\n")  # with its newline, a line cut short is "line 2, column 1" of the text
             try:
-                obj = json.loads(line)
+                obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield lineno, where, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                end = ", the end of the line" if exc.pos >= len(text.rstrip()) else ""
+                yield lineno, where, None, f"invalid JSON ({exc.msg} at column {exc.pos + 1}{end})"
                 continue
             if not isinstance(obj, dict):
                 yield lineno, where, None, f"expected a JSON object, got {type(obj).__name__}"

@@ -16,6 +16,7 @@ from eagle_pipeline.audit.overview import (
     gate_rows,
     gate_summary,
     grid_markdown,
+    refusal_summary,
 )
 from eagle_pipeline.audit.records import audits_for_merge, current_audit, record_gate_verdict
 from eagle_pipeline.shared.storage import DataRoot, write_parquet_atomic
@@ -91,6 +92,14 @@ def test_the_view_marks_the_over_billed_dataset_unfit_with_its_gate_and_counts(r
     grid = grid_markdown(audits)
     assert "| billing_agreement | pass (0/" in grid and f"| FAIL (blocks) ({billing['failing']}/" in grid
     assert grid.splitlines()[-1] == "| **fit to merge** | **yes** | **NO** |"
+
+    # The refusal sends each unfit dataset where its cause is: a failing gate to docs/audit.md, a dataset that never
+    # reached its audit (its prompts file, its backend) to its own run's failed step.
+    what_to_do = refusal_summary([view["B1"], view["B6"], view["B3"]]).split("What to do: ")[1]
+    assert "failing gate of B6 (docs/audit.md gives" in what_to_do
+    assert "for B3, with no audited token samples, the failed step of its last EAGLE_dataset run" in what_to_do
+    only_unaudited = refusal_summary([view["B1"], view["B3"]])
+    assert "docs/audit.md" not in only_unaudited and "B3: token samples not materialized." in only_unaudited
 
 
 def test_a_stale_audit_makes_the_dataset_unfit_until_its_checks_ran_again(root, demo_tok, demo_ids):

@@ -163,3 +163,18 @@ def test_dagster_definitions_validate_passes():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Validation successful" in proc.stdout + proc.stderr
+
+
+def test_figures_are_rounded_as_people_read_them_and_each_shard_is_its_own_series():
+    from types import SimpleNamespace
+
+    from eagle_pipeline.defs.hidden_states import _check_counts
+    from eagle_pipeline.defs.metadata import readable
+
+    assert readable(0.19072974054353514) == 0.191 and readable(5037.759754778832) == 5038.0
+    assert readable(0.000123456) == 0.000123 and readable(0.0) == 0.0 and readable(float("inf")) == float("inf")
+    # Dagster plots a check's numeric metadata over all partitions: the shard in the key draws one line per shard.
+    result = SimpleNamespace(checked=4, failing=1, failing_sample_ids=["s1"])
+    keys = set(_check_counts("00002", result))
+    assert {"shard 00002: samples checked", "shard 00002: samples failing"} <= keys
+    assert not {"samples_checked", "samples_failing"} & keys

@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import json
 import logging
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -273,6 +274,7 @@ def test_auth_and_credit_failures_stop_cleanly(tmp_path, fault, reason, error_cl
         s = run(prompts, sim_backend(srv.url, concurrency=3), tmp_path, commit_every_rows=1000, commit_every_s=1000)
         seen = srv.total_requests
     assert s.stopped_reason == reason
+    assert s.stopped_detail.startswith(f"{srv.url}/chat/completions: ")  # the endpoint that refused, and why
     assert s.completed == 12  # every answered request before the key broke is kept
     assert 1 <= s.failed <= 3 and s.errors_by_class.get(error_class, 0) >= 1
     assert set(s.errors_by_class) <= {error_class, "cancelled"}
@@ -289,6 +291,38 @@ def test_auth_and_credit_failures_stop_cleanly(tmp_path, fault, reason, error_cl
     assert (s2.already_done, s2.completed, s2.stopped_reason) == (12, 48, None)
     t = read_responses(out)
     assert t.num_rows == 60 and len(set(t.column("sample_id").to_pylist())) == 60
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens on it once the socket is closed
+
+
+@pytest.mark.parametrize(
+    "endpoint,cause",
+    [
+        ("http://eagle-unreachable.invalid/v1", "cannot resolve eagle-unreachable.invalid"),
+        ("http://127.0.0.1:{port}/v1", "cannot connect to 127.0.0.1:{port}"),
+    ],
+    ids=["name_not_resolved", "nothing_listens"],
+)
+def test_an_unreachable_endpoint_stops_the_run_at_its_first_attempts(tmp_path, endpoint, cause):
+    port = _closed_port()
+    endpoint, cause = endpoint.format(port=port), cause.format(port=port)
+    # The default retry policy (8 retries, backoff from 2 s): before, each prompt was tried 9 times for minutes.
+    spec = sim_backend(endpoint, concurrency=4, max_retries=8, backoff_base_s=2.0, backoff_max_s=120.0)
+    t0 = time.monotonic()
+    s = run(make_prompts(30), spec, tmp_path)
+    assert time.monotonic() - t0 < 30  # a guard; the attempts below are what the rule is about
+    assert s.stopped_reason == "unreachable" and s.completed == 0
+    assert s.stopped_detail.startswith(f"{endpoint}/chat/completions: {cause}")
+    e = read_errors(out_dirs(tmp_path)[1])
+    # One attempt per request in flight when the first one failed (4 workers), none after the stop.
+    assert s.requested == s.failed == e.num_rows <= 4
+    assert set(e.column("attempts").to_pylist()) == {1}
+    assert set(e.column("error_class").to_pylist()) <= {"unreachable", "cancelled"}
+    assert len(part_files(out_dirs(tmp_path)[1])) == 1  # the errors of the stop, committed once
 
 
 def test_circuit_breaker_stops_after_consecutive_failures(tmp_path):
@@ -420,9 +454,10 @@ def test_a_server_the_runner_starts_bills_at_the_specs_prices(tmp_path):
 def test_missing_api_key_env_fails_before_any_request(tmp_path, monkeypatch):
     monkeypatch.delenv("EAGLE_TEST_ABSENT_KEY", raising=False)
     with SimulatedOpenRouterServer() as srv:
-        with pytest.raises(RuntimeError, match="EAGLE_TEST_ABSENT_KEY"):
+        with pytest.raises(RuntimeError, match="EAGLE_TEST_ABSENT_KEY") as raised:
             run(make_prompts(2), sim_backend(srv.url, api_key_env="EAGLE_TEST_ABSENT_KEY"), tmp_path)
         assert srv.total_requests == 0
+    assert raised.value.__context__ is None  # one message, not chained to the event-loop probe's RuntimeError
 
 
 def test_stale_temporaries_are_removed_and_runs_are_exclusive(tmp_path):

@@ -11,7 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
-from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
+from eagle_pipeline.hidden_states.trainer_exports import (
+    export_specforge_states,
+    export_speculators_states,
+    train_data_ratio,
+)
 
 from ..tolerances import assert_forwards_close
 from .conftest import VOCAB, make_rows
@@ -263,3 +267,12 @@ def test_a_killed_run_s_temporaries_go_for_its_own_samples_only(tmp_path):
     assert remove_stale_tmp(target, ["a"]) == 1
     assert not mine.exists() and all(p.exists() for p in others)
     assert remove_stale_tmp(target, ["missing-sample"]) == 0
+
+
+def test_the_train_data_ratio_is_short_and_splits_exactly_at_every_size():
+    # Printed in the speculators command: as many decimals as the row count has digits, never a split off by one.
+    assert train_data_ratio(185, 7) == 0.966 and train_data_ratio(3, 0) is None
+    for n in range(2, 1200):
+        for n_train in range(1, n):
+            r = train_data_ratio(n_train, n - n_train)
+            assert int(n * r) == n_train and len(repr(r)) <= len(str(n)) + 2, (n_train, n, r)

@@ -228,7 +228,9 @@ def test_a_server_that_dies_mid_shard(tiny_ds, merged, tmp_path, clean_sha):
         assert 1 <= read_index_meta(s.index_path)["retries"] <= 8
     # One endpoint: a clear error after the retries; a rerun against a restarted server resumes the shard.
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, faults={"die_after_requests": 3}) as c:
-        with pytest.raises(EngineShardError, match=r"shard 00000, merged row \d .*connection"):
+        with pytest.raises(
+            EngineShardError, match=r"shard 00000, merged row \d .*unreachable: cannot connect to 127\.0\.0\.1:"
+        ):
             _engine(merged, tmp_path / "one", [c.url], storage, concurrency=1, max_retries=2)
     assert shard_status(tmp_path / "one", 0) == "missing"
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage) as d:
