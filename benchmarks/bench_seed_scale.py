@@ -798,7 +798,7 @@ def rehearse(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     # the shard stage: a small data root of its own, >= 150 x scale partitions of SHARD_ROWS rows
     n_shards = max(4, round(SEED_SHARDS * args.scale)) if args.scale < 1 else SEED_SHARDS
-    per_ds = math.ceil(n_shards * SHARD_ROWS / len(DATASETS) / 0.95) + 1
+    per_ds = math.ceil(n_shards * SHARD_ROWS / len(DATASETS) / 0.95)  # ~5% of the rows go to the eval split
     shard_root = work / "shard_data"
     shard_cfg = write_config(
         work / "shards.yaml", shard_root, prompts, endpoint=None, concurrency=64, limit=per_ds, shard_size=SHARD_ROWS
