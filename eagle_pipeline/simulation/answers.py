@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -142,6 +143,35 @@ def _value_for(schema: Any, name: str, rng: random.Random, words: list[str], dep
     return " ".join(rng.sample(words, k=min(len(words), rng.randint(1, 3))))
 
 
+@dataclass(frozen=True)
+class AnswerLengths:
+    """Long answers, as a reasoning model writes them: each answer's length (in ~4-byte crude tokens, before any
+    `max_tokens` cut) is drawn per request key from a log-normal of mean `mean_tokens` and shape `sigma`, capped at
+    `cap_tokens`; `reasoning_share` of it is reasoning. The text is the usual templates, repeated with fresh words."""
+
+    mean_tokens: float = 3460.0
+    sigma: float = 0.9
+    cap_tokens: int = 16384
+    reasoning_share: float = 0.8
+
+    def draw(self, key: str) -> int:
+        rng = random.Random(f"length:{key}")
+        mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2)
+        return max(8, min(self.cap_tokens, round(rng.lognormvariate(mu, self.sigma))))
+
+
+def _grow(text: str, target_chars: int, templates: tuple[str, ...], fill: Callable[[str], str]) -> str:
+    parts = [text] if text else []
+    size = len(text)
+    i = 0
+    while size < target_chars:
+        part = fill(templates[i % len(templates)])
+        parts.append(part)
+        size += len(part) + 1
+        i += 1
+    return " ".join(parts)
+
+
 @dataclass
 class Answer:
     reasoning: str
@@ -158,11 +188,14 @@ def synthesize(
     thinking: bool = True,
     tool_call_rate: float = 0.6,
     tool_rounds: int = 0,
+    lengths: AnswerLengths | None = None,
 ) -> Answer:
     """The deterministic answer to one request.
 
     After a tool result the answer calls no tool, unless the conversation has fewer than `tool_rounds` tool results
-    so far (an agent loop of that many rounds: what multi-turn regeneration tests need)."""
+    so far (an agent loop of that many rounds: what multi-turn regeneration tests need). With `lengths`, the
+    reasoning and content are grown to the length drawn for this key (a tool-calling answer grows its reasoning);
+    nothing else changes."""
     rng = random.Random(int(key, 16))
     snippet, words = _topic(messages)
 
@@ -196,8 +229,26 @@ def synthesize(
                 }
             )
         content = "" if rng.random() < 0.5 else f"I'll call {tool_calls[0]['function']['name']} to get that."
-        return Answer(reasoning, content, tool_calls, "tool_calls")
-    return Answer(reasoning, content, [], "stop")
+        return _grown(Answer(reasoning, content, tool_calls, "tool_calls"), key, words, lengths)
+    return _grown(Answer(reasoning, content, [], "stop"), key, words, lengths)
+
+
+def _grown(ans: Answer, key: str, words: list[str], lengths: AnswerLengths | None) -> Answer:
+    """`ans` grown to the length `lengths` draws for `key` (from its own random stream, so that everything else in
+    the answer is what it is without `lengths`): reasoning to its share (all of it for a tool call), content the rest."""
+    if lengths is None:
+        return ans
+    rng = random.Random(f"grow:{key}")
+
+    def fill(t: str) -> str:
+        return t.format(snippet="", w1=rng.choice(words), w2=rng.choice(words), w3=rng.choice(words))
+
+    target_chars = 4 * lengths.draw(key)
+    share = 1.0 if ans.tool_calls else lengths.reasoning_share
+    reasoning_chars = round(target_chars * share) if ans.reasoning else 0
+    reasoning = _grow(ans.reasoning, reasoning_chars, _REASONING[1:], fill) if reasoning_chars else ans.reasoning
+    content = ans.content if ans.tool_calls else _grow(ans.content, target_chars - reasoning_chars, _CONTENT, fill)
+    return Answer(reasoning, content, ans.tool_calls, ans.finish_reason)
 
 
 def tool_history_problem(messages: list) -> str | None:

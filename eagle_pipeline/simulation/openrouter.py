@@ -13,6 +13,7 @@ from aiohttp import web
 
 from eagle_pipeline.simulation.answers import (
     Answer,
+    AnswerLengths,
     CountCompletion,
     CountPrompt,
     crude_completion_tokens,
@@ -38,6 +39,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
     keyword arguments: the silent thinking phase with keep-alives, delta size, delay between chunks); the stream
     faults (`streaming.STREAM_FAULTS`) apply to streamed requests only. Each request waits `latency_s` plus a share
     of `latency_spread_s` fixed by its request key and attempt (answers of varied length), before it is answered.
+    `lengths` (an `AnswerLengths` or its keyword arguments) makes answers as long as a reasoning model's.
     """
 
     base_path = "/api/v1"
@@ -59,6 +61,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         tool_rounds: int = 0,
         model: str | None = None,
         stream: StreamStyle | dict[str, Any] | None = None,
+        lengths: AnswerLengths | dict[str, Any] | None = None,
         port: int = 0,
     ) -> None:
         super().__init__(latency_s=latency_s, faults=faults, port=port)
@@ -73,6 +76,7 @@ class SimulatedOpenRouterServer(LoopbackServer):
         self.tool_call_rate = tool_call_rate
         self.tool_rounds = tool_rounds
         self.stream_style = stream if isinstance(stream, StreamStyle) else StreamStyle(**(stream or {}))
+        self.lengths = lengths if isinstance(lengths, AnswerLengths) or lengths is None else AnswerLengths(**lengths)
 
     async def handle(self, request: web.Request, body: dict[str, Any], at: float) -> web.StreamResponse:
         messages = body.get("messages")
@@ -156,12 +160,10 @@ class SimulatedOpenRouterServer(LoopbackServer):
     def _final_answer(self, body: dict[str, Any], key: str, thinking: bool, q: set[str]) -> Answer:
         """The deterministic answer with this request's quality faults applied and cut to its `max_tokens`."""
         messages, tools = body["messages"], body.get("tools")
-        rounds = self.tool_rounds
-        ans = synthesize(
-            messages, tools, key, thinking=thinking, tool_call_rate=self.tool_call_rate, tool_rounds=rounds
-        )
+        options: dict[str, Any] = {"thinking": thinking, "tool_rounds": self.tool_rounds, "lengths": self.lengths}
+        ans = synthesize(messages, tools, key, tool_call_rate=self.tool_call_rate, **options)
         if "bad_tool_args" in q and tools and not ans.tool_calls:
-            ans = synthesize(messages, tools, key, thinking=thinking, tool_call_rate=1.0, tool_rounds=rounds)
+            ans = synthesize(messages, tools, key, tool_call_rate=1.0, **options)
         if "empty_reasoning" in q:
             ans.reasoning = ""
         if "empty_content" in q and not ans.tool_calls:

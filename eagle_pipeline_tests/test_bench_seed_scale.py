@@ -1,0 +1,71 @@
+"""The seed-scale rehearsal (benchmarks/bench_seed_scale.py) at --scale 0.01: a smoke test that the benchmark runs
+through the real jobs on a real Dagster instance (PostgreSQL when EAGLE_TEST_POSTGRES_URL is set) and that its table
+holds sane figures. It asserts what the run produced and measured, never how fast: times are the benchmark's to
+print (docs/scaling.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+# ~80 s on an idle 2-core machine; the limit leaves room for a machine loaded by other work.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    work = tmp_path_factory.mktemp("seed_scale")
+    out = work / "figures.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_seed_scale.py"), "--scale", "0.01", "--merge-runs", "2"]
+    cmd += ["--work", str(work / "run"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1700)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_every_stage_ran_through_the_real_jobs(rehearsal):
+    stdout, figures = rehearsal
+    stages = {s["name"]: s for s in figures["stages"]}
+    assert list(stages) == ["datasets", "audit_view", "merge", "shards"]
+    assert [r["partition"] for r in stages["datasets"]["runs"]] == [f"B{i}" for i in range(1, 9)]
+    assert all(r["ok"] for s in stages.values() for r in s["runs"])
+    steps = {s["step"] for s in stages["datasets"]["steps"]}
+    assert {"prompts", "responses", "token_samples", "token_samples_round_trip"} <= steps
+    assert {"merged_dataset", "draft_vocab", "hidden_state_plan"} <= {s["step"] for s in stages["merge"]["steps"]}
+    assert len(figures["shard_walls"]) >= 4  # one EAGLE_hidden_states run per shard partition
+    for label in ("datasets: generation", "datasets: reconstruction", "datasets: audit checks", "EAGLE_merge (stage)"):
+        assert label in stdout
+
+
+def test_answers_are_kimi_like_and_all_merged(rehearsal):
+    _, f = rehearsal
+    assert f["answered"] == 8 * 50  # 5,000 x 0.01 prompts per dataset, every one answered
+    assert 2000 < f["streamed_tokens"] / f["answered"] < 6000  # ~3,460 a mean answer, not the demo's few sentences
+    assert 0 < f["finish_length"] / f["answered"] < 0.15  # ~5% cut at max_tokens
+    rows = f["manifest"]["rows_total"]
+    assert 0.8 * f["answered"] <= rows <= f["answered"]  # all but the eval split
+    assert f["manifest"]["tokens_total"] > f["streamed_tokens"] * rows / f["answered"]  # prompts + answers
+
+
+def test_the_table_holds_sane_figures(rehearsal):
+    _, f = rehearsal
+    for row in f["rows"]:
+        assert row["wall_s"] >= 0 and row["cpu_s"] >= 0 and row["written"] >= 0, row
+        assert row["peak_rss"] < 4 * GIB, row
+    by_label = {r["label"]: r for r in f["rows"]}
+    assert by_label["datasets: generation"]["cpu_s"] > 0 and by_label["datasets: generation"]["peak_rss"] > 0
+    assert by_label["simulated server (apart)"]["cpu_s"] > 0  # measured in its own process
+    events = [s["event_rows"] for s in f["stages"]]
+    assert events == sorted(events) and events[0] > 0  # the event log only grows, stage by stage
+    assert all(s["db_bytes"] > 0 for s in f["stages"])
+    assert f["gen_cpu_per_m"] > 0 and f["minimal_cpu_per_m"] > 0
+    assert f["ra_tokens_per_s"] > 0 and f["raw_tokens_per_s"] > 0
+    assert len(f["merge_runs"]) == len(f["plain_runs"]) == 2
+    assert f["shard_ratio"] > 0
