@@ -1,0 +1,95 @@
+"""FP8 (`float8_e4m3fn`) hidden states: quantize with a scale per token per layer, dequantize as speculators does.
+
+speculators' FP8 backend (`hs_connectors/fp8_utils.py`, `transfer.FP8Transfer`, vllm-project/speculators #1028)
+stores `hidden_states` [T, L, H] as e4m3 with fp32 `hidden_states_scales` [T, 1, 1] (one scale per token over all
+layers, `scale = amax / 448`) and loads them as `fp8.to(dtype) * scale.to(dtype)`. That product broadcasts a
+[T, L, 1] scale unchanged, so this module keeps one scale per token **per layer**: an early layer's residual stream
+is far smaller than a late one's, and a shared amax spends the quiet layers' 3 mantissa bits on the loudest layer.
+`benchmarks/bench_fp8.py` measures what each choice loses (docs/hidden_states.md, "FP8 states").
+
+The key names are speculators': `STATES_KEY`, `SCALES_KEY` (and `token_ids` beside them in a sample file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+STATES_KEY = "hidden_states"
+SCALES_KEY = "hidden_states_scales"
+QUANTIZE_NONE, QUANTIZE_FP8 = "none", "fp8"
+QUANTIZE_MODES = (QUANTIZE_NONE, QUANTIZE_FP8)
+
+# e4m3 keeps 3 mantissa bits: round-to-nearest of a normal value errs by at most half a unit in the last place,
+# 2^-4 of the value; below the smallest normal (2^-6) the spacing is the subnormal step 2^-9, so at most 2^-10.
+E4M3_RELATIVE_ERROR = 2.0**-4
+E4M3_ABSOLUTE_ERROR = 2.0**-10
+
+PER_TOKEN = "token"  # speculators': one scale per token over all layers, [T, 1, 1]
+PER_TOKEN_LAYER = "token_layer"  # ours: one scale per token per layer, [T, L, 1]
+GRANULARITIES = (PER_TOKEN, PER_TOKEN_LAYER)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """e4m3 states and the fp32 scales that broadcast against them (`dequantize`)."""
+
+    states: torch.Tensor  # float8_e4m3fn [T, L, H]
+    scales: torch.Tensor  # float32 [T, L, 1] (or speculators' [T, 1, 1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Under speculators' key names."""
+        return {STATES_KEY: self.states, SCALES_KEY: self.scales}
+
+
+def scales_for(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> torch.Tensor:
+    """fp32 scales `amax / 448` of [T, L, H] states: per token per layer [T, L, 1], or per token [T, 1, 1].
+
+    An all-zero row has amax 0: its scale is 1 (finite and > 0, which the state audit requires), and its zeros
+    quantize to zeros exactly.
+    """
+    if states.dim() != 3:
+        raise ValueError(f"FP8 quantization takes hidden states [T, L, H]; got shape {tuple(states.shape)}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"FP8 scale granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
+    dims = (-1,) if granularity == PER_TOKEN_LAYER else (-2, -1)
+    # amax in the states' own dtype is exact (and NaN if any value is), then fp32 for the scale
+    amax = states.detach().abs().amax(dim=dims, keepdim=True).to(SCALE_DTYPE)
+    return torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+
+
+def quantize(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> Quantized:
+    """[T, L, H] states (any float dtype) as e4m3 with fp32 scales; NaN or inf states are refused."""
+    scales = scales_for(states, granularity)
+    if not bool(torch.isfinite(scales).all()):  # amax carries any NaN or inf of its row
+        raise ValueError("FP8 quantization refused: the hidden states hold NaN or inf values")
+    # The clamp only catches fp32 rounding of amax / (amax / 448) a hair above 448 (e4m3fn has no inf).
+    scaled = (states.to(SCALE_DTYPE) / scales).clamp_(-E4M3_MAX, E4M3_MAX)  # a new tensor: fp32 input untouched
+    return Quantized(states=scaled.to(FP8_DTYPE), scales=scales)
+
+
+def dequantize(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """speculators' `FP8Transfer` product: `fp8.to(dtype) * scale.to(dtype)`, scales broadcast."""
+    return states.to(dtype) * scales.to(dtype)
+
+
+def error_bound(original: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The largest |dequantize(quantize(x)) - x| e4m3 allows, elementwise (fp32), for states read back in `dtype`.
+
+    Quantizing errs by at most 2^-4 |x| + 2^-10 s (s the scale); the product in `dtype` rounds the scale and the
+    result once each, adding (2u + u^2) of the dequantized magnitude, u being `dtype`'s unit roundoff.
+    """
+    x = original.to(SCALE_DTYPE).abs()
+    s = scales.to(SCALE_DTYPE)
+    quantized = E4M3_RELATIVE_ERROR * x + E4M3_ABSOLUTE_ERROR * s
+    u = torch.finfo(dtype).eps / 2
+    return quantized + (x + quantized) * (2 * u + u * u)
+
+
+def fp8_nbytes(tokens: int, layers: int, hidden: int) -> int:
+    """Bytes of one sample's FP8 states and their per-token-per-layer fp32 scales (the safetensors payload)."""
+    return tokens * layers * hidden + tokens * layers * torch.finfo(SCALE_DTYPE).bits // 8
