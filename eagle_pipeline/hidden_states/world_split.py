@@ -68,9 +68,9 @@ class RankShare:
     routed_experts: float
     routed_experts_replicated: float
 
-    def params_per_rank(self, world: int | None = None) -> float:
-        """What one rank holds (of a world of `world`, default this one's, under the same plans)."""
-        return self.replicated + (self.params - self.replicated) / (world or self.world)
+    @property
+    def params_per_rank(self) -> float:
+        return self.replicated + (self.params - self.replicated) / self.world
 
     @property
     def routed_experts_per_rank(self) -> float:
@@ -80,7 +80,7 @@ class RankShare:
     def as_dict(self) -> dict[str, float]:
         return {
             "params": self.params,
-            "params_per_rank": self.params_per_rank(),
+            "params_per_rank": self.params_per_rank,
             "routed_expert_params": self.routed_experts,
             "routed_expert_params_per_rank": self.routed_experts_per_rank,
         }
