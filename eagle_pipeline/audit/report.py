@@ -22,6 +22,10 @@ EXCLUDING_ACTIONS = ("block", "filter")
 class GateResult:
     """What one gate found.
 
+    Its own type, not `shared.checks.CheckResult`: a gate is vectorised over the whole table and the audit acts on
+    its per-row arrays (`row_fail`, `row_excluded` make the filter mask), its action ('block' | 'filter' | ...) and
+    its breakdowns by source and origin; a CheckResult only reports pass or fail with counts and ids.
+
     `passed` is "no failing row" (billing: the aggregate is within its bound). `blocking` is True when the
     failure stops the pipeline (a failing row whose action is 'block'; billing: aggregate failed under 'block').
     `row_excluded` marks the failing rows whose action is 'block' or 'filter': they never reach training data.

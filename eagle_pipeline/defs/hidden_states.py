@@ -12,7 +12,8 @@ from eagle_pipeline.defs.metadata import readable
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.progress import step_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.hidden_states.checks import SHARD_CHECKS, ShardCheckSpec
+from eagle_pipeline.hidden_states.checks import SHARD_CHECKS, ShardCheckContext
+from eagle_pipeline.shared.checks import CheckResult, CheckSpec
 
 # Scale-out: with the k8s_job_executor each shard step runs in its own pod with this GPU request (docs/scaling.md).
 GPU_OP_TAGS = {
@@ -146,7 +147,7 @@ def _check_disk(h: Any, paths: Any) -> None:
         ) from exc
 
 
-def _shard_check(spec: ShardCheckSpec) -> dg.AssetChecksDefinition:
+def _shard_check(spec: CheckSpec[ShardCheckContext]) -> dg.AssetChecksDefinition:
     """One blocking check per shard for one entry of the core's registry (`hidden_states.checks.SHARD_CHECKS`)."""
 
     @dg.asset_check(
@@ -157,30 +158,21 @@ def _shard_check(spec: ShardCheckSpec) -> dg.AssetChecksDefinition:
         description=spec.description,
     )
     def _check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
-        from eagle_pipeline.hidden_states import verify_shard
+        from eagle_pipeline.hidden_states.audit import AuditCheck
         from eagle_pipeline.hidden_states.engine import ExtractionPaths
-        from eagle_pipeline.hidden_states.run import audit_shard_for_settings
 
-        paths, shard = ExtractionPaths.of(pipeline.data_root()), int(context.partition_key)
-        if spec.kind == "structure":
-            result = verify_shard(paths.out_dir, shard, paths.merged_dir)[spec.key]
-            return dg.AssetCheckResult(
-                passed=bool(result.passed),
-                description=result.detail or None,
-                metadata=_check_counts(context.partition_key, result),
-            )
-        # The semantic audit is computed once per shard and shared by its four checks (hidden_states/audit.py).
-        audit = audit_shard_for_settings(pipeline.config().hidden_states, paths, shard)[spec.key]
-        return dg.AssetCheckResult(
-            passed=bool(audit.passed),
-            description=audit.detail or None,
-            metadata=_audit_metadata(context.partition_key, audit),
-        )
+        paths, shard = ExtractionPaths.of(pipeline.data_root()), context.partition_key
+        result = spec.run(ShardCheckContext(pipeline.config().hidden_states, paths, int(shard)))
+        if isinstance(result, AuditCheck):
+            metadata = _audit_metadata(shard, result)
+        else:
+            metadata = _check_counts(shard, result)
+        return dg.AssetCheckResult(passed=bool(result.passed), description=result.detail or None, metadata=metadata)
 
     return _check
 
 
-def _check_counts(shard: str, result: Any) -> dict[str, Any]:
+def _check_counts(shard: str, result: CheckResult) -> dict[str, Any]:
     # The numbers carry the shard in their key: Dagster plots a check's numeric metadata over time across all
     # partitions, so a key shared by every shard would draw them all as one line (token_samples' checks do the same).
     return {

@@ -11,7 +11,8 @@ from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
 from eagle_pipeline.generation.coverage import response_overview, stale_token_samples
-from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckSpec
+from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckContext
+from eagle_pipeline.shared.checks import CheckResult, CheckSpec
 from eagle_pipeline.shared.figures import histogram_markdown
 
 
@@ -127,12 +128,13 @@ PROVIDERS_COLUMNS = {
 }
 
 
-def _merged_check(spec: MergedCheckSpec) -> dg.AssetChecksDefinition:
+def _merged_check(spec: CheckSpec[MergedCheckContext]) -> dg.AssetChecksDefinition:
     """One blocking check of the merged table for one entry of the core's registry (`merge.checks.MERGED_CHECKS`)."""
 
     @dg.asset_check(asset=merged_dataset, name=spec.name, blocking=True, description=spec.description)
     def _check(pipeline: PipelineResource) -> dg.AssetCheckResult:
-        return _merged_check_result(spec.run(pipeline.data_root().merged_dir, lambda: pipeline.profile_ids().eot_id))
+        context = MergedCheckContext(pipeline.data_root().merged_dir, lambda: pipeline.profile_ids().eot_id)
+        return _merged_check_result(spec.run(context))
 
     return _check
 
@@ -140,10 +142,10 @@ def _merged_check(spec: MergedCheckSpec) -> dg.AssetChecksDefinition:
 merged_checks = [_merged_check(spec) for spec in MERGED_CHECKS]
 
 
-def _merged_check_result(result) -> dg.AssetCheckResult:
+def _merged_check_result(result: CheckResult) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=bool(result.passed),
-        description=result.message,
+        description=result.detail,
         metadata={
             **{k: int(v) for k, v in result.counts.items()},
             "failing_sample_ids": dg.MetadataValue.json(list(result.failing_sample_ids)[:10]),

@@ -22,8 +22,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation.backends import PromptItem, parse_chat_completion
+from eagle_pipeline.generation.backends import PromptItem
 from eagle_pipeline.generation.identity import BackendIdentity
+from eagle_pipeline.generation.response_lines import parse_completion_body
 from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
 from eagle_pipeline.generation.sink import ShardSink
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
@@ -94,14 +95,7 @@ def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, pro
         if "response" in rec
         else {k: v for k, v in rec.items() if k not in ("sample_id", "source_id", "messages", "tools")}
     )
-    want_ids = (
-        isinstance(body, dict)
-        and isinstance(body.get("choices"), list)
-        and bool(body["choices"])
-        and isinstance(body["choices"][0], dict)
-        and "token_ids" in body["choices"][0]
-    )
-    p = parse_chat_completion(body, 200, want_ids=want_ids, spec=spec)
+    p = parse_completion_body(body, spec)
     created = body.get("created") if isinstance(body, dict) else None
     at_us = (
         int(created * 1_000_000) if isinstance(created, (int, float)) and not isinstance(created, bool) else now_us()

@@ -1,6 +1,7 @@
 """Responses from a JSONL file of chat-completion bodies (answers from earlier runs), as responses-table rows for
 reconstruction and the audit: the command line's `reconstruct` input. Every row is built by the one row builder
-(`generation.rows.response_values`)."""
+(`generation.rows.response_values`); every body read from a file, here or by the import backend (`importer.py`), is
+parsed by `parse_completion_body`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ from ..shared.storage import iter_jsonl_objects
 from ..tokens.samples import RECONSTRUCTION_COLUMNS
 from .backends import ParsedResponse, PromptItem, parse_chat_completion
 from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
+from .spec import BackendSpec
+
+
+def parse_completion_body(body: Any, spec: BackendSpec | None = None) -> ParsedResponse:
+    """A chat-completion body written by an earlier run, parsed as the client parses a live one (HTTP 200); the
+    token ids of a vLLM body are kept when its first choice has them. Raises RequestFailure for an unusable body."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    want_ids = (
+        isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict) and "token_ids" in choices[0]
+    )
+    return parse_chat_completion(body, 200, want_ids=want_ids, spec=spec)
 
 
 class ResponseLinesError(ValueError):
@@ -114,13 +126,8 @@ def read_response_lines(
             raise ResponseLinesError(f"{where}: duplicate sample_id {sid!r} (first on line {first_line[sid]})")
         first_line[sid] = lineno
         line = _line_fields(where, rec, default_dataset)
-        body = line.body
-        choices = body.get("choices")
-        want_ids = (
-            bool(choices) and isinstance(choices, list) and isinstance(choices[0], dict) and "token_ids" in choices[0]
-        )
         try:
-            parsed = parse_chat_completion(body, 200, want_ids=want_ids)
+            parsed = parse_completion_body(line.body)
         except RequestFailure as exc:
             if skip_unusable:
                 skipped += 1

@@ -42,12 +42,11 @@ if TYPE_CHECKING:
         shard_state,
     )
     from .trainer_layouts import load_sample
-    from .verify import CheckResult, verify_shard
+    from .verify import verify_shard
 
 # Imported on first use: the Dagster code location reads the check registry (`checks`) at load time without
 # importing torch, and a process imports only the modules it runs.
 _EXPORTS = {
-    "CheckResult": "verify",
     "DiskBudgetExceeded": "plan",
     "ENGINES": "run",
     "EngineResult": "engine",
@@ -108,7 +107,6 @@ __all__ = [
     "FORMAT_VERSION",
     "KIMI_K25_TEXT_CONFIG",
     "TENSOR_NAMES",
-    "CheckResult",
     "DiskBudgetExceeded",
     "EngineResult",
     "ExtractionFingerprint",

@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..shared.checks import CheckResult
 from .format import read_index, read_index_meta, sample_file_digest_of, shard_paths
 from .head import POST_NORM, PRE_NORM, TargetHead, load_target_head, recorded_head_sha256, stale_head_note
 from .merged import read_rows
 from .trainer_layouts import open_shard, shard_final_state
-from .verify import MAX_FAILING_IDS, CheckResult
+from .verify import MAX_FAILING_IDS
 
 # docs/hidden_states.md §7: tiny targets on their own greedy text agree at 1.0, every injected corruption at <= 0.16;
 # real targets' rates on sampled text (E[p_max] of their distribution) are not measured here: a judgement, settable.

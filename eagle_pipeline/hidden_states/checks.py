@@ -1,69 +1,101 @@
 """The registry of a shard's checks: each one's name (the name the UI and the docs use), the result it reads
-(`verify.verify_shard`'s structural checks, `audit.audit_shard`'s semantic ones) and what it proves. The Dagster
-shell declares one blocking check per entry; nothing else names them."""
+(`verify.verify_shard`'s structural checks, `audit.audit_shard`'s semantic ones), how it gets it and what it proves.
+Each entry is a `shared.checks.CheckSpec`, the type of every stage's registry. The Dagster shell declares one blocking
+check per entry; nothing else names them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
+
+from ..shared.checks import CheckResult, CheckSpec
+
+if TYPE_CHECKING:
+    from .engine import ExtractionPaths
+    from .settings import HiddenStatesConfig
 
 
 @dataclass(frozen=True)
-class ShardCheckSpec:
-    """One check of every shard: `name` in the UI, `key` of its result in `verify_shard` (kind 'structure') or
-    `audit_shard` (kind 'semantic'), and its description."""
+class ShardCheckContext:
+    """What a shard's check runs over: the stage's settings, its folders, and the shard."""
 
-    name: str
-    key: str
-    kind: Literal["structure", "semantic"]
-    description: str
+    settings: HiddenStatesConfig
+    paths: ExtractionPaths
+    shard: int
 
 
-SHARD_CHECKS: tuple[ShardCheckSpec, ...] = (
-    ShardCheckSpec(
+# Imported when a check runs: the code location declares the checks without loading torch.
+def _structure(key: str) -> Callable[[ShardCheckContext], CheckResult]:
+    def run(c: ShardCheckContext) -> CheckResult:
+        from .verify import verify_shard
+
+        return verify_shard(c.paths.out_dir, c.shard, c.paths.merged_dir)[key]
+
+    return run
+
+
+def _semantic(key: str) -> Callable[[ShardCheckContext], CheckResult]:
+    def run(c: ShardCheckContext) -> CheckResult:
+        # The semantic audit is computed once per shard and shared by its four checks (audit.audit_shard_cached).
+        from .run import audit_shard_for_settings
+
+        return audit_shard_for_settings(c.settings, c.paths, c.shard)[key]
+
+    return run
+
+
+def _check(
+    name: str, key: str, reader: Callable[[str], Callable[[ShardCheckContext], CheckResult]], description: str
+) -> CheckSpec[ShardCheckContext]:
+    return CheckSpec(name, description, key, reader(key))
+
+
+SHARD_CHECKS: tuple[CheckSpec[ShardCheckContext], ...] = (
+    _check(
         "shapes_match_token_counts",
         "shapes",
-        "structure",
+        _structure,
         "Per sample, every state tensor has one row per token, width 3H / H.",
     ),
-    ShardCheckSpec(
+    _check(
         "no_nan_or_inf",
         "finite",
-        "structure",
+        _structure,
         "No NaN or Inf in any state: a bad sample fails the shard, never skipped silently.",
     ),
-    ShardCheckSpec(
+    _check(
         "ids_match_merged",
         "ids_match",
-        "structure",
+        _structure,
         "Stored input ids equal the merged dataset's ids for the same sample_id.",
     ),
-    ShardCheckSpec(
+    _check(
         "states_not_degenerate",
         "degenerate_states",
-        "semantic",
+        _semantic,
         "No all-zero or constant position in any layer, no layer that holds one vector at every position.",
     ),
-    ShardCheckSpec(
+    _check(
         "layers_as_configured",
         "layer_layout",
-        "semantic",
+        _semantic,
         "Aux layers are the configured ones in the configured order, T = the merged row's tokens, no two stored "
         "layers identical (a wrong layer id).",
     ),
-    ShardCheckSpec(
+    _check(
         "norm_convention_matches_states",
         "norm_convention",
-        "semantic",
+        _semantic,
         "The recorded final-state convention (pre/post final norm) agrees with the states' RMS statistics.",
     ),
-    ShardCheckSpec(
+    _check(
         "teacher_agreement",
         "teacher_agreement",
-        "semantic",
+        _semantic,
         "lm_head(final_norm(final state)) predicts the next supervised token as top-1 at least "
         "hidden_states.teacher_min_top1 of the time; says NOT JUDGED when the texts were not written by the "
         "extraction model.",
     ),
 )
-SHARD_CHECKS_BY_KEY = {c.key: c for c in SHARD_CHECKS}
+SHARD_CHECKS_BY_KEY = {c.result: c for c in SHARD_CHECKS}

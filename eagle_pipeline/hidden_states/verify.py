@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from ..shared.checks import CheckResult
 from .format import read_index, read_index_meta, shard_paths
 from .merged import read_rows
 
 MAX_FAILING_IDS = 10
-
-
-@dataclass
-class CheckResult:
-    name: str
-    passed: bool
-    checked: int
-    failing: int
-    failing_sample_ids: list[str] = field(default_factory=list)
-    detail: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Tally:

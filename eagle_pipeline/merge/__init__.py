@@ -1,7 +1,6 @@
 """Merge audited token samples, build the draft vocabulary, export for trainers. See docs/merge.md."""
 
 from eagle_pipeline.merge.checks import (
-    CheckResult,
     check_loss_mask_aligned,
     check_row_count,
     check_shard_hashes,
@@ -47,7 +46,6 @@ __all__ = [
     "SUMMARY_JSON",
     "T2D_NPY",
     "TOKEN_COUNTS_NPY",
-    "CheckResult",
     "DraftVocabSummary",
     "ExportSummary",
     "MergeInput",

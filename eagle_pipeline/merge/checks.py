@@ -1,11 +1,11 @@
-"""Checks on a merged dataset. Pure functions over the shards; each returns a CheckResult."""
+"""Checks on a merged dataset. Pure functions over the shards; each returns a `shared.checks.CheckResult`, its figures
+in `counts` (`counts["failing_rows"]` the failing rows, or shards for the hash check)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +16,7 @@ from eagle_pipeline.merge.arrow_ops import row_of_position
 from eagle_pipeline.merge.manifest import SHARD_GLOB, MergeManifest, merged_shard_paths
 from eagle_pipeline.merge.reader import iter_merged_shards
 from eagle_pipeline.shared.arrow import as_array, list_parts
+from eagle_pipeline.shared.checks import CheckResult, CheckSpec
 from eagle_pipeline.shared.storage import file_sha256
 
 # Failing ids are listed up to this many; `counts["failing_rows"]` always holds the full number.
@@ -24,26 +25,16 @@ MAX_LISTED_FAILURES = 100
 CHECK_BATCH_ROWS = 2048
 
 
-@dataclass
-class CheckResult:
-    name: str
-    passed: bool
-    counts: dict[str, int] = field(default_factory=dict)
-    failing_sample_ids: list[str] = field(default_factory=list)
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _result(name: str, counts: dict[str, int], failing: list[str], ok_msg: str, bad_msg: str) -> CheckResult:
     passed = counts.get("failing_rows", 0) == 0
     return CheckResult(
         name=name,
         passed=passed,
-        counts=counts,
+        checked=counts.get("rows", counts.get("listed", 0)),  # rows (shards, for the hash check)
+        failing=counts.get("failing_rows", 0),
         failing_sample_ids=failing[:MAX_LISTED_FAILURES],
-        message=ok_msg if passed else bad_msg,
+        detail=ok_msg if passed else bad_msg,
+        counts=counts,
     )
 
 
@@ -189,36 +180,38 @@ def check_row_count_matches_admitted(out_dir: str | Path) -> CheckResult:
 
 
 @dataclass(frozen=True)
-class MergedCheckSpec:
-    """One blocking check of the merged table: its name in the UI, what it proves, and its run over the merged
-    folder, given how to get the target's end-of-turn id (called only by the check that needs it: it loads the
-    tokenizer)."""
+class MergedCheckContext:
+    """What a check of the merged table runs over: the merged folder, and how to get the target's end-of-turn id
+    (called only by the check that needs it: it loads the tokenizer)."""
 
-    name: str
-    description: str
-    run: Callable[[Path, Callable[[], int]], CheckResult]
+    out_dir: Path
+    eot_id: Callable[[], int]
 
 
 # The merged table's checks (the Dagster shell declares one blocking check per entry; nothing else names them).
-MERGED_CHECKS: tuple[MergedCheckSpec, ...] = (
-    MergedCheckSpec(
+MERGED_CHECKS: tuple[CheckSpec[MergedCheckContext], ...] = (
+    CheckSpec(
         "merged_row_count_matches_admitted",
         "Merged rows equal the rows admitted by the audit.",
-        lambda out_dir, _eot: check_row_count_matches_admitted(out_dir),
+        "row_count",
+        lambda c: check_row_count_matches_admitted(c.out_dir),
     ),
-    MergedCheckSpec(
+    CheckSpec(
         "merged_sample_ids_unique",
         "No sample_id appears twice.",
-        lambda out_dir, _eot: check_unique_sample_ids(out_dir),
+        "unique_sample_ids",
+        lambda c: check_unique_sample_ids(c.out_dir),
     ),
-    MergedCheckSpec(
+    CheckSpec(
         "merged_loss_mask_aligned",
         "Every loss mask is exactly as long as its input_ids.",
-        lambda out_dir, _eot: check_loss_mask_aligned(out_dir),
+        "loss_mask_aligned",
+        lambda c: check_loss_mask_aligned(c.out_dir),
     ),
-    MergedCheckSpec(
+    CheckSpec(
         "merged_spans_end_with_eot",
         "Every supervised span ends with the end-of-turn id.",
-        lambda out_dir, eot: check_supervised_spans_end_with_eot(out_dir, eot()),
+        "supervised_spans_end_with_eot",
+        lambda c: check_supervised_spans_end_with_eot(c.out_dir, c.eot_id()),
     ),
 )

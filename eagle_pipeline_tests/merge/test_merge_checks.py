@@ -136,16 +136,17 @@ def test_shard_hashes_match_manifest_and_catch_edits(merged):
 def test_the_check_registry_runs_each_check_and_asks_for_the_eot_id_only_where_needed(merged):
     """MERGED_CHECKS (the four blocking checks the UI shows): all pass on a clean merge, the row count against the
     manifest's admitted rows; only the end-of-turn check asks for the id (it loads the tokenizer)."""
-    from eagle_pipeline.merge.checks import MERGED_CHECKS
+    from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckContext
 
     asked: list[str] = []
 
     def eot_for(name: str):
-        return lambda: asked.append(name) or EOT
+        return MergedCheckContext(merged, lambda: asked.append(name) or EOT)
 
-    results = {spec.name: spec.run(merged, eot_for(spec.name)) for spec in MERGED_CHECKS}
+    results = {spec.name: spec.run(eot_for(spec.name)) for spec in MERGED_CHECKS}
+    assert all(results[spec.name].name == spec.result for spec in MERGED_CHECKS)
     assert all(r.passed for r in results.values()), results
     assert results["merged_row_count_matches_admitted"].counts["expected_rows"] == 60
     assert asked == ["merged_spans_end_with_eot"]
     _edit_shard(sorted(merged.glob("part-*.parquet"))[0], lambda r: r.pop())  # one admitted row lost
-    assert not MERGED_CHECKS[0].run(merged, eot_for("again")).passed
+    assert not MERGED_CHECKS[0].run(eot_for("again")).passed
