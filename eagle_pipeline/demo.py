@@ -73,13 +73,21 @@ def run_demo() -> int:
         for key in sorted(instance.get_dynamic_partitions(SHARD_PARTITIONS_NAME)):
             run("EAGLE_hidden_states", key)
         run("EAGLE_exports")
-    print_summary(cfg, root, time.monotonic() - t0, failures)
+    elif (root.exports_dir / "manifest.json").exists():
+        # An earlier run's exports stay on disk: their check judges them again, so the UI marks them stale.
+        run("EAGLE_exports_freshness")
+    built_by = {}
+    for asset in ("merged_dataset", "hidden_states", "trainer_exports"):
+        event = instance.get_latest_materialization_event(dg.AssetKey(asset))
+        built_by[asset] = event.run_id[:8] if event is not None else "?"
+    print_summary(cfg, root, time.monotonic() - t0, failures, built_by)
     return 1 if failures else 0
 
 
-def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str]) -> None:
+def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str], built_by: dict[str, str]) -> None:
     import pyarrow.parquet as pq
 
+    from eagle_pipeline.audit.records import audit_stamps, describe_stale, stale_audit_stamps
     from eagle_pipeline.generation.coverage import dataset_coverage, prompt_sample_ids
     from eagle_pipeline.generation.identity import dataset_identity
     from eagle_pipeline.tokens import resolve_tokenizer
@@ -102,16 +110,27 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str])
             verdict, audit_findings = _audit_findings(read_json(root.audit_report(ds)))
             findings = "; ".join(f for f in (findings, audit_findings) if f)
         print(f"{ds:<8}{n_resp:>9}{n_tok:>15}{verdict:>7}  {findings}")
+    # An output built from dataset audits that are no longer the current ones says so, with the run that built it.
     manifest = root.merged_dir / "manifest.json"
+    merged_stale = {}
     if manifest.exists():
         m = read_json(manifest)
-        print(f"\nmerged: {m['rows_total']} rows, {m['tokens_total']} tokens -> {root.merged_dir}")
+        merged_stale = stale_audit_stamps(audit_stamps(root, m["upstream_versions"]))
+        mark = _stale_mark(merged_stale, built_by["merged_dataset"])
+        print(f"\nmerged: {m['rows_total']} rows, {m['tokens_total']} tokens -> {root.merged_dir}{mark}")
     shards = sorted(root.hidden_states_dir.glob("shard-*.safetensors"))
     h = cfg.hidden_states
     engine = "vLLM engine, " + ", ".join(h.vllm.endpoints) if h.engine == "vllm" else "in process"
-    print(f"hidden states: {len(shards)} shard(s) ({engine}) -> {root.hidden_states_dir}")
+    mark = _stale_mark(merged_stale, built_by["hidden_states"]) if shards else ""
+    print(f"hidden states: {len(shards)} shard(s) ({engine}) -> {root.hidden_states_dir}{mark}")
     print(f"draft vocabulary -> {root.draft_vocab_dir}")
-    print(f"trainer exports -> {root.exports_dir}")
+    exports = root.exports_dir / "manifest.json"
+    exports_stale = stale_audit_stamps(read_json(exports).get("dataset_audits", {})) if exports.exists() else {}
+    print(f"trainer exports -> {root.exports_dir}{_stale_mark(exports_stale, built_by['trainer_exports'])}")
+    if merged_stale or exports_stale:
+        print(
+            f"  stale = built from audits that are no longer current: {describe_stale(merged_stale or exports_stale)}"
+        )
     for name in ("specforge", "speculators"):
         export = root.exports_dir / name / "export.json"
         if export.exists():
@@ -136,6 +155,11 @@ def _audit_findings(report: dict) -> tuple[str, str]:
             others.append(f"{name} {g['failing']} ({g['action']})")
     parts = ([f"blocked by {', '.join(blocks)}"] if blocks else []) + others
     return ("pass" if report.get("passed") else "FAIL"), "; ".join(parts)
+
+
+def _stale_mark(stale: dict[str, str], run_id: str) -> str:
+    """'   [stale: built by run abc12345; datasets B1, B6]' for an output built from audits no longer current."""
+    return f"   [stale: built by run {run_id}; datasets {', '.join(sorted(stale))}]" if stale else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -322,3 +322,38 @@ def audits_for_merge(
         if verdict.fit and verdict.audit is not None:
             audits[ds] = verdict.audit
     return problems, (audits if not problems else {})
+
+
+def audit_stamps(root: DataRoot, upstream_versions: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """What an output built from the merged table records of the dataset audits behind it: each dataset's audit
+    report and the token samples the merge took (`upstream_versions`: the merged manifest's sha256 prefixes). A
+    dataset with no audit report (a table merged outside the pipeline, which audits nothing) is left out."""
+    return {
+        ds: {"report": str(root.audit_report(ds)), "tokens_sha256": v}
+        for ds, v in sorted(upstream_versions.items())
+        if root.audit_report(ds).exists()
+    }
+
+
+def stale_audit_stamps(stamps: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """The datasets whose audit, as recorded in `stamps` (`audit_stamps`), is no longer the current one, each with
+    why: its token samples were rebuilt and audited again since, or its audit now fails (other settings, another
+    tokenizer), or the report is gone. An output built from such rows is stale, whatever its own checks said."""
+    stale: dict[str, str] = {}
+    for ds, stamp in stamps.items():
+        path = Path(stamp["report"])
+        if not path.exists():
+            stale[ds] = f"its audit report {path} is gone"
+            continue
+        current = read_json(path)
+        verdict = "passed" if current.get("passed") else "FAILED"
+        if not str(current.get("tokens_sha256", "")).startswith(stamp["tokens_sha256"]):
+            stale[ds] = f"its token samples were rebuilt and audited again since (that audit {verdict})"
+        elif not current.get("passed"):
+            stale[ds] = "its audit now fails (other audit settings, tokenizer or profile)"
+    return stale
+
+
+def describe_stale(stale: Mapping[str, str]) -> str:
+    """`stale_audit_stamps` in one line, e.g. 'B1: its audit now fails (...); B6: ...'."""
+    return "; ".join(f"{ds}: {why}" for ds, why in sorted(stale.items()))

@@ -253,6 +253,27 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
 
 @dg.asset_check(
     asset=trainer_exports,
+    name="built_from_current_audits",
+    blocking=True,  # as every check of the project; nothing is downstream of the exports: it marks the asset
+    description=(
+        "The dataset audits the exports were built from (their manifest's dataset_audits) are still the current "
+        "ones: fails, naming each dataset, once a later run rebuilt a dataset's token samples or its audit fails."
+    ),
+)
+def built_from_current_audits(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.hidden_states.drafter_check import stale_export_problems
+
+    exports = pipeline.data_root().exports_dir
+    problems = stale_export_problems(exports)
+    return dg.AssetCheckResult(
+        passed=not problems,
+        description=problems[0] if problems else "built from the current audit of every merged dataset",
+        metadata={"export": dg.MetadataValue.path(str(exports)), "stale": bool(problems)},
+    )
+
+
+@dg.asset_check(
+    asset=trainer_exports,
     name="draft_config_matches_capture",
     blocking=True,
     description=(

@@ -3,7 +3,12 @@
 import dagster as dg
 
 from eagle_pipeline.defs.generation import prompts, responses
-from eagle_pipeline.defs.hidden_states import hidden_state_plan, hidden_states, trainer_exports
+from eagle_pipeline.defs.hidden_states import (
+    built_from_current_audits,
+    hidden_state_plan,
+    hidden_states,
+    trainer_exports,
+)
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import audit_overview, token_samples
@@ -64,6 +69,13 @@ exports_job = dg.define_asset_job(
     "EAGLE_exports",
     selection=dg.AssetSelection.assets(trainer_exports),
     description="Write the trainer exports once every hidden-state shard is done.",
+)
+
+export_freshness_job = dg.define_asset_job(
+    "EAGLE_exports_freshness",
+    selection=dg.AssetSelection.checks(built_from_current_audits),
+    description="Judge the trainer exports on disk again: are the dataset audits they were built from still current? "
+    "(the demo runs it after a refused audit, so the UI marks a stale export).",
 )
 
 

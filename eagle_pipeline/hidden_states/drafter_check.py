@@ -195,5 +195,29 @@ def check_drafter(export_dir: str | Path, draft_config: str | Path) -> DrafterCh
         claim = read_claim(draft_config, num_layers=record.get("num_layers"))
     except ValueError as exc:
         return DrafterCheck(False, str(export_dir), str(draft_config), None, [str(exc)])
-    problems = claim_problems(claim, record)
+    problems = claim_problems(claim, record) + stale_export_problems(export_dir)
     return DrafterCheck(not problems, str(export_dir), str(draft_config), claim, problems)
+
+
+def stale_export_problems(export_dir: str | Path) -> list[str]:
+    """Why the export must not be trained on because the dataset audits it was built from are no longer the current
+    ones (its manifest's `dataset_audits`, `audit.records.stale_audit_stamps`); empty when they are. The manifest is
+    the exports folder's (`export_dir` or its parent); a trainer export copied away from it is not judged."""
+    from ..audit.records import describe_stale, stale_audit_stamps
+    from .run import EXPORT_MANIFEST
+
+    export_dir = Path(export_dir)
+    found = [d / EXPORT_MANIFEST for d in (export_dir, export_dir.parent) if (d / EXPORT_MANIFEST).exists()]
+    manifest = found[0] if found else None
+    if manifest is None:
+        return []
+    stamps = read_json(manifest).get("dataset_audits")
+    if stamps is None:
+        return [f"{manifest} records no dataset audits: re-run trainer_exports"]
+    stale = stale_audit_stamps(stamps)
+    if not stale:
+        return []
+    return [
+        f"stale export: built from dataset audits that are no longer the current ones ({describe_stale(stale)}); "
+        "fix those datasets, then rerun the merge, hidden states and trainer_exports"
+    ]

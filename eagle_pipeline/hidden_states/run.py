@@ -199,7 +199,9 @@ def export_for_trainers(
     Every shard is checked first (`shards.require_shards_ready`, raising `ShardsNotReadyError`): a refused export
     leaves the previous one whole. The dtype is left open because this step may run on another host than the
     extraction (a CPU pod after GPU pods)."""
+    from ..audit.records import audit_stamps
     from ..merge import export_hf_parquet, export_specforge_jsonl
+    from ..shared.storage import read_json
     from .audit import summarize_audits
     from .shards import require_shards_ready
     from .trainer_exports import export_specforge_states, export_speculators_states
@@ -237,6 +239,9 @@ def export_for_trainers(
         "specforge_jsonl": spec.to_dict(),
         "hf_parquet": hf.to_dict(),
         **{name: e.to_dict() for name, e in exported.items()},
+        # The dataset audits behind the rows: check-drafter and the exports' check refuse the export once one of them
+        # is no longer the current audit (audit.records.stale_audit_stamps).
+        "dataset_audits": audit_stamps(root, read_json(root.merged_dir / "manifest.json")["upstream_versions"]),
         "hidden_state_audit": summarize_audits(root.hidden_states_dir, [s.shard_index for s in states]),
         "hidden_states_dir": str(root.hidden_states_dir),
         "hidden_state_shards": shard_keys,

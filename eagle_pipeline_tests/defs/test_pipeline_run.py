@@ -215,3 +215,57 @@ def test_checks_and_merge_read_the_one_stored_audit_of_the_current_file(pipeline
     assert all(e.passed for e in _check_evaluations(result).values())
     assert json.loads(root.audit_report("B1").read_text())["gates"]["single_eot"]["failing"] == 0
     assert _run(defs, "EAGLE_merge", instance).success
+
+
+def test_after_a_refused_audit_the_summary_the_check_and_check_drafter_call_the_old_outputs_stale(
+    pipeline_config, tmp_path, monkeypatch, capsys
+):
+    """`make demo` (its own code path, a real SQLite instance under the data root), then a change whose audit is
+    refused: the earlier run's merged table, hidden states and exports are reported stale in the summary (with the
+    run that built them), the exports' check fails on the asset, and check-drafter refuses the export."""
+    import yaml
+
+    from eagle_pipeline.cli import main as cli_main
+    from eagle_pipeline.demo import run_demo
+
+    path = pipeline_config(datasets=("B1",), limit=4)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "unused"))  # run_demo sets its own; restored afterwards
+    root = DataRoot(tmp_path / "data")
+    assert run_demo() == 0
+    first = capsys.readouterr().out
+    assert "stale" not in first
+    flags = tmp_path / "speculators.flags"
+    command = json.loads((root.exports_dir / "speculators" / "export.json").read_text())["extra"]["drafters"][0]
+    flags.write_text(command["command"])
+    assert (
+        cli_main(["check-drafter", "--export", str(root.exports_dir / "speculators"), "--draft-config", str(flags)])
+        == 0
+    )
+    capsys.readouterr()
+
+    # New prompts (another seed) answered by a provider that overbills: B1's audit is refused.
+    raw = yaml.safe_load(path.read_text())
+    raw["backends"]["simulated"]["simulated"]["faults"] = {"billing_mismatch": 1.0}
+    raw["datasets"][0]["sampling"] = {"seed": 1}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert run_demo() == 1
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if ":" in line}
+    for output in ("merged", "hidden states", "trainer exports -> "):
+        line = next(v for k, v in lines.items() if k.startswith(output.split(" ->")[0]))
+        assert re.search(r"\[stale: built by run [0-9a-f]{8}; datasets B1\]", line), line
+    assert "B1: its token samples were rebuilt and audited again since (that audit FAILED)" in out
+
+    instance = dg.DagsterInstance.from_config(str(root.dagster_home))
+    key = dg.AssetCheckKey(dg.AssetKey("trainer_exports"), "built_from_current_audits")
+    record = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
+    evaluation = record.event.dagster_event.event_specific_data
+    assert evaluation.passed is False and "stale export" in evaluation.description
+
+    assert (
+        cli_main(["check-drafter", "--export", str(root.exports_dir / "speculators"), "--draft-config", str(flags)])
+        == 1
+    )
+    assert (
+        "stale export: built from dataset audits that are no longer the current ones (B1: " in capsys.readouterr().err
+    )
