@@ -242,5 +242,30 @@ def audit_overview(context: dg.AssetExecutionContext, pipeline: PipelineResource
     )
 
 
+@dg.asset_check(
+    asset=audit_overview,
+    name="every_dataset_fit",
+    blocking=False,  # nothing is downstream of the view; the merge refuses on its own verdict
+    description=(
+        "Every dataset's latest token samples are fit to merge. Fails (red on the asset, in the graph and the "
+        "catalog) while any is not, so a view that says '0 of 8 fit' is never shown with a green tick alone."
+    ),
+)
+def every_dataset_fit(pipeline: PipelineResource) -> dg.AssetCheckResult:
+    from eagle_pipeline.audit import overview as view
+
+    cfg = pipeline.config()
+    audits = view.audit_overview(
+        pipeline.data_root(), cfg.dataset_names, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings()
+    )
+    unfit = [a.dataset for a in audits if not a.fit]
+    return dg.AssetCheckResult(
+        passed=not unfit,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=view.fit_line(audits),
+        metadata={"datasets not fit to merge": len(unfit), "unfit": dg.MetadataValue.json(unfit)},
+    )
+
+
 # Module level, so that the defs folder's autoloading finds them (definitions.py).
 gate_checks = build_gate_checks()

@@ -153,6 +153,11 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     assert "Merge refused: 1 of 1 datasets are not fit to merge. B1: billing_agreement: " in summary
     assert re.search(r"(\d+) of \1 rows over the per-row tolerance; aggregate [\d.]+% > 0\.50%", summary), summary
     assert "rerun EAGLE_dataset" in summary
+    # The audit view says so on the asset itself: its check fails (the run does not: it only reports).
+    view = _run(defs, "EAGLE_audit_view", instance)
+    assert view.success
+    fit = _check_evaluations(view)["every_dataset_fit"]
+    assert not fit.passed and fit.description == "0 of 1 datasets fit to merge: B1 NO (billing_agreement)"
 
     # Clean data: regenerate into a fresh data root with no faults; the audit passes and merge runs.
     import shutil
@@ -161,6 +166,7 @@ def test_merge_refuses_in_a_later_run_while_an_audit_failed_or_is_stale(pipeline
     pipeline_config(datasets=("B1",))
     assert _run(defs, "EAGLE_dataset", instance, "B1").success
     assert _run(defs, "EAGLE_merge", instance).success
+    assert _check_evaluations(_run(defs, "EAGLE_audit_view", instance))["every_dataset_fit"].passed
 
     # Token samples rematerialised without their checks: the audit did not run on the latest data, merge refuses.
     no_checks = dg.define_asset_job(
