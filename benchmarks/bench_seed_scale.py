@@ -488,9 +488,9 @@ def _du(path: Path) -> int:
 
 
 class Bench:
-    def __init__(self, work: Path, instance: Instance) -> None:
+    def __init__(self, work: Path, instance: Instance, stages: list[dict[str, Any]] | None = None) -> None:
         self.work, self.instance = work, instance
-        self.stages: list[dict[str, Any]] = []
+        self.stages: list[dict[str, Any]] = [] if stages is None else stages
 
     def stage(self, name: str, config: Path, jobs: Any, data_root: Path, *, record: bool = True) -> dict[str, Any]:
         spec, out = self.work / f"{name}.spec.json", self.work / f"{name}.out.json"
@@ -800,6 +800,8 @@ def rehearse(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     n_shards = max(4, round(SEED_SHARDS * args.scale)) if args.scale < 1 else SEED_SHARDS
     per_ds = math.ceil(n_shards * SHARD_ROWS / len(DATASETS) / 0.95)  # ~5% of the rows go to the eval split
     shard_root = work / "shard_data"
+    # Its own instance: the shard partitions the seed-scale merge registered are not this root's.
+    bench = Bench(work, Instance(work / "shard_dagster_home"), bench.stages)
     shard_cfg = write_config(
         work / "shards.yaml", shard_root, prompts, endpoint=None, concurrency=64, limit=per_ds, shard_size=SHARD_ROWS
     )

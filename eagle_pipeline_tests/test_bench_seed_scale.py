@@ -62,8 +62,9 @@ def test_the_table_holds_sane_figures(rehearsal):
     by_label = {r["label"]: r for r in f["rows"]}
     assert by_label["datasets: generation"]["cpu_s"] > 0 and by_label["datasets: generation"]["peak_rss"] > 0
     assert by_label["simulated server (apart)"]["cpu_s"] > 0  # measured in its own process
-    events = [s["event_rows"] for s in f["stages"]]
+    events = [s["event_rows"] for s in f["stages"][:3]]  # the shard stage has an instance of its own
     assert events == sorted(events) and events[0] > 0  # the event log only grows, stage by stage
+    assert f["stages"][3]["event_rows"] > 0
     assert all(s["db_bytes"] > 0 for s in f["stages"])
     assert f["gen_cpu_per_m"] > 0 and f["minimal_cpu_per_m"] > 0
     assert f["ra_tokens_per_s"] > 0 and f["raw_tokens_per_s"] > 0
