@@ -26,6 +26,8 @@ PROJECT_SHARD_SAMPLE_BYTES = 640  # four safetensors header entries (~90 B each)
 IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B)
 SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the index's Parquet footer (~8.3 KB)
 SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
+SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
+FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
 SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
 ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
 ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
@@ -35,15 +37,17 @@ HIDDEN_STATES, EXPORTS, CONNECTOR = "hidden_states", "exports", "connector"
 
 @dataclass(frozen=True)
 class StateShape:
-    """Per token: `n_states` vectors (aux layers + final) of `hidden_size` values of `dtype_bytes` each."""
+    """Per token: `n_states` vectors (aux layers + final) of `hidden_size` values of `dtype_bytes` each, and
+    `scale_bytes` per vector for quantized states (FP8: 1 B values and one fp32 scale)."""
 
     n_states: int
     hidden_size: int
     dtype_bytes: int
+    scale_bytes: int = 0
 
     @property
     def token_bytes(self) -> int:
-        return self.n_states * self.hidden_size * self.dtype_bytes
+        return self.n_states * (self.hidden_size * self.dtype_bytes + self.scale_bytes)
 
 
 def layout_rates(layout: str, shape: StateShape, *, direct: bool = True) -> list[tuple[str, str, int, int]]:
@@ -55,7 +59,7 @@ def layout_rates(layout: str, shape: StateShape, *, direct: bool = True) -> list
         return [("states: project shards", HIDDEN_STATES, state + IDS_BYTES + MASK_BYTES, PROJECT_SHARD_SAMPLE_BYTES)]
     if layout == SPECULATORS:
         parts = [
-            ("states: speculators hs_{i}.safetensors", EXPORTS, state + 8, SPECULATORS_FILE_BYTES),
+            ("states: speculators hs_{i}.safetensors", EXPORTS, state + 8, _speculators_file_bytes(shape)),
             ("speculators Arrow dataset (ids, masks)", EXPORTS, ARROW_TOKEN_BYTES, ARROW_SAMPLE_BYTES),
         ]
     elif layout == SPECFORGE:
@@ -65,6 +69,10 @@ def layout_rates(layout: str, shape: StateShape, *, direct: bool = True) -> list
     if not direct:
         return [(f"copy for trainer_layouts: {what}", place, t, s) for what, place, t, s in parts]
     return [("ids and masks in the shards", HIDDEN_STATES, IDS_BYTES + MASK_BYTES, IDS_SHARD_SAMPLE_BYTES), *parts]
+
+
+def _speculators_file_bytes(shape: StateShape) -> int:
+    return SPECULATORS_FP8_FILE_BYTES if shape.scale_bytes else SPECULATORS_FILE_BYTES
 
 
 def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:

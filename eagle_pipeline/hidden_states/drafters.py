@@ -23,6 +23,7 @@ from ..drafter_types import (
     to_trainer_ids,
     why_not_served,
 )
+from .fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8, QUANTIZE_NONE
 from .shards import FINGERPRINT_META_KEY
 from .trainer_layouts import shard_indexes
 
@@ -36,13 +37,14 @@ CONVENTIONS = {
 @dataclass(frozen=True)
 class Capture:
     """What every shard captured: the layers (project convention), the target's depth and width, the states'
-    dtype and the target's description and identity."""
+    dtype and the target's description and identity, and how the states are stored (`fp8.QUANTIZE_MODES`)."""
 
     aux_layers: tuple[int, ...]
     num_layers: int | None
     hidden_size: int
     dtype: str
     target: dict[str, Any]
+    quantize: str = QUANTIZE_NONE
 
 
 def capture_of_shards(hs_dir: str | Path) -> Capture:
@@ -57,13 +59,15 @@ def capture_of_shards(hs_dir: str | Path) -> Capture:
             hidden_size=int(meta["hidden_size"]),
             dtype=str(meta["dtype"]),
             target={"description": model, "identity": (meta.get(FINGERPRINT_META_KEY) or {}).get("model")},
+            quantize=str((meta.get(FINGERPRINT_META_KEY) or {}).get("quantize", QUANTIZE_NONE)),
         )
-        key = (c.aux_layers, c.hidden_size, c.dtype)
+        key = (c.aux_layers, c.hidden_size, c.dtype, c.quantize)
         if seen and key not in seen:
             other = next(iter(seen.items()))
             raise ValueError(
-                f"{hs_dir}: shard {shard} captured layers {list(key[0])}, H {key[1]}, {key[2]}, but shard {other[1]} "
-                f"captured {list(other[0][0])}, H {other[0][1]}, {other[0][2]}: re-extract so every shard agrees"
+                f"{hs_dir}: shard {shard} captured layers {list(key[0])}, H {key[1]}, {key[2]}, quantize {key[3]}, "
+                f"but shard {other[1]} captured {list(other[0][0])}, H {other[0][1]}, {other[0][2]}, quantize "
+                f"{other[0][3]}: re-extract so every shard agrees"
             )
         seen.setdefault(key, shard)
         capture = capture or c
@@ -88,6 +92,7 @@ def capture_record(c: Capture, trainer: str, final_state: str) -> dict[str, Any]
         "hidden_size": c.hidden_size,
         "aux_width": len(c.aux_layers) * c.hidden_size,
         "dtype": c.dtype,
+        "quantize": c.quantize,
         "final_state": final_state,
         "target": c.target,
     }
@@ -177,7 +182,13 @@ def _specforge_entry(kind: str, record: Mapping[str, Any], paths: Mapping[str, A
 def _speculators_entry(kind: str, record: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
     s = support(kind, SPECULATORS)
     flags = ["--speculator-type", s.name, "--target-layer-ids", *map(str, record["trainer_layer_ids"]), *s.flags]
-    flags += ["--data-path", str(paths["data"]), "--hidden-states-path", str(paths["hidden_states"])]
+    flags += ["--data-path", str(paths["data"])]
+    if record.get("quantize") == QUANTIZE_FP8:
+        # speculators' fp8 backend (#1028) loads hs_{i} from --data-path/hidden_states, where the export puts them;
+        # the file backend's --hidden-states-path is that backend's own flag (one dest per backend, c05b95b).
+        flags += [FP8_BACKEND_FLAG, FP8_BACKEND]
+    else:
+        flags += ["--hidden-states-path", str(paths["hidden_states"])]
     flags += ["--on-missing", "raise"]
     if paths.get("train_data_ratio") is not None:
         flags += ["--train-data-ratio", repr(paths["train_data_ratio"])]

@@ -46,7 +46,7 @@ class InProcessEngine:
     def extract(self, job: ShardJob) -> EngineResult:
         h, paths = job.settings, job.paths
         # A trainer's layout: the states go straight into its export folder, in its final-state convention.
-        target = plan_layout_target(h.layout, paths.exports_dir / h.layout, paths.merged_dir)
+        target = plan_layout_target(h.layout, paths.exports_dir / h.layout, paths.merged_dir, quantize=h.quantize)
         with shard_device(h.device, job.shard, prefer=self.models.devices(), log=job.log) as device:
             summary = extract_shard(
                 self.models.get(h.model, h.family, h.seed, job.vocab_size, device),

@@ -32,6 +32,7 @@ from .engine import EngineResult, ShardJob
 from .extract import default_state_dtype, extract_shard
 from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
 from .format import dtype_name, read_index_meta, shard_paths
+from .fp8 import QUANTIZE_NONE
 from .layers import resolve_aux_layers
 from .model import describe_model_config, load_text_config
 from .shards import ShardSummary, prepare_shard
@@ -66,6 +67,7 @@ class TorchrunShard:
     model_identity: Mapping[str, Any] | None = None
     layout: str = LAYOUT_SHARDS  # a trainer's layout: rank 0 writes its files under exports_dir / layout
     exports_dir: Path | None = None
+    quantize: str = QUANTIZE_NONE  # fp8: rank 0 writes e4m3 states (hidden_states/fp8.py)
 
     def __post_init__(self) -> None:
         for name in ("model_dir", "merged_dir", "out_dir"):
@@ -133,6 +135,7 @@ def extract_shard_torchrun(
         merged_version=merged_version(s.merged_dir),
         engine=ENGINE_TORCHRUN,
         layout=s.layout,
+        quantize=s.quantize,
     )
     decision = prepare_shard(s.out_dir, s.shard_index, wanted, on_mismatch=on_mismatch)
     if decision.reuse is not None:
@@ -184,6 +187,7 @@ class TorchrunEngine:
             model_identity=job.wanted.model,
             layout=h.layout,
             exports_dir=job.paths.exports_dir,
+            quantize=h.quantize,
         )
         summary = extract_shard_torchrun(world, on_mismatch=h.on_settings_change, log=job.log)
         return EngineResult(summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else ""))
@@ -241,7 +245,11 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
     out = s.out_dir if rank == 0 else Path(tempfile.mkdtemp(prefix=f"eagle-tp-rank{rank}-"))
     # Rank 0 writes the trainer's files where the trainer reads them; the others into their scratch folder.
     exports = (s.exports_dir if rank == 0 else out / "exports") if s.exports_dir is not None else None
-    target = plan_layout_target(s.layout, exports / s.layout, s.merged_dir) if exports is not None else None
+    target = (
+        plan_layout_target(s.layout, exports / s.layout, s.merged_dir, quantize=s.quantize)
+        if exports is not None
+        else None
+    )
     try:
         summary = extract_shard(
             model,

@@ -20,6 +20,7 @@ from .batching import DEFAULT_MAX_TOKENS_PER_BATCH, padding_of, plan_batches
 from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
 from .fingerprint import model_identity as identity_of_model
 from .format import StreamingSafetensorsWriter, dtype_name, shard_layout, shard_paths, tensor_key
+from .fp8 import QUANTIZE_NONE
 from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_model
 from .layers import (
     _layer_output,
@@ -128,6 +129,7 @@ def extract_shard(
         merged_version=merged_version(merged_dir),
         engine=engine,
         layout=layout_target.name if layout_target is not None else SHARDS,
+        quantize=layout_target.quantize if layout_target is not None else QUANTIZE_NONE,
     )
     decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
     if decision.reuse is not None:

@@ -61,6 +61,7 @@ class ExtractionFingerprint:
     merged_version: str
     engine: str = ENGINE_IN_PROCESS
     layout: str = LAYOUT_SHARDS
+    quantize: str = "none"  # fp8.QUANTIZE_MODES: how the states are stored
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:

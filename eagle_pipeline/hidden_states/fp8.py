@@ -23,6 +23,10 @@ STATES_KEY = "hidden_states"
 SCALES_KEY = "hidden_states_scales"
 QUANTIZE_NONE, QUANTIZE_FP8 = "none", "fp8"
 QUANTIZE_MODES = (QUANTIZE_NONE, QUANTIZE_FP8)
+# speculators' training command selects its FP8 reader with `--hidden-states-backend fp8` (the backend's registered
+# name, #1028; the flag as in c05b95b's scripts/train.py and DataArgs.hidden_states_backend).
+FP8_BACKEND = "fp8"
+FP8_BACKEND_FLAG = "--hidden-states-backend"
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest of a normal value errs by at most half a unit in the last place,
 # 2^-4 of the value; below the smallest normal (2^-6) the spacing is the subnormal step 2^-9, so at most 2^-10.
@@ -75,6 +79,23 @@ def quantize(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> Quanti
 def dequantize(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """speculators' `FP8Transfer` product: `fp8.to(dtype) * scale.to(dtype)`, scales broadcast."""
     return states.to(dtype) * scales.to(dtype)
+
+
+def dequantize_checked(path: object, states: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`dequantize` to fp32 for the project's readers, refusing (naming `path`) what no quantizer here writes:
+    states not e4m3, scales not fp32 or not broadcasting, a scale not finite and > 0, a NaN after dequantizing."""
+    if states.dtype != FP8_DTYPE or scales.dtype != SCALE_DTYPE:
+        raise ValueError(f"{path}: FP8 states {states.dtype} with scales {scales.dtype}; expected {FP8_DTYPE}, fp32")
+    if states.dim() != 3 or torch.broadcast_shapes(scales.shape, states.shape) != states.shape:
+        raise ValueError(f"{path}: scales {tuple(scales.shape)} do not broadcast against {tuple(states.shape)}")
+    bad = int((~(torch.isfinite(scales) & (scales > 0))).sum())
+    if bad:
+        raise ValueError(f"{path}: {bad} FP8 scales not finite and > 0")
+    out = dequantize(states, scales, torch.float32)
+    nan = int(torch.isnan(out).sum())
+    if nan:
+        raise ValueError(f"{path}: {nan} NaN values after dequantizing (e4m3 NaN bytes in the file)")
+    return out
 
 
 def error_bound(original: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

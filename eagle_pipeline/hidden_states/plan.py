@@ -10,6 +10,7 @@ from typing import Any
 
 from ..shared.storage import read_json
 from .disk_plan import (
+    FP8_SCALE_BYTES,
     IDS_BYTES,
     MASK_BYTES,
     PROJECT_SHARD_SAMPLE_BYTES,
@@ -21,6 +22,7 @@ from .disk_plan import (
     disk_items,
     free_bytes,
 )
+from .fp8 import QUANTIZE_FP8, QUANTIZE_NONE
 from .layers import resolve_aux_layers
 
 __all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]
@@ -163,6 +165,7 @@ def plan_extraction(
     layer_counts: Sequence[int] = (),
     layout: str = SHARDS,
     disk: Mapping[str, Any] | None = None,
+    quantize: str = QUANTIZE_NONE,
 ) -> ExtractionPlan:
     """Estimate disk and GPU time of extracting `n_tokens` tokens (the formulas: docs/hidden_states.md §1).
 
@@ -183,8 +186,11 @@ def plan_extraction(
         raise ValueError("n_gpus, gpus_per_model and shard_size must be >= 1")
     aux = resolve_aux_layers(aux_layers, num_layers)
     final = 1 if save_final_state else 0
-    hidden_per_token = (len(aux) + final) * hidden_size * dtype_bytes
-    shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
+    if quantize == QUANTIZE_FP8:  # e4m3 values and one fp32 scale per token per layer (hidden_states/fp8.py)
+        dtype_bytes, shape = 1, StateShape(len(aux) + final, hidden_size, 1, FP8_SCALE_BYTES)
+    else:
+        shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
+    hidden_per_token = shape.token_bytes
     items = _disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
     total = sum(d["bytes"] for d in items if d["counted"])
     gpu = _gpu_figures(

@@ -205,6 +205,7 @@ def fingerprint_for_config(
         merged_version=merged_version(merged_dir),
         engine=h.engine,
         layout=h.layout,
+        quantize=h.quantize,
     )
 
 
@@ -344,6 +345,7 @@ def plan_for_run(
     ep_size: int | None = None,
     layout: str = "shards",
     disk: Mapping[str, Any] | None = None,
+    quantize: str = "none",
 ) -> dict[str, ExtractionPlan]:
     """Two plans over the merged tokens: 'target' (the real target model, what a production run costs) and
     'this_run' (the model configured for extraction here; the disk budget applies to it; each with the disk of
@@ -351,7 +353,7 @@ def plan_for_run(
     engine: in process one GPU holds one model; with vLLM, `n_servers` servers of `gpus_per_server` GPUs each; under
     torchrun, one world of `tp_size` GPUs (`ep_size`: `hidden_states.torchrun.ep_size`), each holding what the installed
     transformers gives a rank (`world_split`).
-    `layout` and `disk` (`plan.plan_extraction`'s): what is written, item by item, in both plans.
+    `layout`, `disk` and `quantize` (`plan.plan_extraction`'s): what is written, item by item, in both plans.
     Raises PlanRefused when this run's weights cannot fit the engine (Kimi-K2.5 in process on one GPU), or when its
     torchrun world would hold every routed expert on every rank."""
     budget = int(disk_budget_gb * 1e9) if disk_budget_gb is not None else None
@@ -378,6 +380,7 @@ def plan_for_run(
         layer_counts=tuple(layer_counts),
         layout=layout,
         disk=disk,
+        quantize=quantize,
     )
     plans = {
         "target": plan_for_model(
@@ -443,4 +446,5 @@ def plan_for_config(
         ep_size=h.torchrun.ep_size,
         layout=h.layout,
         disk=disk,
+        quantize=h.quantize,
     )

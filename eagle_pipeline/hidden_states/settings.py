@@ -139,6 +139,9 @@ class HiddenStatesConfig(SpecBase):
     # Trainer layouts derived from the shards by trainer_exports: each is a full copy of the states (7.94 TB at Kimi
     # scale), so none unless listed.
     trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
+    # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/fp8.py,
+    # docs/hidden_states.md §15). For now with layout: speculators and the in_process or torchrun engine.
+    quantize: Literal["none", "fp8"] = "none"
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
     # `trainer_exports` check holds against the captured layers.
     # (the default is validated into DrafterSpec like the file's names)
@@ -155,7 +158,7 @@ class HiddenStatesConfig(SpecBase):
         problems: list[Problem] = []
         if data.get("engine") == "vllm" and not field_value(data.get("vllm"), "endpoints"):
             problems.append((("vllm", "endpoints"), "required for engine 'vllm': base URLs of running servers"))
-        return problems + _drafters_problems(data)
+        return problems + _quantize_problems(data) + _drafters_problems(data)
 
     @_field_validator("model")
     @classmethod
@@ -166,6 +169,40 @@ class HiddenStatesConfig(SpecBase):
     @classmethod
     def _empty_is_default(cls, value: tuple[int, ...] | int | None) -> tuple[int, ...] | int | None:
         return value or None
+
+
+def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """`quantize: fp8` where it is not built yet, each with its reason."""
+    if data.get("quantize") != "fp8":
+        return []
+    problems: list[Problem] = []
+    if data.get("layout", "shards") != "speculators":
+        problems.append(
+            (
+                ("quantize",),
+                "fp8 needs layout: speculators (its hs_{i}.safetensors are what speculators' fp8 backend loads); "
+                "the project's shards and SpecForge's .ckpt hold bf16/fp32 states only",
+            )
+        )
+    if data.get("engine") == "vllm":
+        problems.append(
+            (
+                ("quantize",),
+                "fp8 with engine: vllm is not built: the servers' ExampleHiddenStatesConnector writes bf16 "
+                "(docs/hidden_states.md §15 measures quantizing on the client against speculators' "
+                "FP8HiddenStatesConnector)",
+            )
+        )
+    if "specforge" in (data.get("trainer_layouts") or ()):
+        problems.append(
+            (
+                ("trainer_layouts",),
+                "specforge with quantize: fp8: SpecForge has no FP8 reader, and a bf16 copy dequantized from the FP8 "
+                "states would cost twice their bytes (at Kimi scale 7.94 TB beside 3.97 TB) for states already "
+                "rounded to e4m3; extract SpecForge's states with quantize: none",
+            )
+        )
+    return problems
 
 
 def _drafters_problems(data: Mapping[str, Any]) -> list[Problem]:

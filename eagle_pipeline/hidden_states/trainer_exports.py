@@ -16,6 +16,7 @@ import pyarrow as pa
 from ..drafter_types import DEFAULT_DRAFTERS, SF_EAGLE3_KEYS, specforge_aliases
 from ..shared.storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
 from .drafters import capture_of_shards, capture_record, handoff, handoff_markdown
+from .fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8
 from .head import POST_NORM, PRE_NORM, load_target_head
 from .layers import aux_layer_to_vllm_id
 from .trainer_layouts import (
@@ -265,6 +266,7 @@ def export_speculators_states(
             with atomic_path(out_dir / name) as tmp:
                 shutil.copyfile(Path(draft_vocab_dir) / name, tmp)
     ratio = train_data_ratio(n_train, n_eval)
+    fp8_states = record["quantize"] == QUANTIZE_FP8
     vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
     paths = {
         "data": out_dir,
@@ -287,7 +289,11 @@ def export_speculators_states(
             "train_data_ratio": ratio,
             "aux_layers_0_based_outputs": aux_layers,
             "aux_layer_ids_vllm": vllm_ids,
-            "args": f"--data-path {out_dir}" + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
+            # speculators' reader of these files: its fp8 backend for FP8 states, its default file backend otherwise
+            "hidden_states_backend": FP8_BACKEND if fp8_states else "file",
+            "args": f"--data-path {out_dir}"
+            + (f" {FP8_BACKEND_FLAG} {FP8_BACKEND}" if fp8_states else "")
+            + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
             "capture": record,
             "drafters": handoff(record, drafters, paths=paths),
         },
@@ -339,6 +345,15 @@ def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
         "`hidden_states/hs_{i}.safetensors`: `hidden_states` [T, 4, H] = aux layers "
         f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
         f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
+        *(
+            [
+                "",
+                f"FP8 states: `hidden_states` float8_e4m3fn with `hidden_states_scales` fp32 [T, 4, 1] (one scale per "
+                f"token per layer); speculators dequantizes them with `{FP8_BACKEND_FLAG} {FP8_BACKEND}`.",
+            ]
+            if s.extra["hidden_states_backend"] == FP8_BACKEND
+            else []
+        ),
         "",
         *handoff_markdown(s.extra["capture"], s.extra["drafters"]),
     ]

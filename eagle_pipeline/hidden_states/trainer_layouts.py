@@ -31,6 +31,7 @@ import pyarrow as pa
 import torch
 
 from ..shared.storage import TMP_SUFFIX, write_bytes_atomic
+from . import fp8
 from .fingerprint import LAYOUT_SHARDS
 from .format import (
     TENSOR_NAMES,
@@ -43,6 +44,7 @@ from .format import (
     shard_paths,
     tensor_key,
 )
+from .fp8 import QUANTIZE_FP8, QUANTIZE_NONE
 from .head import POST_NORM, PRE_NORM
 
 SPLITS = ("train", "eval")
@@ -94,15 +96,22 @@ def shard_final_state(meta: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class LayoutTarget:
     """Where extraction writes each sample's states when `hidden_states.layout` is a trainer's layout: the trainer's
-    export folder and, per sample id, its file there (relative to `root`)."""
+    export folder and, per sample id, its file there (relative to `root`), and how the states are stored
+    (`fp8.QUANTIZE_MODES`: speculators' files hold e4m3 states and their scales with `fp8`)."""
 
     name: str
     root: Path
     file_of: dict[str, str]
+    quantize: str = QUANTIZE_NONE
 
 
 def plan_layout_target(
-    layout: str, export_root: str | Path, merged_dir: str | Path, *, left_out: Collection[str] = ()
+    layout: str,
+    export_root: str | Path,
+    merged_dir: str | Path,
+    *,
+    left_out: Collection[str] = (),
+    quantize: str = QUANTIZE_NONE,
 ) -> LayoutTarget | None:
     """The per-sample file of every merged row in `layout` (None for 'shards'): speculators' `hs_{i}` numbers rows
     train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`. Rows in
@@ -120,7 +129,9 @@ def plan_layout_target(
     else:
         ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
         files = {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
-    return LayoutTarget(layout, Path(export_root), files)
+    if quantize != QUANTIZE_NONE and layout != SPECULATORS:
+        raise ValueError(f"quantize {quantize!r} is built for layout {SPECULATORS!r} only, not {layout!r}")
+    return LayoutTarget(layout, Path(export_root), files, quantize)
 
 
 def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
@@ -146,11 +157,17 @@ def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
 
 
 def serialise(
-    layout: str, t: dict[str, torch.Tensor], n_aux: int, hidden: int, aliases: Mapping[str, str] | None = None
+    layout: str,
+    t: dict[str, torch.Tensor],
+    n_aux: int,
+    hidden: int,
+    aliases: Mapping[str, str] | None = None,
+    quantize: str = QUANTIZE_NONE,
 ) -> bytes:
     """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
     trainer's convention). SpecForge: `aliases` (`drafter_types.specforge_aliases`) adds the DFlash family's key
-    names for EAGLE-3's tensors; torch.save writes a storage once however many keys name it."""
+    names for EAGLE-3's tensors; torch.save writes a storage once however many keys name it. speculators with
+    `quantize: fp8`: e4m3 `hidden_states` and fp32 `hidden_states_scales` [T, 4, 1], what its fp8 backend loads."""
     n_tok = int(t["input_ids"].numel())
     if layout == SPECULATORS:
         from safetensors.torch import save
@@ -158,7 +175,10 @@ def serialise(
         states = torch.cat(
             [t["aux_hidden_states"].view(n_tok, n_aux, hidden), t["final_hidden_state"].view(n_tok, 1, hidden)], dim=1
         )
-        return save({"hidden_states": states.contiguous(), "token_ids": t["input_ids"].to(torch.int64).contiguous()})
+        ids = t["input_ids"].to(torch.int64).contiguous()
+        if quantize == QUANTIZE_FP8:
+            return save({**fp8.quantize(states).tensors(), "token_ids": ids})
+        return save({"hidden_states": states.contiguous(), "token_ids": ids})
     record = {
         "input_ids": _own_storage(t["input_ids"].to(torch.int64)),
         "loss_mask": _own_storage(t["loss_mask"].to(torch.int64)),
@@ -181,11 +201,14 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
 
 
 def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
-    """aux [T, n_aux*H] and final [T, H] of one trainer file."""
+    """aux [T, n_aux*H] and final [T, H] of one trainer file (FP8 states dequantized to fp32: `fp8.dequantize`)."""
     if layout == SPECULATORS:
         from safetensors.torch import load_file
 
-        states = load_file(str(path))["hidden_states"]
+        raw = load_file(str(path))
+        states = raw[fp8.STATES_KEY]
+        if fp8.SCALES_KEY in raw:
+            states = fp8.dequantize_checked(path, states, raw[fp8.SCALES_KEY])
         return {"aux_hidden_states": states[:, :n_aux].flatten(1), "final_hidden_state": states[:, n_aux]}
     rec = torch.load(path, mmap=True, weights_only=True)
     return {"aux_hidden_states": rec["aux_hidden_state"][0], "final_hidden_state": rec["hidden_state"][0]}
@@ -224,7 +247,8 @@ class SampleFilesWriter:
         if rel is None:
             raise ValueError(f"sample {sid!r} has no file in the {self._target.name} layout: the merged table changed")
         hidden = int(t["final_hidden_state"].shape[-1])
-        data = serialise(self._target.name, {**t, "loss_mask": torch.from_numpy(self._masks[sid])}, self._n_aux, hidden)
+        t = {**t, "loss_mask": torch.from_numpy(self._masks[sid])}
+        data = serialise(self._target.name, t, self._n_aux, hidden, quantize=self._target.quantize)
         path = self._target.root / rel
         write_bytes_atomic(data, path)
         self.files.append(
