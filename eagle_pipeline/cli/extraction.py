@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The extraction plan. Over the merged table: written to plan.json as `hidden_state_plan` writes it, then the
     disk check every shard run makes before its first request (budget and free space). Over `--tokens`/`--samples`:
     a scale sized before its data exists (budget only). Exit 1 when extraction would be refused."""
-    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_config
+    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_config
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states

@@ -39,7 +39,7 @@ GPU_OP_TAGS = {
 def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.run import plan_run
-    from eagle_pipeline.hidden_states.runtime import PlanRefused
+    from eagle_pipeline.hidden_states.run_plan import PlanRefused
 
     cfg = pipeline.config()
     try:

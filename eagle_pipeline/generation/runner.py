@@ -210,23 +210,8 @@ async def agenerate_dataset(
         storage.clean_stale_tmp(errors_dir)
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
         recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
-        # One read of the shards serves the plan, its progress counts and the spend ledger.
-        # Rows another backend produced (another kind, model, endpoint class, or simulated usage counted with another
-        # tokenizer: generation/identity.py) stay on disk but answer nothing: their prompts are requested again.
         identity = BackendIdentity.of(backend, usage_tokenizer)
-        committed = store.read_committed(out_dir, identity)
-        if committed.mismatched:
-            log.warning(
-                "[%s] committed rows that do not count for backend %r (%s): %s; kept on disk, their prompts are "
-                "requested again",
-                dataset,
-                backend.name,
-                identity.describe(),
-                committed.mismatched,
-            )
-        plan = plan_requests(prompts, committed, opts.limit, regenerate=opts.regenerate)
-        committed_usd = committed.spend_usd
-        del committed  # its rows and done set are not needed past the plan: not held for the whole run
+        plan, committed_usd = _plan_against_store(dataset, backend.name, prompts, out_dir, identity, opts)
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=opts.answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
@@ -266,6 +251,26 @@ async def agenerate_dataset(
         summary.answer_log_s = sink.log.flush_interval_s if sink.log is not None else None
         log.info("[%s] %s: %s", dataset, label, json.dumps(summary.to_dict()))
         return summary
+
+
+def _plan_against_store(
+    dataset: str, backend_name: str, prompts: pa.Table, out_dir: Path, identity: BackendIdentity, opts: RunOptions
+) -> tuple[RequestPlan, float]:
+    """What this run requests, and the spend already committed, from one read of the shards (the plan, its progress
+    counts and the spend ledger all come from it). Rows another backend produced (another kind, model, endpoint
+    class, or simulated usage counted with another tokenizer: generation/identity.py) stay on disk but answer
+    nothing: their prompts are requested again. The committed rows are not held past the plan."""
+    committed = store.read_committed(out_dir, identity)
+    if committed.mismatched:
+        log.warning(
+            "[%s] committed rows that do not count for backend %r (%s): %s; kept on disk, their prompts are "
+            "requested again",
+            dataset,
+            backend_name,
+            identity.describe(),
+            committed.mismatched,
+        )
+    return plan_requests(prompts, committed, opts.limit, regenerate=opts.regenerate), committed.spend_usd
 
 
 def _check_regenerate(regenerate: str, backend: BackendSpec) -> None:

@@ -178,84 +178,131 @@ def plan_extraction(
     torchrun rank's share under the installed transformers, `world_split.RankShare`), fitting the engine when <=
     `gpus_per_model`. `layer_choices`: the disk of EAGLE-3's and SpecForge's 1-/5-layer spreads (and `layer_counts`).
     """
-    if n_tokens < 0 or n_samples < 0:
-        raise ValueError("n_tokens and n_samples must be non-negative")
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
-    if n_gpus < 1 or shard_size < 1 or gpus_per_model < 1:
-        raise ValueError("n_gpus, gpus_per_model and shard_size must be >= 1")
+    if n_tokens < 0 or n_samples < 0 or shard_size < 1:
+        raise ValueError("n_tokens and n_samples must be non-negative, shard_size >= 1")
+    compute = Compute(
+        engine=engine,
+        gpus_per_model=gpus_per_model,
+        n_gpus=n_gpus,
+        peak_tflops=gpu_bf16_peak_tflops,
+        mfu=mfu,
+        weight_bytes_per_param=weight_bytes_per_param,
+        gpu_memory_bytes=gpu_memory_bytes,
+        replicated_params=replicated_params,
+    )
     aux = resolve_aux_layers(aux_layers, num_layers)
     final = 1 if save_final_state else 0
     if quantize == QUANTIZE_FP8:  # e4m3 values and one fp32 scale per token per layer (hidden_states/fp8.py)
         dtype_bytes, shape = 1, StateShape(len(aux) + final, hidden_size, 1, FP8_SCALE_BYTES)
     else:
         shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
-    hidden_per_token = shape.token_bytes
     items = _disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
     total = sum(d["bytes"] for d in items if d["counted"])
-    gpu = _gpu_figures(
-        n_tokens,
-        total_params,
-        active_params,
-        gpu_bf16_peak_tflops,
-        mfu,
-        n_gpus,
-        weight_bytes_per_param,
-        gpu_memory_bytes,
-        replicated_params,
-    )
+    gpu = compute.figures(n_tokens, total_params, active_params)
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
-    per_layer = n_tokens * hidden_size * dtype_bytes
     copies = sum(1 for d in items if d["counted"] and d["what"].startswith(("states", "copy")))  # of the states
+    per_layer = n_tokens * hidden_size * dtype_bytes * copies
     return ExtractionPlan(
-        hidden_size=hidden_size, num_layers=num_layers, aux_layers=aux, save_final_state=save_final_state,
-        dtype_bytes=dtype_bytes, n_tokens=n_tokens, n_samples=n_samples, total_params=float(total_params),
-        active_params=float(active_params), bytes_per_token=hidden_per_token + IDS_BYTES + MASK_BYTES,
-        hidden_bytes=n_tokens * hidden_per_token,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        aux_layers=aux,
+        save_final_state=save_final_state,
+        dtype_bytes=dtype_bytes,
+        n_tokens=n_tokens,
+        n_samples=n_samples,
+        total_params=float(total_params),
+        active_params=float(active_params),
+        bytes_per_token=shape.token_bytes + IDS_BYTES + MASK_BYTES,
+        hidden_bytes=n_tokens * shape.token_bytes,
         overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PROJECT_SHARD_SAMPLE_BYTES,
-        bytes_on_disk=total, n_gpus=n_gpus, shard_size=shard_size,
+        bytes_on_disk=total,
+        n_gpus=n_gpus,
+        shard_size=shard_size,
         n_shards=max(math.ceil(n_samples / shard_size), 1) if n_samples else 0,
-        tokens_per_shard=n_tokens * frac, bytes_per_shard=total * frac, gpu_hours_per_shard=gpu["gpu_hours"] * frac,
+        tokens_per_shard=n_tokens * frac,
+        bytes_per_shard=total * frac,
+        gpu_hours_per_shard=gpu["gpu_hours"] * frac,
         disk_budget_bytes=disk_budget_bytes,
         exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
-        engine=engine, gpus_per_model=gpus_per_model, fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= gpus_per_model,
-        assumptions=_assumptions(
-            gpu_bf16_peak_tflops, mfu, engine, gpus_per_model, n_gpus, total_params, weight_bytes_per_param,
-            gpu_memory_bytes, dtype_bytes, replicated_params,
-        ),
+        engine=engine,
+        gpus_per_model=gpus_per_model,
+        fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= gpus_per_model,
+        assumptions=compute.assumptions(total_params, dtype_bytes),
         layer_choices=[
-            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer * copies}
+            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer}
             for name, ids in _layer_choices(aux, num_layers, layer_counts).items()
         ],
-        layout=layout, disk_items=items, **gpu,
-    )  # fmt: skip
-
-
-def _gpu_figures(
-    n_tokens: int,
-    total_params: float,
-    active_params: float,
-    peak_tflops: float,
-    mfu: float,
-    n_gpus: int,
-    weight_bytes_per_param: float,
-    gpu_memory_bytes: float,
-    replicated_params: float,
-) -> dict[str, Any]:
-    """The compute side of the plan (`plan_extraction`'s docstring has the formulas)."""
-    flops = 2.0 * active_params * n_tokens
-    room = 0.9 * gpu_memory_bytes - replicated_params * weight_bytes_per_param  # per GPU, for the split weights
-    split = (total_params - replicated_params) * weight_bytes_per_param
-    gpu_hours = flops / (peak_tflops * 1e12 * mfu) / 3600.0
-    slow, fast = OBSERVED_TOKENS_PER_GPU_S
-    return dict(
-        flops=flops,
-        gpu_hours=gpu_hours,
-        wall_hours=gpu_hours / n_gpus,
-        min_gpus_for_weights=max(math.ceil(split / room), 1) if room > 0 else None,
-        assumed_tokens_per_gpu_s=peak_tflops * 1e12 * mfu / (2.0 * active_params) if active_params else float("inf"),
-        observed_wall_hours=(n_tokens / (slow * n_gpus) / 3600.0, n_tokens / (fast * n_gpus) / 3600.0),
+        layout=layout,
+        disk_items=items,
+        **gpu,
     )
+
+
+@dataclass(frozen=True)
+class Compute:
+    """The GPUs the plan assumes: the engine's model span and count, their peak and MFU, memory and the weights'
+    bytes per parameter, and what each GPU of one model holds whole (`plan_extraction`'s docstring: the formulas)."""
+
+    engine: str
+    gpus_per_model: int
+    n_gpus: int
+    peak_tflops: float
+    mfu: float
+    weight_bytes_per_param: float
+    gpu_memory_bytes: float
+    replicated_params: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
+        if self.n_gpus < 1 or self.gpus_per_model < 1:
+            raise ValueError("n_gpus and gpus_per_model must be >= 1")
+
+    def figures(self, n_tokens: int, total_params: float, active_params: float) -> dict[str, Any]:
+        """The compute side of the plan: FLOPs, GPU and wall hours, the GPUs the weights need, the rates."""
+        flops = 2.0 * active_params * n_tokens
+        per_param = self.weight_bytes_per_param
+        room = 0.9 * self.gpu_memory_bytes - self.replicated_params * per_param  # per GPU, for the split weights
+        split = (total_params - self.replicated_params) * per_param
+        rate = self.peak_tflops * 1e12 * self.mfu
+        gpu_hours = flops / rate / 3600.0
+        slow, fast = OBSERVED_TOKENS_PER_GPU_S
+        return dict(
+            flops=flops,
+            gpu_hours=gpu_hours,
+            wall_hours=gpu_hours / self.n_gpus,
+            min_gpus_for_weights=max(math.ceil(split / room), 1) if room > 0 else None,
+            assumed_tokens_per_gpu_s=rate / (2.0 * active_params) if active_params else float("inf"),
+            observed_wall_hours=(n_tokens / (slow * self.n_gpus) / 3600.0, n_tokens / (fast * self.n_gpus) / 3600.0),
+        )
+
+    def assumptions(self, total_params: float, dtype_bytes: int) -> dict[str, Any]:
+        """The plan's assumptions, in words, as the plan prints them."""
+        slow, fast = OBSERVED_TOKENS_PER_GPU_S
+        replicated = self.replicated_params
+        return {
+            "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x "
+            "640 B + shards x 10 kB for the project's shards; each item's own per-token and per-file bytes below",
+            "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
+            "gpu peak": f"{self.peak_tflops} TFLOP/s dense bf16 (H100/H200 SXM)",
+            "mfu": f"{self.mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
+            "observed rate": f"{slow:,.0f}-{fast:,.0f} tokens/s per GPU: TorchSpec's Kimi-K2.5 drafter, 6B tokens "
+            "in 1,500 H200 GPU-hours including training (so an upper bound on cost); vLLM's extraction costs 10-42% "
+            "of prefill throughput by the reports",
+            "engine": f"{self.engine}: one model copy spans {self.gpus_per_model} GPU(s); {self.n_gpus} GPU(s) in all",
+            "weights": f"{total_params:.4g} params x {self.weight_bytes_per_param} B on "
+            f"{self.gpu_memory_bytes / 1e9:.0f} GB GPUs, 10% kept for activations (sets the minimum GPU count, not "
+            "the hours; Kimi-K2.5 ships INT4 experts, ~0.55 B/param)"
+            + (
+                f"; {replicated:.4g} of them held whole by every GPU of a model, the rest split evenly (what a"
+                " torchrun rank holds under the installed transformers' parallel plans)"
+                if replicated
+                else ", split evenly over the GPUs of a model"
+            ),
+            "dtype bytes": dtype_bytes,
+            "no compression": "hidden states are stored raw; bf16 activations compress poorly",
+            "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
+        }
 
 
 def _disk_items(
@@ -270,44 +317,6 @@ def _disk_items(
         if rows:
             kw["shard_tokens"][-1] += n_tokens - sum(kw["shard_tokens"])
     return disk_items(shape, layout=layout, **kw)
-
-
-def _assumptions(
-    peak: float,
-    mfu: float,
-    engine: str,
-    gpus_per_model: int,
-    n_gpus: int,
-    total_params: float,
-    weight_bytes_per_param: float,
-    gpu_memory_bytes: float,
-    dtype_bytes: int,
-    replicated_params: float,
-) -> dict[str, Any]:
-    slow, fast = OBSERVED_TOKENS_PER_GPU_S
-    return {
-        "disk formula": "tokens x (n_aux + final) x hidden x dtype_bytes + tokens x 5 B ids/mask + samples x 640 B "
-        "+ shards x 10 kB for the project's shards; each item's own per-token and per-file bytes below",
-        "flops formula": "2 x active_params x tokens (prefill only, no lm_head, attention scores ignored)",
-        "gpu peak": f"{peak} TFLOP/s dense bf16 (H100/H200 SXM)",
-        "mfu": f"{mfu} (assumed; MoE prefill at small batch usually runs below dense MFU)",
-        "observed rate": f"{slow:,.0f}-{fast:,.0f} tokens/s per GPU: TorchSpec's Kimi-K2.5 drafter, 6B tokens in "
-        "1,500 H200 GPU-hours including training (so an upper bound on cost); vLLM's extraction costs 10-42% of "
-        "prefill throughput by the reports",
-        "engine": f"{engine}: one model copy spans {gpus_per_model} GPU(s); {n_gpus} GPU(s) in all",
-        "weights": f"{total_params:.4g} params x {weight_bytes_per_param} B on {gpu_memory_bytes / 1e9:.0f} GB GPUs,"
-        " 10% kept for activations (sets the minimum GPU count, not the hours; Kimi-K2.5 ships INT4 experts,"
-        " ~0.55 B/param)"
-        + (
-            f"; {replicated_params:.4g} of them held whole by every GPU of a model, the rest split evenly (what a"
-            " torchrun rank holds under the installed transformers' parallel plans)"
-            if replicated_params
-            else ", split evenly over the GPUs of a model"
-        ),
-        "dtype bytes": dtype_bytes,
-        "no compression": "hidden states are stored raw; bf16 activations compress poorly",
-        "no padding on disk": "batches are padded in memory only; files hold each sample's real tokens",
-    }
 
 
 def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -> dict[str, tuple[int, ...]]:

@@ -21,7 +21,8 @@ from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from .engine_in_process import InProcessEngine
 from .engine_torchrun import TorchrunEngine
 from .plan import ExtractionPlan
-from .runtime import TINY_RANDOM, fingerprint_for_config, plan_for_config
+from .run_plan import plan_for_config
+from .runtime import TINY_RANDOM, fingerprint_for_config
 from .shards import ShardSummary, prepare_shard
 from .trainer_layouts import StatesExportSummary
 from .vllm_command import VLLMEngine
@@ -50,9 +51,9 @@ def plan_run(
     vocab_size: int,
     shard_runs: int = 1,
 ) -> dict[str, ExtractionPlan]:
-    """The plans over the merged table ('target', 'this_run': `runtime.plan_for_run`), with what is written item
+    """The plans over the merged table ('target', 'this_run': `run_plan.plan_for_run`), with what is written item
     by item (`disk_inputs`; `shard_runs`: shard runs at once, the `gpu` pool's limit), written to
-    `paths.out_dir/plan.json` for the shard runs' disk check (`check_disk_for_run`). Raises `runtime.PlanRefused`
+    `paths.out_dir/plan.json` for the shard runs' disk check (`check_disk_for_run`). Raises `run_plan.PlanRefused`
     when the engine cannot hold the weights (nothing is written then)."""
     from ..merge.manifest import MergeManifest
 

@@ -64,7 +64,7 @@ def test_budget_refusal_flag_and_markdown():
 
 def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir):
     from eagle_pipeline.hidden_states.model import load_text_config
-    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_run
+    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_run
     from eagle_pipeline.hidden_states.world_split import rank_share, world_ep_size
 
     common = dict(

@@ -133,7 +133,7 @@ def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_s
 ):
     """Refused before any process starts (this process's transformers decides, as the ranks' does); unset, ep_size
     becomes tp_size. Under a transformers whose TP plan splits the experts, ep_size 1 is TP inside each expert."""
-    from eagle_pipeline.hidden_states.runtime import PlanRefused, plan_for_run
+    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_run
 
     merged = merged_factory(make_rows(2, seed=1), [2])
     tiny_ds.save_pretrained(tmp_path / "model")
