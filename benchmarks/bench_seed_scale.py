@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import math
 import os
@@ -207,6 +208,7 @@ class Instance:
         home.mkdir(parents=True, exist_ok=True)
         self.pg_url = os.environ.get("EAGLE_TEST_POSTGRES_URL")
         self.env = {"DAGSTER_HOME": str(home)}
+        self.db = ""
         if not self.pg_url:
             shutil.copyfile(ROOT / "dagster.yaml", home / "dagster.yaml")
             self.kind = "sqlite"
@@ -224,6 +226,9 @@ class Instance:
         self.env["EAGLE_DAGSTER_PG_URL"] = self.db_url.replace("postgresql://", "postgresql+psycopg2://", 1)
         shutil.copyfile(ROOT / "deploy" / "single-host" / "dagster.yaml", home / "dagster.yaml")
         self.kind = "postgresql"
+        # The database is the benchmark's alone: dropped when the process ends, figures taken or not (a CI server
+        # runs this on every push).
+        atexit.register(self.drop)
 
     def size(self) -> tuple[int, int]:
         """(event-log rows, database bytes)."""
@@ -939,6 +944,7 @@ def rehearse(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "scale": args.scale,
         "instance": instance.kind,
+        "databases": [i.db for i in (instance, bench.instance) if i.kind == "postgresql"],
         "tokenizer": f"{tok.name} [{tok.kind}]",
         "load_start": load_start,
         "load_end": _uptime(),

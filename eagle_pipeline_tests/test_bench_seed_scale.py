@@ -70,3 +70,23 @@ def test_the_table_holds_sane_figures(rehearsal):
     assert f["ra_tokens_per_s"] > 0 and f["raw_tokens_per_s"] > 0
     assert len(f["merge_runs"]) == len(f["plain_runs"]) == 2
     assert f["shard_ratio"] > 0
+
+
+def test_a_postgresql_run_drops_the_databases_it_made(rehearsal):
+    """On PostgreSQL (EAGLE_TEST_POSTGRES_URL, as CI sets it) each of the benchmark's instances is a database of its
+    own; none is left behind on the server once the benchmark has ended."""
+    import os
+
+    _, f = rehearsal
+    url = os.environ.get("EAGLE_TEST_POSTGRES_URL")
+    if not url:
+        assert f["instance"] == "sqlite" and f["databases"] == []
+        pytest.skip("EAGLE_TEST_POSTGRES_URL is not set: the rehearsal ran on SQLite")
+    import psycopg2
+
+    assert f["instance"] == "postgresql" and len(f["databases"]) == 2
+    with psycopg2.connect(url, connect_timeout=5) as conn, conn.cursor() as cur:
+        cur.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", (f["databases"],))
+        left = cur.fetchall()
+    conn.close()
+    assert left == []
