@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from eagle_pipeline.hidden_states import build_tiny_model, default_aux_layers, read_rows
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, shard_layout, tensor_key
 from eagle_pipeline.hidden_states.vllm_files import validate_states_file, vllm_layer_ids
 from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
 VOCAB = 2560
 
@@ -72,18 +72,19 @@ def _stop(procs) -> float:
     return compute
 
 
-def _shard(merged: Path, out: Path, urls: list[str], storage: Path, layers: int, rows: int, concurrency: int):
+def _shard(merged: Path, out: Path, urls: list[str], storage: Path, args: argparse.Namespace):
     shutil.rmtree(out, ignore_errors=True)
     cpu0, t0 = time.process_time(), time.perf_counter()
-    s = extract_shard_vllm(
+    s = vllm_shard(  # through the stage's own decision (run.run_shard), as a shard run of the asset goes
         merged,
         shard_index=0,
-        shard_size=rows,
+        shard_size=args.rows,
         out_dir=out,
         endpoints=urls,
         storage_path=storage,
-        num_layers=layers,
-        concurrency=concurrency,
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        concurrency=args.concurrency,
     )
     return s, time.perf_counter() - t0, time.process_time() - cpu0
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         skip = set(args.skip.split(","))
         if "overhead" not in skip:
             procs, urls = _doubles(1, storage, args.family, args.hidden_size, args.layers, 0.0)
-            _, wall, cpu = _shard(merged, work / "out", urls, storage, args.layers, args.rows, args.concurrency)
+            _, wall, cpu = _shard(merged, work / "out", urls, storage, args)
             compute = _stop(procs)
             print("\noverhead (one double, no simulated GPU time):")
             print(f"  client CPU     {cpu / tokens * 1e3:.4f} s per 1k tokens")
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nendpoints (each double adds {args.gpu_ms:g} ms of simulated GPU time per request):")
             for k in (int(x) for x in args.endpoints.split(",")):
                 procs, urls = _doubles(k, storage, args.family, args.hidden_size, args.layers, args.gpu_ms / 1e3)
-                _, wall, cpu = _shard(merged, work / "out", urls, storage, args.layers, args.rows, args.concurrency)
+                _, wall, cpu = _shard(merged, work / "out", urls, storage, args)
                 _stop(procs)
                 print(
                     f"  {k} endpoint(s): {n / wall:7.1f} rows/s  {tokens / wall:9,.0f} tokens/s  "

@@ -539,7 +539,7 @@ def test_settings_defaults_are_the_cores():
     from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
     from eagle_pipeline.hidden_states.batching import DEFAULT_MAX_TOKENS_PER_BATCH
     from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard
-    from eagle_pipeline.hidden_states.extract import extract_shard
+    from eagle_pipeline.hidden_states.run import extract_shard
 
     assert HiddenStatesConfig().max_tokens_per_batch == DEFAULT_MAX_TOKENS_PER_BATCH
     assert extract_shard.__kwdefaults__["max_tokens_per_batch"] == DEFAULT_MAX_TOKENS_PER_BATCH

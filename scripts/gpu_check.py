@@ -301,7 +301,8 @@ def engine_extractor(
 ) -> Callable[[int], ShardSummary]:
     """One shard's extraction through `engine`, by the pipeline's own entry point (`run.run_shard`) under settings
     naming the check's model; servers it needs live as long as `stack`. In process the model built here is used as
-    it is (`PreloadedModel`: only its config.json is saved, for the fingerprint); torchrun's ranks and the vLLM
+    it is (`PreloadedModel`: its own identity is the fingerprint's; only its config.json is saved, for the settings'
+    `model`); torchrun's ranks and the vLLM
     engine's head read its weights, saved once."""
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.engine_in_process import InProcessEngine, PreloadedModel

@@ -82,12 +82,12 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
     from eagle_pipeline.hidden_states.run import run_shard
     from eagle_pipeline.hidden_states.shards import ShardMismatchError
 
     paths = ExtractionPaths.of(pipeline.data_root())
     h = pipeline.config().hidden_states
-    _check_disk(h, paths)
     shard = int(context.partition_key)
     try:
         run = run_shard(
@@ -102,6 +102,16 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
         raise dg.Failure(
             str(exc),
             metadata={"differences": dg.MetadataValue.json({k: list(v) for k, v in exc.differences.items()})},
+            allow_retries=False,
+        ) from exc
+    except DiskBudgetExceeded as exc:  # the disk check of a shard to extract (`run.check_disk_for_run`)
+        raise dg.Failure(
+            str(exc),
+            metadata={
+                "planned_bytes": exc.planned_bytes,
+                "budget_bytes": exc.budget_bytes,
+                "plan": dg.MetadataValue.json(exc.plan),
+            },
             allow_retries=False,
         ) from exc
     summary = run.summary
@@ -123,28 +133,6 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             "pid": os.getpid(),
         }
     )
-
-
-def _check_disk(h: Any, paths: Any) -> None:
-    """`run.check_disk_for_run` (the budget, and each filesystem's free space for what remains to be written) as a
-    non-retryable Failure with the needed bytes and the limit as metadata."""
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import check_disk_for_run
-
-    try:
-        check_disk_for_run(h, paths)
-    except FileNotFoundError as exc:
-        raise dg.Failure(str(exc), allow_retries=False) from exc
-    except DiskBudgetExceeded as exc:
-        raise dg.Failure(
-            str(exc),
-            metadata={
-                "planned_bytes": exc.planned_bytes,
-                "budget_bytes": exc.budget_bytes,
-                "plan": dg.MetadataValue.json(exc.plan),
-            },
-            allow_retries=False,
-        ) from exc
 
 
 def _shard_check(spec: CheckSpec[ShardCheckContext]) -> dg.AssetChecksDefinition:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import EngineResult, ExtractionPaths, ShardEngine, ShardJob
-    from .extract import extract_shard, padding_of, plan_batches
+    from .extract import padding_of, plan_batches
     from .fingerprint import ExtractionFingerprint, merged_version, model_identity
     from .format import FORMAT_VERSION, TENSOR_NAMES, SampleLocation, build_sample_index, shard_paths, shard_status
     from .layers import (
@@ -31,13 +31,12 @@ if TYPE_CHECKING:
         tiny_config,
     )
     from .plan import DiskBudgetExceeded, ExtractionPlan, check_disk_budget, plan_extraction, plan_for_model
-    from .run import ENGINES, ShardRun, export_for_trainers, plan_run, run_shard
+    from .run import ENGINES, ShardRun, export_for_trainers, extract_shard, plan_run, run_shard
     from .shards import (
         ShardMismatchError,
         ShardsNotReadyError,
         ShardState,
         ShardSummary,
-        prepare_shard,
         require_shards_ready,
         shard_state,
     )
@@ -75,7 +74,7 @@ _EXPORTS = {
     "default_aux_layers": "layers",
     "describe_model_config": "model",
     "export_for_trainers": "run",
-    "extract_shard": "extract",
+    "extract_shard": "run",
     "final_state_hf_index": "layers",
     "get_backbone": "layers",
     "hf_hidden_states_convention": "layers",
@@ -90,7 +89,6 @@ _EXPORTS = {
     "plan_extraction": "plan",
     "plan_for_model": "plan",
     "plan_run": "run",
-    "prepare_shard": "shards",
     "read_rows": "merged",
     "require_shards_ready": "shards",
     "run_shard": "run",
@@ -146,7 +144,6 @@ __all__ = [
     "plan_extraction",
     "plan_for_model",
     "plan_run",
-    "prepare_shard",
     "read_rows",
     "require_shards_ready",
     "run_shard",

@@ -1,8 +1,10 @@
 """The interface every extraction engine implements (in_process, vllm, torchrun), and what it is given.
 
-`run.run_shard` is the one entry point: it decides whether a shard is already done under the wanted fingerprint,
-then hands it to the engine `hidden_states.engine` names (`run.ENGINES`). Each engine is one module implementing
-`ShardEngine.extract`; none decides reuse or reads the configuration file itself.
+`run.run_shard` is the one entry point and the one decision: it asks the engine what it knows of the run before any
+model loads (`ShardEngine.facts`), builds the wanted fingerprint from the settings and those facts
+(`runtime.fingerprint_for_config`), decides whether the shard is reused, superseded or refused
+(`shards.prepare_shard`), checks the disk, and only then hands the engine a `ShardJob` to turn rows into states. No
+engine builds a fingerprint, decides reuse or reads the configuration file itself.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..shared.progress import ProgressCallback
 from .fingerprint import ExtractionFingerprint
@@ -54,23 +56,46 @@ class EngineResult:
 
 
 @dataclass(frozen=True)
+class RunFacts:
+    """What an engine knows of a shard run, beyond the settings, that changes what the shard holds; each field None
+    where the settings alone decide it.
+
+    `model_identity` and `num_layers`: the model it runs when that is not the checkpoint `hidden_states.model` names
+    (a model already in memory); `dtype`: the stored dtype when not the device's default; `left_out`: the sample
+    ids of the shard's rows it gives no states for (vLLM under `too_long_rows: drop`: the rows at or over the servers'
+    `max_model_len`), sorted; `max_model_len`: the servers' limit those rows were judged by, handed to the job so that
+    the shard is cut by the limit the decision used."""
+
+    model_identity: dict[str, Any] | None = None
+    num_layers: int | None = None
+    dtype: str | None = None
+    left_out: tuple[str, ...] | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
 class ShardJob:
     """One shard to extract: shard `shard` of the merged table under `settings` (the `hidden_states` section), its
     fingerprint `wanted` (recorded with the shard), and where to report: `progress(rows_done, rows_total,
     tokens_done, tokens_total)` as rows finish, where the engine can report them (an exception from it aborts the
-    shard, leaving nothing partial), and `log` for lines worth a log."""
+    shard, leaving nothing partial), and `log` for lines worth a log. The way is clear: no done shard is there.
+    `facts` are what the engine reported before the decision (`ShardEngine.facts`)."""
 
     settings: HiddenStatesConfig
     paths: ExtractionPaths
     shard: int
     vocab_size: int
     wanted: ExtractionFingerprint
+    facts: RunFacts = RunFacts()
     progress: ProgressCallback | None = None
     log: Log | None = None
 
 
 class ShardEngine(Protocol):
-    """One extraction engine: `extract` writes the job's shard (a shard file and its index, in `paths.out_dir`);
-    `run.run_shard` has already decided the shard is not done."""
+    """One extraction engine. `facts` says, before any model loads, what of the run the settings do not
+    (`RunFacts`); `extract` writes the job's shard (a shard file and its index, in `paths.out_dir`) under
+    `job.wanted`, once `run.run_shard` has decided it is to be extracted."""
+
+    def facts(self, settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int, vocab_size: int) -> RunFacts: ...
 
     def extract(self, job: ShardJob) -> EngineResult: ...

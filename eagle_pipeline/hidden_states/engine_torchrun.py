@@ -2,7 +2,8 @@
 
 The shard run starts `torchrun --nproc-per-node tp_size -m eagle_pipeline.hidden_states.engine_torchrun ...`; every
 rank loads the model with transformers' `DistributedConfig(tp_size=..., ep_size=...)` and runs the same
-`extract_shard` (the in-process extractor: same batches, hooks, format); rank 0 writes the shard, the other ranks
+`extract.extract_with_model` (the in-process writer: same batches, hooks, format) under the fingerprint the shard
+run decided with; rank 0 writes the shard, the other ranks
 write to a scratch directory that is deleted. For targets that fit one node in transformers; Kimi-K2.5 does not
 (its INT4 experts decompress to bf16): use `engine: vllm` for it.
 """
@@ -20,25 +21,26 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
-from .engine import EngineResult, ShardJob
-from .extract import default_state_dtype, extract_shard
-from .fingerprint import ExtractionFingerprint, merged_version, model_dir_identity
-from .format import dtype_name, read_index_meta, shard_paths
-from .fp8 import QUANTIZE_NONE
-from .layers import resolve_aux_layers
-from .model import describe_model_config, load_text_config
-from .shards import ShardSummary, prepare_shard
+from .engine import EngineResult, ExtractionPaths, RunFacts, ShardJob
+from .extract import default_state_dtype, extract_with_model
+from .fingerprint import ExtractionFingerprint
+from .format import read_index_meta, shard_paths, state_dtype
+from .model import load_text_config
+from .shards import ShardSummary
 from .trainer_layouts import SHARDS as LAYOUT_SHARDS
 from .trainer_layouts import plan_layout_target
 from .world_split import is_routed_expert, world_ep_size
+
+if TYPE_CHECKING:
+    from .settings import HiddenStatesConfig
 
 ENGINE_TORCHRUN = "torchrun"
 
@@ -52,32 +54,32 @@ def _free_port() -> int:
 @dataclass(frozen=True)
 class TorchrunShard:
     """One shard's world: what the shard run starts it with and what every rank reads (as one JSON argument).
-    `aux_layers` None: the default low/mid/high; `model_identity` None: the model directory's."""
+    `fingerprint` is the shard's wanted `ExtractionFingerprint` (as a dict): the ranks extract exactly what it says
+    (aux layers, final state, dtype, layout, quantization) and record it. `device` is `hidden_states.device`:
+    'cpu' keeps the ranks on the CPU (gloo) on a GPU host, as the fingerprint's dtype then says."""
 
     model_dir: Path
     merged_dir: Path
     shard_index: int
-    shard_size: int
     out_dir: Path
     tp_size: int
+    fingerprint: dict[str, Any]
     ep_size: int | None = None
-    aux_layers: tuple[int, ...] | int | None = None  # ids, a count (layers.resolve_aux_layers) or None
     max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH
-    final_state: str = "post_norm"
-    model_identity: Mapping[str, Any] | None = None
-    layout: str = LAYOUT_SHARDS  # a trainer's layout: rank 0 writes its files under exports_dir / layout
-    exports_dir: Path | None = None
-    quantize: str = QUANTIZE_NONE  # fp8: rank 0 writes e4m3 states (hidden_states/fp8.py)
+    exports_dir: Path | None = None  # a trainer's layout: rank 0 writes its files under exports_dir / layout
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("model_dir", "merged_dir", "out_dir"):
             object.__setattr__(self, name, Path(getattr(self, name)))
         if self.exports_dir is not None:
             object.__setattr__(self, "exports_dir", Path(self.exports_dir))
-        if self.layout != LAYOUT_SHARDS and self.exports_dir is None:
-            raise ValueError(f"the {self.layout} layout needs exports_dir (where its files go)")
-        if self.aux_layers is not None and not isinstance(self.aux_layers, int):
-            object.__setattr__(self, "aux_layers", tuple(int(k) for k in self.aux_layers))
+        if self.wanted.layout != LAYOUT_SHARDS and self.exports_dir is None:
+            raise ValueError(f"the {self.wanted.layout} layout needs exports_dir (where its files go)")
+
+    @property
+    def wanted(self) -> ExtractionFingerprint:
+        return ExtractionFingerprint.from_dict(self.fingerprint)
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -107,41 +109,18 @@ def torchrun_argv(shard: TorchrunShard, *, port: int | None = None) -> list[str]
     ]
 
 
-def extract_shard_torchrun(
-    shard: TorchrunShard,
-    *,
-    on_mismatch: str = "refuse",
-    timeout_s: float | None = None,
-    log: Callable[[str], None] | None = None,
+def run_world(
+    shard: TorchrunShard, *, timeout_s: float | None = None, log: Callable[[str], None] | None = None
 ) -> ShardSummary:
-    """Extract one shard with a `tp_size`-process torchrun world. The shard's fingerprint records engine 'torchrun'
-    and `model_identity` (default: the model directory's); a done shard with it starts no world, one made under
-    other settings is refused or redone (`on_mismatch`). The world runs with `world_split.world_ep_size` (a MoE
-    model's routed experts split whatever the installed transformers' TP plan does; an `ep_size` that would replicate
-    them raises ExpertsReplicated before any process starts). A failed world raises RuntimeError naming the shard
-    and the end of its output; rank 0's atomic writes leave no partial shard."""
+    """Extract one shard with a `tp_size`-process torchrun world, as `shard.fingerprint` says; whether the shard is
+    to be extracted was decided before (`run.run_shard`). The world runs with `world_split.world_ep_size` (a MoE
+    model's routed experts split whatever the installed transformers' TP plan does; an `ep_size` that would
+    replicate them raises ExpertsReplicated before any process starts). A failed world raises RuntimeError naming
+    the shard and the end of its output; rank 0's atomic writes leave no partial shard."""
     config = load_text_config(shard.model_dir)
     # The routed experts are split on purpose: EP where the installed transformers' TP plan would replicate them.
     s = dataclasses.replace(shard, ep_size=world_ep_size(config, shard.tp_size, shard.ep_size))
-    n_layers = int(describe_model_config(config)["num_layers"])
-    aux = resolve_aux_layers(s.aux_layers, n_layers)
-    identity = dict(s.model_identity) if s.model_identity is not None else model_dir_identity(s.model_dir)
-    wanted = ExtractionFingerprint(
-        model=identity,
-        aux_layers=aux,
-        final_state=s.final_state,
-        shard_size=s.shard_size,
-        dtype=dtype_name(default_state_dtype("cuda" if torch.cuda.is_available() else "cpu")),
-        merged_version=merged_version(s.merged_dir),
-        engine=ENGINE_TORCHRUN,
-        layout=s.layout,
-        quantize=s.quantize,
-    )
-    decision = prepare_shard(s.out_dir, s.shard_index, wanted, on_mismatch=on_mismatch)
-    if decision.reuse is not None:
-        return decision.reuse
-    idx_path = shard_paths(s.out_dir, s.shard_index)[1]
-    argv = torchrun_argv(dataclasses.replace(s, model_identity=identity))
+    argv = torchrun_argv(s)
     if log is not None:
         log(f"shard {s.shard_index:05d}: {' '.join(argv)}")
     repo = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout, as this process does
@@ -157,13 +136,17 @@ def extract_shard_torchrun(
         )
     if log is not None and proc.stdout.strip():
         log(f"shard {s.shard_index:05d}: world done: {proc.stdout.strip().splitlines()[-1]}")
-    stored = read_index_meta(idx_path)
+    stored = read_index_meta(shard_paths(s.out_dir, s.shard_index)[1])
     return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
 
 
 class TorchrunEngine:
     """`hidden_states.engine: torchrun` (the `ShardEngine` interface): one world of `torchrun.tp_size` processes
     per shard over `hidden_states.model`'s checkpoint (a `tiny-random` model is saved once beside the shards)."""
+
+    def facts(self, settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int, vocab_size: int) -> RunFacts:
+        """Nothing beyond the settings: the ranks load the checkpoint `hidden_states.model` names."""
+        return RunFacts()
 
     def extract(self, job: ShardJob) -> EngineResult:
         """The world reports no per-row progress: `job.progress` is not called."""
@@ -177,19 +160,15 @@ class TorchrunEngine:
             model_dir,
             job.paths.merged_dir,
             shard_index=job.shard,
-            shard_size=h.shard_size,
             out_dir=job.paths.out_dir,
             tp_size=t.tp_size,
+            fingerprint=job.wanted.to_dict(),
             ep_size=t.ep_size,
-            aux_layers=h.aux_layers,
             max_tokens_per_batch=h.max_tokens_per_batch,
-            final_state=job.wanted.final_state,
-            model_identity=job.wanted.model,
-            layout=h.layout,
             exports_dir=job.paths.exports_dir,
-            quantize=h.quantize,
+            device=h.device,
         )
-        summary = extract_shard_torchrun(world, on_mismatch=h.on_settings_change, log=job.log)
+        summary = run_world(world, log=job.log)
         return EngineResult(summary, f"torchrun: tp_size {t.tp_size}" + (f", ep_size {t.ep_size}" if t.ep_size else ""))
 
 
@@ -225,20 +204,29 @@ def rank_holdings(model: torch.nn.Module) -> dict[str, int]:
     return held
 
 
+def rank_device(device: str, local_rank: int) -> str:
+    """The device a rank runs on under `hidden_states.device`: its own GPU unless the setting is 'cpu' or no GPU is
+    visible, so that the ranks store the dtype the shard's fingerprint says (bf16 on CUDA, fp32 on the CPU)."""
+    if device != "auto" and torch.device(device).type == "cpu":
+        return "cpu"
+    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+
+
 def _rank_main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     ap = argparse.ArgumentParser(description="one rank of a tensor-parallel extraction world (run by torchrun)")
     ap.add_argument("--shard", required=True, help="JSON of the TorchrunShard (engine_torchrun.torchrun_argv)")
     s = TorchrunShard.from_json(ap.parse_args(argv).shard)
+    wanted = s.wanted
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = f"cuda:{local_rank}" if cuda else "cpu"
+    device = rank_device(s.device, local_rank)
+    dtype = state_dtype(wanted.dtype) if wanted.dtype is not None else default_state_dtype(device)
     dist = {"tp_size": s.tp_size, **({"ep_size": s.ep_size} if s.ep_size else {})}
     model = AutoModelForCausalLM.from_pretrained(
         s.model_dir,
         local_files_only=True,
-        dtype=torch.bfloat16 if cuda else torch.float32,
+        dtype=dtype,
         distributed_config=DistributedConfig(tp_size=s.tp_size, ep_size=s.ep_size or None),
     ).eval()
     # Every rank runs the same forwards (the collectives need all of them); only rank 0 keeps what it writes.
@@ -246,24 +234,19 @@ def _rank_main(argv: Sequence[str] | None = None) -> int:
     # Rank 0 writes the trainer's files where the trainer reads them; the others into their scratch folder.
     exports = (s.exports_dir if rank == 0 else out / "exports") if s.exports_dir is not None else None
     target = (
-        plan_layout_target(s.layout, exports / s.layout, s.merged_dir, quantize=s.quantize)
+        plan_layout_target(wanted.layout, exports / wanted.layout, s.merged_dir, quantize=wanted.quantize)
         if exports is not None
         else None
     )
     try:
-        summary = extract_shard(
+        summary = extract_with_model(
             model,
             s.merged_dir,
+            wanted,
             shard_index=s.shard_index,
-            shard_size=s.shard_size,
             out_dir=out,
-            aux_layers=s.aux_layers,
-            max_tokens_per_batch=s.max_tokens_per_batch,
             device=device,
-            final_state=s.final_state,
-            force=rank != 0,
-            model_identity=s.model_identity,
-            engine=ENGINE_TORCHRUN,
+            max_tokens_per_batch=s.max_tokens_per_batch,
             layout_target=target,
         )
     finally:

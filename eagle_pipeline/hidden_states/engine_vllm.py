@@ -29,16 +29,15 @@ import torch
 
 from ..shared.aio import run_coroutine
 from ..shared.http_client import HttpClient
-from ..shared.progress import ProgressCallback
 from ..shared.storage import atomic_path
-from .fingerprint import ExtractionFingerprint, merged_version
+from .engine import ShardJob
+from .fingerprint import ExtractionFingerprint
 from .format import shard_paths
 from .head import PRE_NORM, CheckpointHead, TargetHead, checkpoint_head, save_target_head_from_checkpoint
-from .layers import resolve_aux_layers
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .shard_index import shard_header, shard_summary, write_shard_index
-from .shards import ShardSummary, prepare_shard
-from .trainer_layouts import SHARDS, LayoutTarget, final_state_for_layout
+from .shards import ShardSummary
+from .trainer_layouts import SHARDS, LayoutTarget, final_state_for_layout, plan_layout_target
 from .vllm_files import (
     FileFacts,
     clean_journal,
@@ -49,89 +48,95 @@ from .vllm_files import (
 )
 from .vllm_layouts import VllmLayoutRows, VllmShardFile
 from .vllm_requests import ShardRequests
-from .vllm_served import apply_length_limit, check_reused_drops, endpoints_max_model_len, target_without_too_long
+from .vllm_served import apply_length_limit, target_without_too_long, too_long
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """The model the servers run, as a shard run knows it without loading it: its shape
+    (`model.describe_model_config`), the checkpoint its final norm and lm_head are read from (None: not recorded;
+    the audit's norm and teacher checks cannot judge then), and its identity when that is not the checkpoint's
+    `hidden_states.model` names (None)."""
+
+    description: dict[str, Any]
+    checkpoint: Path | None
+    identity: dict[str, Any] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.description["num_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.description["hidden_size"])
 
 
 def extract_shard_vllm(
-    merged_dir: str | Path,
-    *,
-    shard_index: int,
-    shard_size: int,
-    out_dir: str | Path,
-    endpoints: Sequence[str],
-    storage_path: str | Path,
-    num_layers: int,
-    aux_layers: Sequence[int] | int | None = None,
-    hidden_size: int | None = None,
-    model_description: dict[str, Any] | None = None,
-    head_checkpoint: str | Path | None = None,
-    concurrency: int = 8,
-    timeout_s: float = 600.0,
-    max_retries: int = 4,
-    backoff_base_s: float = 2.0,
-    fingerprint: ExtractionFingerprint | None = None,
-    on_mismatch: str = "refuse",
-    force: bool = False,
-    too_long_rows: str = "refuse",
-    log: Callable[[str], None] | None = None,
-    progress: ProgressCallback | None = None,
-    layout_target: LayoutTarget | None = None,
+    job: ShardJob, model: EngineModel, endpoints: Sequence[str], *, backoff_base_s: float = 2.0
 ) -> ShardSummary:
-    """Extract shard `shard_index` through vLLM servers into `out_dir/shard-NNNNN.safetensors` + `.index.parquet`.
+    """Extract the job's shard through the vLLM servers at `endpoints` into `out_dir/shard-NNNNN.safetensors` +
+    `.index.parquet`, under `job.wanted` (engine 'vllm', dtype not pinned: the servers'); whether it is to be
+    extracted was decided before (`run.run_shard`), with the servers' `max_model_len` in `job.facts`.
 
-    `num_layers` is the target's decoder-layer count (L: the final id); `aux_layers` are in the project's convention
-    (default low/mid/high). `fingerprint` (engine 'vllm', dtype not pinned: the servers') is recorded with the shard;
-    by default it names the model by `model_description`. A done shard with that fingerprint is skipped (unless
-    `force`); one extracted under other settings is refused or, with `on_mismatch='redo'`, moved aside
-    (`shards.prepare_shard`); anything else is redone from the start. A transient failure (5xx, timeout, connection,
-    a lock not freed in `timeout_s`, a file not there) is retried up to `max_retries` times, on whichever endpoint is
-    free; an invalid file or answer stops the shard with an `EngineShardError` naming the shard, row, sample and
-    endpoint, and writes nothing. `head_checkpoint` (checked before the first request; without it the audit's norm
-    and teacher checks cannot judge): its final norm and lm_head are recorded beside the shards once the shard is
-    written, read only while the recorded head lacks the checkpoint's key (`head.save_target_head_from_checkpoint`).
-    `layout_target` (`trainer_layouts.plan_layout_target`): each row's states go to that trainer's file instead of
-    the shard (`vllm_layouts.VllmLayoutRows`; SpecForge's post-norm `.ckpt` needs `head_checkpoint`). Before the
-    first request the servers' `max_model_len` is read: rows they cannot take stop the shard naming them, or with
-    `too_long_rows='drop'` are left out and recorded (`dropped_rows`; a done shard with drops is reused only then).
+    A transient failure (5xx, timeout, connection, a lock not freed in `timeout_s`, a file not there) is retried up
+    to `hidden_states.vllm.max_retries` times, on whichever endpoint is free; an invalid file or answer stops the
+    shard with an `EngineShardError` naming the shard, row, sample and endpoint, and writes nothing. The model's
+    checkpoint (checked before the first request) gives the final norm and lm_head recorded beside the shards once
+    the shard is written, read only while the recorded head lacks the checkpoint's key
+    (`head.save_target_head_from_checkpoint`). With `hidden_states.layout` a trainer's, each row's states go to that
+    trainer's file instead of the shard (`vllm_layouts.VllmLayoutRows`; SpecForge's post-norm `.ckpt` needs the
+    checkpoint). Rows at or over the servers' limit stop the shard naming them, or with `too_long_rows: drop` are
+    left out and recorded (`dropped_rows`; the fingerprint's `left_out`).
     """
-    found_head, final_state = _checked_settings(endpoints, layout_target, head_checkpoint, hidden_size)
-    out_dir = Path(out_dir)
-    row_range = shard_row_range(shard_index, shard_size, count_rows(merged_dir))
-    journal = _fresh_journal(out_dir, shard_index)
-    aux = resolve_aux_layers(aux_layers, num_layers)
-    wanted = _fingerprint(fingerprint, model_description, aux, final_state, layout_target, shard_size, merged_dir)
-    decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
-    if decision.reuse is not None:
-        check_reused_drops(shard_paths(out_dir, shard_index)[1], shard_index, too_long_rows)
-        return decision.reuse
-    max_model_len = endpoints_max_model_len(endpoints, timeout_s=timeout_s, log=log)
+    h, v, paths, out_dir = job.settings, job.settings.vllm, job.paths, Path(job.paths.out_dir)
+    layout_target = plan_layout_target(h.layout, paths.exports_dir / h.layout, paths.merged_dir)
+    found_head, final_state = _checked_settings(endpoints, layout_target, model.checkpoint, model.hidden_size)
+    if job.wanted.final_state != final_state:
+        raise ValueError(f"the vLLM servers give the {final_state} state; the job asks for {job.wanted.final_state}")
+    max_model_len = job.facts.max_model_len
+    if max_model_len is None:
+        raise ValueError("the vLLM engine's job needs the servers' max_model_len (VLLMEngine.facts)")
+    row_range = shard_row_range(job.shard, job.wanted.shard_size, count_rows(paths.merged_dir))
+    journal = _fresh_journal(out_dir, job.shard)
     rows, dropped = apply_length_limit(
-        read_rows(merged_dir, *row_range), max_model_len, shard_index=shard_index, too_long_rows=too_long_rows, log=log
+        read_rows(paths.merged_dir, *row_range),
+        max_model_len,
+        shard_index=job.shard,
+        too_long_rows=v.too_long_rows,
+        log=job.log,
     )
     shard = _VllmShard(
-        index=shard_index,
+        index=job.shard,
         rows=rows,
-        num_layers=num_layers,
-        fingerprint=wanted,
-        model=model_description or {},
+        num_layers=model.num_layers,
+        fingerprint=job.wanted,
+        model=model.description,
         max_model_len=max_model_len,
         dropped=dropped,
         head=found_head,
-        layout_target=_dense_target(layout_target, merged_dir, max_model_len, too_long_rows),
+        layout_target=_dense_target(layout_target, paths.merged_dir, max_model_len, v.too_long_rows),
         endpoints=tuple(endpoints),
     )
     requests = functools.partial(
         ShardRequests,
-        storage_path=Path(storage_path),
-        hidden_size=hidden_size,
-        concurrency=concurrency,
-        timeout_s=timeout_s,
-        max_retries=max_retries,
+        storage_path=Path(v.storage_path),
+        hidden_size=model.hidden_size,
+        concurrency=v.concurrency,
+        timeout_s=v.timeout_s,
+        max_retries=v.max_retries,
         backoff_base_s=backoff_base_s,
-        log=log,
-        progress=progress,
+        log=job.log,
+        progress=job.progress,
     )
-    return _run_shard(shard, out_dir, journal, requests, Path(storage_path), log=log)
+    return _run_shard(shard, out_dir, journal, requests, Path(v.storage_path), log=job.log)
+
+
+def left_out_rows(merged_dir: str | Path, shard: int, shard_size: int, max_model_len: int) -> tuple[str, ...]:
+    """The sample ids of shard `shard`'s rows a server of `max_model_len` cannot take (`vllm_served.too_long`),
+    sorted: what the shard leaves out under `too_long_rows: drop`."""
+    row_range = shard_row_range(shard, shard_size, count_rows(merged_dir))
+    rows = read_rows(merged_dir, *row_range)
+    return tuple(sorted(sid for sid, n in zip(rows.sample_ids, rows.lengths) if too_long(n, max_model_len)))
 
 
 def _dense_target(
@@ -230,31 +235,6 @@ def _fresh_journal(out_dir: Path, shard_index: int) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_journal(journal)
     return journal
-
-
-def _fingerprint(
-    given: ExtractionFingerprint | None,
-    model_description: dict[str, Any] | None,
-    aux: tuple[int, ...],
-    final_state: str,
-    layout_target: LayoutTarget | None,
-    shard_size: int,
-    merged_dir: str | Path,
-) -> ExtractionFingerprint:
-    """The fingerprint the shard is recorded with: `given`, which must be one of this engine's, or the default one."""
-    wanted = given or ExtractionFingerprint(
-        model=dict(model_description or {}),
-        aux_layers=aux,
-        final_state=final_state,
-        layout=layout_target.name if layout_target is not None else SHARDS,
-        shard_size=shard_size,
-        dtype=None,
-        merged_version=merged_version(merged_dir),
-        engine="vllm",
-    )
-    if (wanted.engine, wanted.final_state, tuple(wanted.aux_layers)) != ("vllm", final_state, aux):
-        raise ValueError(f"fingerprint {wanted.to_dict()} is not one of this engine's shards (aux layers {aux})")
-    return wanted
 
 
 def _run_shard(

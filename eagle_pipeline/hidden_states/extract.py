@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +17,9 @@ import torch
 from ..shared.progress import ProgressCallback
 from ..shared.storage import atomic_path
 from .batching import DEFAULT_MAX_TOKENS_PER_BATCH, padding_of, plan_batches
-from .fingerprint import ENGINE_IN_PROCESS, FINAL_STATES, ExtractionFingerprint, merged_version
-from .fingerprint import model_identity as identity_of_model
-from .format import StreamingSafetensorsWriter, dtype_name, shard_layout, shard_paths, tensor_key
-from .fp8 import QUANTIZE_NONE
-from .head import POST_NORM, PRE_NORM, final_norm_eps, save_target_head_from_model
+from .fingerprint import FINAL_STATES, ExtractionFingerprint
+from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, state_dtype, tensor_key
+from .head import POST_NORM, final_norm_eps, save_target_head_from_model
 from .layers import (
     _layer_output,
     decoder_layers,
@@ -32,8 +30,8 @@ from .layers import (
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
-from .shards import ShardSummary, prepare_shard
-from .trainer_layouts import LAYOUT_FINAL_STATE, SHARDS, LayoutTarget, SampleFilesWriter, without_states
+from .shards import ShardSummary
+from .trainer_layouts import LAYOUT_FINAL_STATE, LayoutTarget, SampleFilesWriter, without_states
 
 
 def default_state_dtype(device: str) -> torch.dtype:
@@ -82,60 +80,40 @@ class _Written:
     sample_files: list[dict[str, Any]] = field(default_factory=list)  # states written into a trainer's layout
 
 
-def extract_shard(
+def extract_with_model(
     model: torch.nn.Module,
     merged_dir: str | Path,
+    wanted: ExtractionFingerprint,
     *,
     shard_index: int,
-    shard_size: int,
     out_dir: str | Path,
-    aux_layers: Sequence[int] | int | None = None,
-    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH,
     device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    final_state: str = PRE_NORM,
-    force: bool = False,
-    on_mismatch: str = "refuse",
-    model_identity: Mapping[str, Any] | None = None,
-    engine: str = ENGINE_IN_PROCESS,
+    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH,
     progress: ProgressCallback | None = None,
     layout_target: LayoutTarget | None = None,
 ) -> ShardSummary:
-    """Extract aux-layer and final hidden states for global rows of shard `shard_index` into
-    `out_dir/shard-NNNNN.safetensors` + `.index.parquet`, with the extraction fingerprint recorded.
+    """Extract the aux-layer and final hidden states of shard `shard_index` of the merged table with `model` into
+    `out_dir/shard-NNNNN.safetensors` + `.index.parquet`, as `wanted` says (its aux layers, final state, shard
+    size and dtype; it is recorded with the shard). The in-process and torchrun engines' writer: whether the shard
+    is to be extracted at all was decided before (`run.run_shard`); this overwrites what is there.
 
-    A done shard with the same fingerprint is skipped (unless `force`); one extracted under other settings is
-    refused with what differs (`ShardMismatchError`), or with `on_mismatch='redo'` moved to `superseded/` and
-    redone; a partial one is deleted and redone. `model_identity` overrides the identity taken from the model
-    (`fingerprint.model_identity`). Samples with NaN/Inf are written as they are and counted (index column
-    `n_nonfinite`, `n_nonfinite_samples`), never dropped. `final_state`: 'pre_norm' (the project's canonical
-    convention: the last decoder layer's output, as vLLM gives it; the target's final norm and lm_head are recorded
-    beside the shards, `head.TARGET_HEAD_FILE`, so the post-norm state is always derivable) or 'post_norm' (after the
-    final RMSNorm, what the lm_head consumes). An exception from `progress(rows_done, rows_total, tokens_done,
-    tokens_total)` aborts cleanly: atomic_path removes the temporary file. `layout_target` (`trainer_layouts.plan_layout_target`): write each
-    sample's states straight into a trainer's layout instead of the shard file, which then keeps only ids and masks
-    (no second copy of the states).
+    Samples with NaN/Inf are written as they are and counted (index column `n_nonfinite`, `n_nonfinite_samples`),
+    never dropped. The final state is 'pre_norm' (the project's canonical convention: the last decoder layer's
+    output, as vLLM gives it; the target's final norm and lm_head are recorded beside the shards,
+    `head.TARGET_HEAD_FILE`, so the post-norm state is always derivable) or 'post_norm' (after the final RMSNorm,
+    what the lm_head consumes). An exception from `progress(rows_done, rows_total, tokens_done, tokens_total)`
+    aborts cleanly: atomic_path removes the temporary file. `layout_target` (`trainer_layouts.plan_layout_target`):
+    each sample's states go straight into a trainer's layout instead of the shard file, which then keeps only ids
+    and masks (no second copy of the states).
     """
+    final_state = wanted.final_state
     _check_final_state(final_state, layout_target)
     out_dir = Path(out_dir)
-    target = _Target.of(model, aux_layers)
-    out_dtype = dtype if dtype is not None else default_state_dtype(device)
-    wanted = ExtractionFingerprint(
-        model=dict(model_identity) if model_identity is not None else identity_of_model(model),
-        aux_layers=target.aux,
-        final_state=final_state,
-        shard_size=shard_size,
-        dtype=dtype_name(out_dtype),
-        merged_version=merged_version(merged_dir),
-        engine=engine,
-        layout=layout_target.name if layout_target is not None else SHARDS,
-        quantize=layout_target.quantize if layout_target is not None else QUANTIZE_NONE,
-    )
-    decision = prepare_shard(out_dir, shard_index, wanted, on_mismatch=on_mismatch, force=force)
-    if decision.reuse is not None:
-        return decision.reuse
-
-    rows = _shard_rows(merged_dir, shard_index, shard_size, target.vocab)
+    target = _Target.of(model, wanted.aux_layers)
+    if target.aux != tuple(wanted.aux_layers):
+        raise ValueError(f"aux layers {list(wanted.aux_layers)} are not the model's ({list(target.aux)})")
+    out_dtype = state_dtype(wanted.dtype) if wanted.dtype is not None else default_state_dtype(device)
+    rows = _shard_rows(merged_dir, shard_index, wanted.shard_size, target.vocab)
     shard = _Shard(
         shard_index, rows, plan_batches(rows.lengths, max_tokens_per_batch), wanted, out_dtype, layout_target
     )

@@ -63,10 +63,19 @@ class ExtractionFingerprint:
     layout: str = LAYOUT_SHARDS
     quantize: str = "none"  # fp8.QUANTIZE_MODES: how the states are stored
     format_version: int = FORMAT_VERSION
+    # Sample ids of the shard's rows it holds no states for (vLLM, `too_long_rows: drop`), sorted; None where the
+    # engine leaves nothing out. The servers' max_model_len and too_long_rows change what a shard holds only through
+    # these rows, so they are recorded instead: a server restarted with a larger limit keeps every shard that lost
+    # no row, and one that lost rows it could now take is stale.
+    left_out: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["aux_layers"] = list(self.aux_layers)
+        if self.left_out is None:
+            del d["left_out"]  # the engines that never leave a row out record what they always did
+        else:
+            d["left_out"] = list(self.left_out)
         return d
 
     @classmethod
@@ -75,6 +84,8 @@ class ExtractionFingerprint:
         args = {k: v for k, v in d.items() if k in known}
         args["aux_layers"] = tuple(int(x) for x in d["aux_layers"])
         args["model"] = dict(d["model"])
+        if d.get("left_out") is not None:
+            args["left_out"] = tuple(str(x) for x in d["left_out"])
         return cls(**args)
 
     def digest(self) -> str:
@@ -113,6 +124,8 @@ def describe_diff(diff: Mapping[str, tuple[Any, Any]]) -> str:
 def _short(v: Any) -> str:
     if isinstance(v, str):
         return v if len(v) <= 24 else v[:12] + "..."  # a hash: its head tells two apart
+    if isinstance(v, list) and len(v) > 3:  # rows left out: a shard may drop hundreds
+        return f"{len(v)} items {json.dumps(v[:3])[:-1]}, ...]"
     return json.dumps(v)
 
 

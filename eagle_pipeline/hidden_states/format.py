@@ -65,6 +65,17 @@ def shard_stem(shard_index: int) -> str:
     return f"shard-{shard_index:05d}"
 
 
+def shard_number(name: str) -> int:
+    """NNNNN of a shard's file name (`shard-NNNNN.<ext>`); -1 for any other name."""
+    number = name[len("shard-") :].split(".", 1)[0] if name.startswith("shard-") else ""
+    return int(number) if number.isdigit() else -1
+
+
+def shard_numbers(out_dir: str | Path) -> list[int]:
+    """The shards with an index in `out_dir`, sorted (a file named otherwise is no shard's)."""
+    return sorted(n for p in Path(out_dir).glob("shard-*.index.parquet") if (n := shard_number(p.name)) >= 0)
+
+
 def shard_paths(out_dir: str | Path, shard_index: int) -> tuple[Path, Path]:
     """(safetensors path, index path) of a shard."""
     d = Path(out_dir)
@@ -148,6 +159,14 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def state_dtype(name: str) -> torch.dtype:
+    """The torch dtype `dtype_name` names ('bfloat16', 'float32', ...)."""
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return found
 
 
 def shard_layout(

@@ -9,22 +9,28 @@ a shard is already done, and the fingerprint it must carry are decided here, onc
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..shared.progress import ProgressCallback
 from ..shared.storage import write_json_atomic
+from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
 from .disk_plan import FilesystemNeed
 from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
-from .engine_in_process import InProcessEngine
+from .engine_in_process import InProcessEngine, PreloadedModel
 from .engine_torchrun import TorchrunEngine
+from .fp8 import QUANTIZE_NONE
+from .head import PRE_NORM
+from .layers import get_backbone, token_embedding
 from .plan import ExtractionPlan
 from .run_plan import plan_for_config
 from .runtime import TINY_RANDOM, fingerprint_for_config
-from .shards import ShardSummary, prepare_shard
-from .trainer_layouts import StatesExportSummary
+from .shards import ShardSummary, prepare_shard, shard_state
+from .trainer_layouts import SHARDS, LayoutTarget, StatesExportSummary
 from .vllm_command import VLLMEngine
 
 if TYPE_CHECKING:
@@ -121,13 +127,16 @@ def check_disk_for_run(
     """Before a shard run's first request: raise `plan.DiskBudgetExceeded` when plan.json's total exceeds
     `hidden_states.disk_budget_gb`, or when what remains to be written (every shard not done yet, the connector's
     peak, the exports) exceeds a filesystem's free space (`free_space(path)`, default `disk_plan.free_bytes`: a
-    seam for tests); return each filesystem's figures."""
-    from .disk_plan import free_bytes
-    from .plan import check_disk_budget
-    from .shards import shard_status
+    seam for tests); return each filesystem's figures.
 
-    done = {int(p.name[len("shard-") :].split(".", 1)[0]) for p in Path(paths.out_dir).glob("shard-*.index.parquet")}
-    done = {i for i in done if shard_status(paths.out_dir, i) == "done"}
+    Which shards are done is read from their indexes and the files' sizes, never their bytes: every shard run
+    makes this check, and hashing the finished shards (51 GB each for Kimi-K2.5) would make a whole extraction
+    quadratic in the shards done. A shard's own digest is checked by its own run and by the export."""
+    from .disk_plan import free_bytes
+    from .format import shard_numbers, shard_status
+    from .plan import check_disk_budget
+
+    done = {i for i in shard_numbers(paths.out_dir) if shard_status(paths.out_dir, i, check_hash=False) == "done"}
     return check_disk_budget(
         paths.out_dir / PLAN_FILE,
         settings.disk_budget_gb,
@@ -157,26 +166,85 @@ def run_shard(
     log: Log | None = None,
     engine: ShardEngine | None = None,
     final_state: str | None = None,
+    free_space: Callable[[Path], int] | None = None,
 ) -> ShardRun:
     """Shard `shard` of the merged table under `settings` (the `hidden_states` section), through the engine
     `settings.engine` names, or `engine` (a `ShardEngine`, e.g. `InProcessEngine(PreloadedModel(model))`).
     `final_state` ('pre_norm' / 'post_norm') overrides the convention the engine stores by default
     (`runtime.fingerprint_for_config`), e.g. to compare a torchrun shard byte for byte with an in-process one.
 
-    The wanted fingerprint is computed from the settings without loading the model, and the shard's state decided
-    before any engine starts (sparing minutes of loading a large target just to skip a done shard): a done shard
-    is reused; one extracted under other settings raises `shards.ShardMismatchError` or, with
-    `on_settings_change: redo`, is moved aside and redone; a partial one is redone."""
+    The one decision of the stage, made before any model loads (sparing minutes of loading a large target just to
+    skip a done shard): the engine's facts (`ShardEngine.facts`) and the settings give the wanted fingerprint; a
+    done shard under it is reused; one extracted under other settings raises `shards.ShardMismatchError` or, with
+    `on_settings_change: redo`, is moved aside and redone; a partial one is redone. Only a shard to extract checks
+    the disk (`check_disk_for_run`, `free_space` its seam) and reaches the engine."""
+    chosen = engine if engine is not None else ENGINES[settings.engine]
+    facts = chosen.facts(settings, paths, shard, vocab_size)
     wanted = fingerprint_for_config(
-        settings, merged_dir=paths.merged_dir, vocab_size=vocab_size, final_state=final_state
+        settings, merged_dir=paths.merged_dir, vocab_size=vocab_size, facts=facts, final_state=final_state
     )
-    decision = prepare_shard(paths.out_dir, shard, wanted, on_mismatch=settings.on_settings_change)
+    state = shard_state(paths.out_dir, shard, wanted)
+    if state.status != "done" and _has_plan(settings, paths):
+        check_disk_for_run(settings, paths, free_space=free_space)
+    decision = prepare_shard(paths.out_dir, shard, wanted, state, on_mismatch=settings.on_settings_change)
     if decision.reuse is not None:
         result = EngineResult(decision.reuse, ALREADY_DONE)
     else:
-        chosen = engine if engine is not None else ENGINES[settings.engine]
-        result = chosen.extract(ShardJob(settings, paths, shard, vocab_size, wanted, progress, log))
+        result = chosen.extract(ShardJob(settings, paths, shard, vocab_size, wanted, facts, progress, log))
     return ShardRun(result.summary, result.device, decision.state.status)
+
+
+def _has_plan(settings: HiddenStatesConfig, paths: ExtractionPaths) -> bool:
+    """Whether the shard run checks the disk: the Dagster graph and the CLI always write plan.json first; a script
+    extracting without one (the Python API) is checked only when it sets a budget, which then needs the plan."""
+    return (paths.out_dir / PLAN_FILE).exists() or settings.disk_budget_gb is not None
+
+
+def extract_shard(
+    model: torch.nn.Module,
+    merged_dir: str | Path,
+    *,
+    shard_index: int,
+    shard_size: int,
+    out_dir: str | Path,
+    aux_layers: Sequence[int] | int | None = None,
+    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    final_state: str = PRE_NORM,
+    on_mismatch: str = "refuse",
+    progress: ProgressCallback | None = None,
+    layout_target: LayoutTarget | None = None,
+) -> ShardSummary:
+    """The Python API for a model in memory: shard `shard_index` of the merged table through `run_shard` (the one
+    decision: a done shard is returned `skipped`, one made under other settings refused or, with
+    `on_mismatch='redo'`, moved aside and redone) with the in-process engine serving `model`
+    (`PreloadedModel`: its own identity is the fingerprint's model; `dtype` the stored dtype, default the device's).
+    `layout_target` (`trainer_layouts.plan_layout_target`): the states go into that
+    trainer's files, under its root. See `extract.extract_with_model` for what is written."""
+    from .settings import HiddenStatesConfig
+
+    layout, quantize = (layout_target.name, layout_target.quantize) if layout_target else (SHARDS, QUANTIZE_NONE)
+    root = Path(layout_target.root) if layout_target else None
+    settings = HiddenStatesConfig(
+        shard_size=shard_size,
+        aux_layers=tuple(aux_layers) if isinstance(aux_layers, Sequence) else aux_layers,
+        max_tokens_per_batch=max_tokens_per_batch,
+        device=device,
+        on_settings_change=on_mismatch,  # type: ignore[arg-type]
+        layout=layout,  # type: ignore[arg-type]
+        quantize=quantize,  # type: ignore[arg-type]
+    )
+    run = run_shard(
+        settings,
+        ExtractionPaths(Path(merged_dir), Path(out_dir), root.parent if root else Path(out_dir).parent / "exports"),
+        shard_index,
+        vocab_size=int(token_embedding(get_backbone(model)).num_embeddings),
+        progress=progress,
+        engine=InProcessEngine(PreloadedModel(model, dtype=dtype), layout_root=root),
+        final_state=final_state,
+    )
+    return run.summary
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .engine import RunFacts
 from .extract import default_state_dtype
 from .fingerprint import ExtractionFingerprint, config_sha256, merged_version, model_dir_identity
 from .format import dtype_name
@@ -182,28 +183,36 @@ def fingerprint_for_config(
     *,
     merged_dir: str | Path,
     vocab_size: int,
+    facts: RunFacts | None = None,
     final_state: str | None = None,
     pin_dtype: bool = True,
 ) -> ExtractionFingerprint:
-    """The fingerprint extraction under the configuration `h` gives its shards, without loading the model.
+    """The fingerprint extraction under the configuration `h` gives its shards, without loading the model: the one
+    place a fingerprint is built (`run.run_shard` records it; the checks and the export compare with it).
 
-    `final_state` defaults to the convention `h.layout` stores (`trainer_layouts.final_state_for_layout`).
-
-    `pin_dtype=False` leaves the dtype open, for a check that runs on a host other than the extraction's (a CPU
-    step checking shards written on a GPU host); otherwise it is the dtype this host's device would store."""
-    n_layers = _num_layers(h.model, h.family, vocab_size)
-    aux = resolve_aux_layers(h.aux_layers, n_layers)
+    `facts` (`engine.RunFacts`): what the engine knows beyond the settings (a model in memory, a stored dtype, rows
+    it leaves out); without them (a check or an export on another host) the settings alone decide and the rows
+    left out are not compared. `final_state` defaults to the convention `h.layout` stores
+    (`trainer_layouts.final_state_for_layout`). `pin_dtype=False` leaves the dtype open, for a check that runs on a
+    host other than the extraction's (a CPU step checking shards written on a GPU host); otherwise it is the dtype
+    this host's device would store, or the engine's."""
+    facts = facts or RunFacts()
+    n_layers = facts.num_layers or _num_layers(h.model, h.family, vocab_size)
     vllm = h.engine == "vllm"  # the servers give the last layer's output before the norm, in their model's dtype
+    dtype = facts.dtype or dtype_name(default_state_dtype(_device_type(h.device)))
     return ExtractionFingerprint(
-        model=model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
-        aux_layers=aux,
+        model=facts.model_identity
+        if facts.model_identity is not None
+        else model_identity_for_spec(h.model, family=h.family, seed=h.seed, vocab_size=vocab_size),
+        aux_layers=resolve_aux_layers(h.aux_layers, n_layers),
         final_state=final_state or _engine_final_state(h),
         shard_size=h.shard_size,
-        dtype=dtype_name(default_state_dtype(_device_type(h.device))) if pin_dtype and not vllm else None,
+        dtype=dtype if pin_dtype and not vllm else None,
         merged_version=merged_version(merged_dir),
         engine=h.engine,
         layout=h.layout,
         quantize=h.quantize,
+        left_out=facts.left_out,
     )
 
 
@@ -248,6 +257,10 @@ class ModelCache:
     def devices(self) -> list[str]:
         """Devices this process holds an extraction model on, most recently used first."""
         return [key[-1] for key in reversed(list(self._models))]
+
+    def facts(self) -> RunFacts:
+        """Nothing beyond the settings: the cache loads the model `hidden_states.model` names."""
+        return RunFacts()
 
     def models(self) -> list[torch.nn.Module]:
         return list(self._models.values())

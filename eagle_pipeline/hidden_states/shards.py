@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .fingerprint import ExtractionFingerprint, describe_diff
-from .format import read_index_meta, remove_shard, shard_paths, shard_status
+from .format import read_index_meta, remove_shard, shard_number, shard_paths, shard_status
 from .head import TARGET_HEAD_FILE, head_changed
 from .merged import count_rows, num_shards
 
@@ -141,24 +141,26 @@ def prepare_shard(
     out_dir: str | Path,
     shard_index: int,
     wanted: ExtractionFingerprint,
+    state: ShardState | None = None,
     *,
     on_mismatch: str = "refuse",
-    force: bool = False,
 ) -> ShardDecision:
-    """Decide whether shard `shard_index` is reused or extracted, and clear the way for an extraction.
+    """Decide whether shard `shard_index` is reused or extracted, and clear the way for an extraction (its one
+    caller is `run.run_shard`, the stage's one decision). `state`: the shard's `shard_state` under `wanted`, when
+    the caller has it already (the digest is read once).
 
-    done -> reused (unless `force`); partial -> its files are deleted (a broken shard holds nothing worth keeping);
-    stale -> `ShardMismatchError` naming every differing field when `on_mismatch='refuse'` (the default: GPU-days
-    are not thrown away on a typo), or, with 'redo', its files are moved to `superseded/<old fingerprint>/`.
+    done -> reused; partial -> its files are deleted (a broken shard holds nothing worth keeping); stale ->
+    `ShardMismatchError` naming every differing field when `on_mismatch='refuse'` (the default: GPU-days are not
+    thrown away on a typo), or, with 'redo', its files are moved to `superseded/<old fingerprint>/`.
     """
     if on_mismatch not in ON_MISMATCH:
         raise ValueError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}")
     out_dir = Path(out_dir)
-    state = shard_state(out_dir, shard_index, wanted)
-    if state.status == "done" and not force:
+    state = state or shard_state(out_dir, shard_index, wanted)
+    if state.status == "done":
         return ShardDecision(state, done_summary(out_dir, shard_index))
     if state.status == "stale":
-        if on_mismatch == "refuse" and not force:
+        if on_mismatch == "refuse":
             raise ShardMismatchError(out_dir, shard_index, state.differences)
         supersede_shard(out_dir, shard_index)
     remove_shard(out_dir, shard_index)
@@ -196,7 +198,7 @@ def require_shards_ready(
         shown = "; ".join(f"{s.shard_index:05d} ({describe_diff(s.differences)})" for s in stale[:5])
         more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
         problems.append(f"extracted under other settings: {shown}{more}")
-    extra = sorted(p.name for p in out_dir.glob("shard-*.*") if _shard_number(p.name) >= n)
+    extra = sorted(p.name for p in out_dir.glob("shard-*.*") if shard_number(p.name) >= n)
     if extra:
         problems.append(f"shard files beyond the {n} shards of the current merged table: {extra}")
     digests = {d for s in states if s.status == "done" and (d := _digest(out_dir, s.shard_index))}
@@ -209,12 +211,6 @@ def require_shards_ready(
             states,
         )
     return states
-
-
-def _shard_number(name: str) -> int:
-    """NNNNN of `shard-NNNNN.<ext>`; -1 for a name that is not a shard file."""
-    number = name[len("shard-") :].split(".", 1)[0]
-    return int(number) if number.isdigit() else -1
 
 
 def _digest(out_dir: Path, shard_index: int) -> str | None:

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .engine import EngineResult, ShardJob
-from .engine_vllm import extract_shard_vllm
+from .engine import EngineResult, ExtractionPaths, RunFacts, ShardJob
+from .engine_vllm import EngineModel, extract_shard_vllm, left_out_rows
 from .layers import resolve_aux_layers
 from .vllm_files import SIMULATED, vllm_layer_ids
+from .vllm_served import MAX_MODEL_LEN_KEY
 
 if TYPE_CHECKING:
     from .settings import HiddenStatesConfig
@@ -195,52 +196,72 @@ def describe_engine_model(model: str, *, family: str, vocab_size: int) -> dict[s
 
 class VLLMEngine:
     """`hidden_states.engine: vllm` (the `ShardEngine` interface): shard runs are HTTP clients of the running
-    servers `hidden_states.vllm.endpoints` names, never model loads."""
+    servers `hidden_states.vllm.endpoints` names, never model loads. `model`: the model the servers run when it is
+    not the one `hidden_states.model` names (a test's server double of a model in memory); `backoff_base_s`: the
+    first retry's wait, doubled per retry."""
+
+    def __init__(self, model: EngineModel | None = None, *, backoff_base_s: float = 2.0):
+        self.model = model
+        self.backoff_base_s = backoff_base_s
+
+    def facts(self, settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int, vocab_size: int) -> RunFacts:
+        """The servers' `max_model_len` (GET /v1/models; for `simulated`, the limit the double is started with) and,
+        under `too_long_rows: drop`, the shard's rows at or over it: what the shard leaves out."""
+        model = self._model(settings, paths, vocab_size)
+        limit = _served_limit(settings, vocab_size)
+        drop = settings.vllm.too_long_rows == "drop"
+        return RunFacts(
+            model_identity=model.identity,
+            num_layers=model.num_layers,
+            left_out=left_out_rows(paths.merged_dir, shard, settings.shard_size, limit) if drop else (),
+            max_model_len=limit,
+        )
 
     def extract(self, job: ShardJob) -> EngineResult:
-        """Where it ran: the endpoints. The target head is read from `hidden_states.model`'s checkpoint (for
-        `tiny-random`, the seeded model the double serves, saved once beside the shards)."""
-        from .runtime import materialized_model_dir
-        from .trainer_layouts import plan_layout_target
-
-        h, v, vocab = job.settings, job.settings.vllm, job.vocab_size
-        desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab)
-        n_layers = int(desc["num_layers"])
-        aux = resolve_aux_layers(h.aux_layers, n_layers)
-        ids = vllm_layer_ids(aux, n_layers)
-        checkpoint = materialized_model_dir(
-            h.model, family=h.family, seed=h.seed, vocab_size=vocab, cache_dir=job.paths.cache_dir
-        )
+        """Where it ran: the endpoints. The target head is read from the model's checkpoint (for `tiny-random`, the
+        seeded model the double serves, saved once beside the shards)."""
+        h, v = job.settings, job.settings.vllm
+        model = self._model(h, job.paths, job.vocab_size)
+        ids = vllm_layer_ids(tuple(job.wanted.aux_layers), model.num_layers)
         with resolved_endpoints(
             v.endpoints,
             storage_path=v.storage_path,
             model=h.model,
             family=h.family,
             seed=h.seed,
-            vocab_size=vocab,
+            vocab_size=job.vocab_size,
             layer_ids=ids,
-            max_model_len=v.max_model_len,
+            max_model_len=job.facts.max_model_len,
         ) as endpoints:
-            summary = extract_shard_vllm(
-                job.paths.merged_dir,
-                shard_index=job.shard,
-                shard_size=h.shard_size,
-                out_dir=job.paths.out_dir,
-                endpoints=endpoints,
-                storage_path=v.storage_path,
-                num_layers=n_layers,
-                aux_layers=aux,
-                hidden_size=int(desc["hidden_size"]),
-                model_description=desc,
-                head_checkpoint=checkpoint,
-                fingerprint=job.wanted,
-                on_mismatch=h.on_settings_change,
-                concurrency=v.concurrency,
-                timeout_s=v.timeout_s,
-                max_retries=v.max_retries,
-                too_long_rows=v.too_long_rows,
-                log=job.log,
-                progress=job.progress,
-                layout_target=plan_layout_target(h.layout, job.paths.exports_dir / h.layout, job.paths.merged_dir),
-            )
+            summary = extract_shard_vllm(job, model, endpoints, backoff_base_s=self.backoff_base_s)
         return EngineResult(summary, "vllm: " + ", ".join(v.endpoints))
+
+    def _model(self, h: HiddenStatesConfig, paths: ExtractionPaths, vocab_size: int) -> EngineModel:
+        if self.model is not None:
+            return self.model
+        from .runtime import materialized_model_dir
+
+        desc = describe_engine_model(h.model, family=h.family, vocab_size=vocab_size)
+        checkpoint = materialized_model_dir(
+            h.model, family=h.family, seed=h.seed, vocab_size=vocab_size, cache_dir=paths.cache_dir
+        )
+        return EngineModel(desc, checkpoint)
+
+
+def _served_limit(h: HiddenStatesConfig, vocab_size: int) -> int:
+    """The smallest `max_model_len` of the endpoints: each real one's answer to GET /v1/models, and for `simulated`
+    the limit `resolved_endpoints` starts the double with (`vllm_served.server_max_model_len`)."""
+    from .vllm_served import endpoints_max_model_len, served_model, server_max_model_len
+
+    v = h.vllm
+    limits = []
+    real = [e for e in v.endpoints if e != SIMULATED]
+    if real:
+        limits.append(endpoints_max_model_len(real, timeout_s=v.timeout_s))
+    if SIMULATED in v.endpoints:
+        served = served_model(h, served_model=None, served_config=None, vocab_size=vocab_size, simulated=True)
+        limit = server_max_model_len(h, served)
+        if limit is None:
+            raise ValueError(f"the simulated server's model has no max_position_embeddings; set {MAX_MODEL_LEN_KEY}")
+        limits.append(limit)
+    return min(limits)

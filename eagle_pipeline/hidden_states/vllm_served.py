@@ -222,18 +222,3 @@ def apply_length_limit(
         if log is not None:
             log(f"warning: shard {shard_index:05d}: merged row {d['row']} ({d['sample_id']}) dropped: {d['reason']}")
     return rows.select(keep), dropped
-
-
-def check_reused_drops(idx_path: Path, shard_index: int, too_long_rows: str) -> None:
-    """A done shard that left rows out (`too_long_rows: drop`) is not the whole range: taken as done only while
-    dropping is still the choice."""
-    from .format import read_index_meta
-
-    dropped = read_index_meta(idx_path).get("dropped_rows") or []
-    if dropped and too_long_rows != "drop":
-        named = ", ".join(f"{d['row']} ({d['sample_id']})" for d in dropped[:10])
-        raise EngineShardError(
-            f"shard {shard_index:05d} is done without {len(dropped)} merged rows, dropped under too_long_rows: drop "
-            f"({named}); with too_long_rows: {too_long_rows} it would need them: set it back to drop, or delete the "
-            "shard's files and rerun it against servers started with a larger --max-model-len"
-        )

@@ -227,7 +227,7 @@ def test_the_audit_summary_reads_only_the_audits_of_the_current_shards(normed_mo
         audit_shard_cached(hs, shard, merged, expected_aux_layers=None, judgement=JUDGE, min_top1=1.01)  # fails
     # The table shrinks to one shard, extracted again (other rows): shard 1's audit and shard 0's old audit remain.
     smaller = merged_factory(texts[:3])
-    extract_shard(normed_model, smaller, shard_index=0, shard_size=5, out_dir=hs, force=True)
+    extract_shard(normed_model, smaller, shard_index=0, shard_size=5, out_dir=hs, on_mismatch="redo")
     assert audit_path(hs, 1).exists() and audit_path(hs, 0).exists()
     summary = summarize_audits(hs, [0])
     assert summary["shards"] == {} and summary["failing_shards_per_check"] == {}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from eagle_pipeline.hidden_states import extract_shard
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 from eagle_pipeline.shared.progress import WorkProgress, progress_reporter
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
 from .conftest import make_rows
 
@@ -75,7 +75,7 @@ def test_vllm_engine_reports_rows_and_tokens(tiny_ds, merged, tmp_path):
     seen: list[WorkProgress] = []
     storage = tmp_path / "storage"
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=vllm_layer_ids((1, 3, 4), 8), storage_path=storage) as srv:
-        summary = extract_shard_vllm(
+        summary = vllm_shard(
             merged,
             shard_index=0,
             shard_size=8,

@@ -5,7 +5,6 @@ transformers' TP plan splits (EP where it would replicate them), and exactly wha
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun, torchrun_argv
+from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, rank_device, torchrun_argv
 from eagle_pipeline.hidden_states.world_split import (
     EP_SETTING,
     ExpertsReplicated,
@@ -30,6 +29,7 @@ from eagle_pipeline.hidden_states.world_split import (
 
 from ..tolerances import assert_forwards_close
 from .conftest import make_rows
+from .engine_runs import torchrun_shard
 
 pytest.importorskip("accelerate")  # transformers' tensor parallelism needs it (a dev dependency)
 pytestmark = pytest.mark.slow
@@ -39,8 +39,9 @@ def _world(model, merged, tmp_path, **dist):
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     logs: list[str] = []
-    shard = TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", **dist)
-    s = extract_shard_torchrun(shard, log=logs.append)
+    s = torchrun_shard(
+        model_dir, merged, shard_size=6, out_dir=tmp_path / "tp", final_state="post_norm", log=logs.append, **dist
+    )
     assert "--nproc-per-node 2" in logs[0] and not s.skipped
     report = json.loads(logs[-1].split("world done: ", 1)[1])
     assert report["sha256"] == s.sha256 and report["tp_size"] == 2
@@ -59,24 +60,55 @@ def _assert_half_the_routed_experts_per_rank(holds, model):
 
 
 def test_the_world_gets_exactly_the_shard_run_s_parameters(tmp_path):
+    from eagle_pipeline.hidden_states.fingerprint import ExtractionFingerprint
+
+    wanted = ExtractionFingerprint(
+        model={"kind": "dir", "sha256": "ab"},
+        aux_layers=(1, 3, 4),
+        final_state="pre_norm",
+        shard_size=6,
+        dtype="float32",
+        merged_version="m",
+        engine="torchrun",
+    )
     shard = TorchrunShard(
         tmp_path / "model",
         str(tmp_path / "merged"),
         shard_index=3,
-        shard_size=6,
         out_dir=tmp_path / "out",
         tp_size=4,
+        fingerprint=wanted.to_dict(),
         ep_size=4,
-        aux_layers=[1, 3, 4],
         max_tokens_per_batch=1024,
-        final_state="pre_norm",
-        model_identity={"kind": "dir", "sha256": "ab"},
+        device="cpu",
     )
     argv = torchrun_argv(shard, port=29511)
     assert argv[argv.index("--nproc-per-node") + 1] == "4" and argv[argv.index("--master-port") + 1] == "29511"
     assert argv[-2:] == ["--shard", shard.to_json()]
     back = TorchrunShard.from_json(argv[-1])  # what every rank parses
-    assert back == shard and back.merged_dir == tmp_path / "merged" and back.aux_layers == (1, 3, 4)
+    assert back == shard and back.merged_dir == tmp_path / "merged" and back.wanted == wanted
+
+
+def test_the_ranks_store_the_dtype_the_shard_run_decided_with(tiny_ds, merged_factory, tmp_path, monkeypatch):
+    """Defect: the ranks chose their device and dtype from `cuda.is_available()` while the fingerprint followed
+    `hidden_states.device`, so with `device: cpu` on a GPU host every rerun found the shard stale. Now the world
+    is handed the fingerprint (its dtype) and the setting, and a rank on a GPU host with `device: cpu` stays on the
+    CPU; the ranks record exactly the fingerprint the shard run decided with."""
+    import torch
+
+    from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as the rank sees it
+    assert rank_device("cpu", 1) == "cpu" and rank_device("auto", 1) == "cuda:1" and rank_device("cuda", 0) == "cuda:0"
+    monkeypatch.undo()
+    merged = merged_factory(make_rows(4, seed=6, min_len=2, max_len=20), [4])
+    tiny_ds.save_pretrained(tmp_path / "model")
+    logs: list[str] = []
+    s = torchrun_shard(tmp_path / "model", merged, shard_size=4, out_dir=tmp_path / "o", device="cpu", log=logs.append)
+    world = TorchrunShard.from_json(logs[0].rsplit("--shard ", 1)[1])
+    assert world.device == "cpu" and world.wanted.dtype == "float32" == s.dtype
+    assert read_index_meta(shard_paths(tmp_path / "o", 0)[1])["fingerprint"] == world.fingerprint
+    assert torchrun_shard(tmp_path / "model", merged, shard_size=4, out_dir=tmp_path / "o", device="cpu").skipped
 
 
 def _assert_same_shard(path, ref_path, config):
@@ -98,9 +130,7 @@ def test_tp2_world_equals_one_process(tiny_ds, merged_factory, tmp_path):
     assert all(r.passed for r in verify_shard(tmp_path / "tp", 0, merged).values())
     ref = extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "one", final_state="post_norm")
     _assert_same_shard(s.path, ref.path, tiny_ds.config)
-    again = extract_shard_torchrun(
-        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "tp", tp_size=2)
-    )
+    again = torchrun_shard(model_dir, merged, shard_size=6, out_dir=tmp_path / "tp", final_state="post_norm")
     assert again.skipped and again.sha256 == s.sha256  # a done shard starts no world
 
 
@@ -142,10 +172,9 @@ def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_s
         _tp_plan_without_routed_experts(monkeypatch, tiny_ds.config)
     assert rank_share(tiny_ds.config, 2, 1).routed_experts_per_rank == rank_share(tiny_ds.config, 2, 1).routed_experts
     assert world_ep_size(tiny_ds.config, 2, None) == 2 and world_ep_size(tiny_ds.config, 2, 2) == 2
-    shard = TorchrunShard(tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2)
     with pytest.raises(ExpertsReplicated, match=rf"{EP_SETTING}: 1 with tp_size 2 would hold .* on each of the 2"):
-        extract_shard_torchrun(dataclasses.replace(shard, ep_size=1))
-    assert shard_status(tmp_path / "o", 0) == "missing" and not (tmp_path / "o").exists()
+        torchrun_shard(tmp_path / "model", merged, shard_size=2, out_dir=tmp_path / "o", ep_size=1)
+    assert shard_status(tmp_path / "o", 0) == "missing" and not list((tmp_path / "o").glob("shard-*"))
     plan = dict(n_tokens=100, n_samples=2, target_model_config=None, extraction_model=str(tmp_path / "model"))
     plan |= dict(extraction_family="deepseek_v3", vocab_size=0, aux_layers=None, shard_size=2, disk_budget_gb=None)
     with pytest.raises(PlanRefused, match=EP_SETTING):
@@ -161,17 +190,15 @@ def test_a_failed_world_names_the_shard(tiny_ds, merged_factory, tmp_path):
     merged = merged_factory(make_rows(2, seed=1), [2])
     tiny_ds.config.save_pretrained(tmp_path / "model")  # a config without weights: every rank fails to load
     with pytest.raises(RuntimeError, match=r"shard 00000: torchrun world of 2 exited"):
-        extract_shard_torchrun(
-            TorchrunShard(tmp_path / "model", merged, shard_index=0, shard_size=2, out_dir=tmp_path / "o", tp_size=2)
-        )
+        torchrun_shard(tmp_path / "model", merged, shard_size=2, out_dir=tmp_path / "o")
     assert shard_status(tmp_path / "o", 0) == "missing"
 
 
 _CHILD = """
 import sys
-from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
+from eagle_pipeline_tests.hidden_states.engine_runs import torchrun_shard
 model, merged, out = sys.argv[1:4]
-extract_shard_torchrun(TorchrunShard(model, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2))
+torchrun_shard(model, merged, shard_size=6, out_dir=out)
 """
 
 
@@ -203,9 +230,7 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
     merged = merged_factory(make_rows(6, seed=3, min_len=2, max_len=40), [6])
     model_dir = tmp_path / "model"
     tiny_ds.save_pretrained(model_dir)
-    clean = extract_shard_torchrun(
-        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=tmp_path / "c", tp_size=2)
-    )
+    clean = torchrun_shard(model_dir, merged, shard_size=6, out_dir=tmp_path / "c")
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(model_dir), str(merged), str(out)], env=env)
@@ -214,19 +239,17 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
         time.sleep(0.05)  # the agent and both ranks are up (loading the model)
     _kill_the_run_and_its_world(child, out)
     assert shard_status(out, 0) != "done"
-    again = extract_shard_torchrun(
-        TorchrunShard(model_dir, merged, shard_index=0, shard_size=6, out_dir=out, tp_size=2)
-    )
+    again = torchrun_shard(model_dir, merged, shard_size=6, out_dir=out)
     assert not again.skipped and again.sha256 == clean.sha256 and shard_status(out, 0) == "done"
 
 
 _LAYOUT_CHILD = """
 import sys
-from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, extract_shard_torchrun
-model, merged, out, layout, exports, final_state = sys.argv[1:7]
-extract_shard_torchrun(TorchrunShard(model, merged, shard_index=0, shard_size=24, out_dir=out, tp_size=2,
-                                     max_tokens_per_batch=48, final_state=final_state, layout=layout,
-                                     exports_dir=exports))
+from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+from eagle_pipeline_tests.hidden_states.engine_runs import torchrun_shard
+model, merged, out, layout, exports = sys.argv[1:6]
+torchrun_shard(model, merged, shard_size=24, out_dir=out, max_tokens_per_batch=48,
+               layout_target=plan_layout_target(layout, f"{exports}/{layout}", merged))
 """
 
 
@@ -238,45 +261,36 @@ def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_fil
     """A real kill -9 of a torchrun shard run once rank 0 has written some of the trainer's files: the shard is not
     done, the rerun completes it, and the trainer's folder holds exactly the bytes of an uninterrupted world's, with
     no stray temporary and no state file twice on disk (inode walk)."""
-    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout
+    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
 
     merged = merged_factory(make_rows(24, seed=8, min_len=2, max_len=40), [24])
     model_dir = tmp_path / "model"
     tiny_ds.save_pretrained(model_dir)
-    final_state = final_state_for_layout(layout)
     files = "hidden_states/hs_*.safetensors" if layout == "speculators" else "*/*.ckpt"
 
     def shard(out, exports):  # `exports`: the exports root; rank 0 writes under exports / layout
-        return TorchrunShard(
-            model_dir,
-            merged,
-            shard_index=0,
-            shard_size=24,
-            out_dir=out,
-            tp_size=2,
-            max_tokens_per_batch=48,
-            final_state=final_state,
-            layout=layout,
-            exports_dir=exports,
+        target = plan_layout_target(layout, exports / layout, merged)
+        return torchrun_shard(
+            model_dir, merged, shard_size=24, out_dir=out, max_tokens_per_batch=48, layout_target=target
         )
 
     def contents(exports):
         return {str(p.relative_to(exports)): p.read_bytes() for p in exports.rglob("*") if p.is_file()}
 
-    extract_shard_torchrun(shard(tmp_path / "c", tmp_path / "c-exports"))
+    shard(tmp_path / "c", tmp_path / "c-exports")
     want = contents(tmp_path / "c-exports" / layout)
     assert len(want) == 24
     out, exports = tmp_path / "killed", tmp_path / "exports" / layout
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     argv = [sys.executable, "-c", _LAYOUT_CHILD, str(model_dir), str(merged), str(out), layout, str(exports.parent)]
-    child = subprocess.Popen([*argv, final_state], env=env)
+    child = subprocess.Popen(argv, env=env)
     deadline = time.monotonic() + 180
     while not list(exports.glob(files)) and time.monotonic() < deadline and child.poll() is None:
         time.sleep(0.01)  # rank 0 has written its first trainer file
     _kill_the_run_and_its_world(child, out)
     placed = list(exports.glob(files))
     assert 1 <= len(placed) < 24 and shard_status(out, 0) != "done"  # killed mid-shard
-    again = extract_shard_torchrun(shard(out, exports.parent))
+    again = shard(out, exports.parent)
     assert not again.skipped and shard_status(out, 0, check_hash=True) == "done"
     assert contents(exports) == want  # identical bytes, no stray temporary
     inodes = [(p.stat().st_dev, p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()]

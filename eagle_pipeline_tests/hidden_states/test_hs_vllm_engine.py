@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states import extract_shard, get_backbone, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble, ids_key
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
 from ..tolerances import assert_forwards_close
 from .conftest import kill_after_requests, make_rows
@@ -44,7 +44,7 @@ def merged(merged_factory, rows):
 def _engine(merged, out, endpoints, storage, **kw):
     kw.setdefault("backoff_base_s", 0.01)
     kw.setdefault("timeout_s", 10.0)
-    return extract_shard_vllm(
+    return vllm_shard(
         merged,
         shard_index=0,
         shard_size=8,
@@ -240,9 +240,9 @@ def test_a_server_that_dies_mid_shard(tiny_ds, merged, tmp_path, clean_sha):
 
 _CHILD = """
 import sys
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 merged, out, url, storage = sys.argv[1:5]
-extract_shard_vllm(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
+vllm_shard(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
                    num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1)
 """
 

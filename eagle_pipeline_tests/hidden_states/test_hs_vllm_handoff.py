@@ -254,7 +254,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
 def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
     layout, normed_model, merged_factory, tmp_path
 ):
-    """extract_shard_vllm with a layout target: the shard is done with ids and masks only, shard_status checks the
+    """A vLLM shard run with a layout target: the shard is done with ids and masks only, shard_status checks the
     trainer files' sizes and digests, verify_shard reads them (open_shard), and the states equal in-process
     extraction's; a rerun reuses the shard; no state file exists twice."""
     from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
@@ -315,9 +315,9 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
 
 def _vllm_shard(merged, out, storage, url, target, n_layers, aux, hidden, **kw):
     """Shard 0 (all rows) of `merged` through the vLLM engine at `url`, its states in `target`'s layout."""
-    from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+    from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
-    return extract_shard_vllm(
+    return vllm_shard(
         merged,
         shard_index=0,
         shard_size=8,
@@ -336,12 +336,12 @@ def _vllm_shard(merged, out, storage, url, target, n_layers, aux, hidden, **kw):
 
 _ENGINE_CHILD = """
 import sys
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
 merged, out, url, storage, exports, layout, ckpt = sys.argv[1:8]
-extract_shard_vllm(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
-                   num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1, head_checkpoint=ckpt,
-                   layout_target=plan_layout_target(layout, exports, merged))
+vllm_shard(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
+           num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1, head_checkpoint=ckpt,
+           layout_target=plan_layout_target(layout, exports, merged))
 """
 
 
@@ -373,11 +373,11 @@ def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layou
 
     clean = tmp_path / "clean"
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=clean / "s") as srv:
-        engine(clean / "hs", clean / "s", clean / "exports", srv.url)
-    want = contents(clean / "exports")
+        engine(clean / "hs", clean / "s", clean / "exports" / layout, srv.url)
+    want = contents(clean / "exports" / layout)
     assert len(want) == 8
 
-    storage, out, exports = tmp_path / "s", tmp_path / "hs", tmp_path / "exports"
+    storage, out, exports = tmp_path / "s", tmp_path / "hs", tmp_path / "exports" / layout
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=storage, latency_s=0.3) as srv:
         argv = [sys.executable, "-c", _ENGINE_CHILD, str(merged), str(out), srv.url, str(storage), str(exports)]

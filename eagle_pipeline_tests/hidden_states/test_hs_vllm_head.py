@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 
 from eagle_pipeline.hidden_states import extract_shard
 from eagle_pipeline.hidden_states.audit import FAIL, NOT_JUDGED, PASS, TeacherJudgement, audit_shard, audit_shard_cached
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index_meta
 from eagle_pipeline.hidden_states.head import (
     SAFETENSORS_INDEX,
@@ -42,6 +41,7 @@ from eagle_pipeline.hidden_states.shards import (
 from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 from eagle_pipeline.shared.storage import file_sha256
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
 from .conftest import VOCAB, greedy_rows
 
@@ -56,10 +56,10 @@ def texts(normed_model):
 
 def _engine_shard(model, checkpoint, merged, tmp_path, n, out="eng", shard_index=0, **kw):
     """Shard `shard_index` of `n` rows through the double, its head recorded from `checkpoint` (`kw`: more
-    arguments of `extract_shard_vllm`)."""
+    arguments of `engine_runs.vllm_shard`)."""
     storage = tmp_path / "storage"
     with VLLMHiddenStatesDouble(model, layer_ids=vllm_layer_ids(AUX, L), storage_path=storage) as srv:
-        return extract_shard_vllm(
+        return vllm_shard(
             merged,
             shard_index=shard_index,
             shard_size=n,

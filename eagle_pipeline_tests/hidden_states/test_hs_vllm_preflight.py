@@ -9,10 +9,11 @@ import httpx
 import pytest
 
 from eagle_pipeline.hidden_states import shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_vllm import extract_shard_vllm
 from eagle_pipeline.hidden_states.format import read_index, read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.shards import ShardMismatchError
 from eagle_pipeline.hidden_states.vllm_files import EngineShardError, vllm_layer_ids
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
+from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
 from .conftest import make_rows
 
@@ -32,7 +33,7 @@ def rows():
 
 
 def _engine(merged, out, srv, storage, *, shard_index=0, shard_size=8, **kw):
-    return extract_shard_vllm(
+    return vllm_shard(
         merged,
         shard_index=shard_index,
         shard_size=shard_size,
@@ -127,12 +128,29 @@ def test_dropped_rows_are_recorded_and_never_silent(tiny_ds, merged_factory, row
         checks = verify_shard(out, 0, merged)
         assert all(c.passed for c in checks.values()) and rows[5]["sample_id"] in checks["ids_match"].detail
         assert any(rows[2]["sample_id"] in line for line in logs)
-        # Reused under drop; under refuse the shard that lacks rows is not taken as done.
+        # Reused under drop; under refuse the shard that lacks rows is not taken as done: the one decision
+        # (run.run_shard) finds the rows it left out differ from none, before any request.
         _engine(merged, out, srv, storage, too_long_rows="drop")
         assert srv.total_requests == 6
-        with pytest.raises(EngineShardError, match="too_long_rows: drop"):
+        with pytest.raises(ShardMismatchError, match=r"left_out: \["):
             _engine(merged, out, srv, storage)
         assert srv.total_requests == 6
+
+
+def test_a_server_limit_that_changes_the_rows_left_out_makes_the_shard_stale(tiny_ds, merged_factory, rows, tmp_path):
+    """The servers' max_model_len changes what a shard holds only through the rows it leaves out: restarted with a
+    larger limit, a shard that lost rows it could now take is stale, and one that lost none is reused."""
+    merged = merged_factory(rows, [3, 5])
+    out, storage = tmp_path / "out", tmp_path / "s"
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, max_model_len=LIMIT) as srv:
+        for shard in (0, 1):
+            _engine(merged, out, srv, storage, shard_index=shard, shard_size=4, too_long_rows="drop")
+    assert [len(read_index_meta(shard_paths(out, i)[1])["dropped_rows"]) for i in (0, 1)] == [1, 1]
+    with VLLMHiddenStatesDouble(tiny_ds, layer_ids=IDS, storage_path=storage, max_model_len=LIMIT + 1) as srv:
+        with pytest.raises(ShardMismatchError, match=r"left_out: \[.*\] \(on disk\) -> \[\] \(now\)"):
+            _engine(merged, out, srv, storage, shard_size=4, too_long_rows="drop")  # row 2 (LIMIT tokens) fits now
+        again = _engine(merged, out, srv, storage, shard_index=1, shard_size=4, too_long_rows="drop")
+        assert again.skipped and srv.total_requests == 0  # row 5 (LIMIT + 7) is still over: the same rows left out
 
 
 def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_factory, rows, tmp_path):
