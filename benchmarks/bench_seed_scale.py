@@ -243,6 +243,11 @@ class Instance:
         rows = size = 0
         for db in (self.home / "history").rglob("*.db"):
             size += db.stat().st_size + sum(p.stat().st_size for p in db.parent.glob(db.name + "-*"))
+            if db.name == "index.db":
+                # Dagster's SQLite index copies each run's asset events and its start and end from the run's own
+                # database: counted here too, they made SQLite's rows ~40% more than PostgreSQL's one table for the
+                # same runs (1,072 against 776 after the datasets stage at scale 0.01).
+                continue
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
             try:
                 rows += con.execute("SELECT count(*) FROM event_logs").fetchone()[0]
@@ -736,6 +741,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_encode:
         raw_encode(*args.raw_encode)
         return 0
+    # A stop (CI cancelling the job, `timeout`, a closed terminal) unwinds like an error: subprocess.run kills the
+    # stage in flight, the server is stopped, the temporary folder goes and atexit drops the PostgreSQL databases.
+    # Python's default for these signals ends the process at once and left all four behind.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     work = args.work or Path(tempfile.mkdtemp(prefix="eagle-seed-bench-"))
     try:
         figures = rehearse(args, work)
@@ -746,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _uptime() -> str:

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..drafter_types import DEFAULT_DRAFTERS, SF_EAGLE3_KEYS, specforge_aliases
+from ..merge.vocab import D2T_NPY, DRAFT_VOCAB_PT, T2D_NPY
 from ..shared.storage import atomic_path, clean_stale_tmp, write_bytes_atomic, write_json_atomic
 from .drafters import capture_of_shards, capture_record, handoff, handoff_markdown
 from .fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8
@@ -115,6 +116,18 @@ def refuse_without_room(hs_dir: str | Path, out_dir: str | Path, what: str, *, s
         )
 
 
+def _place_draft_vocab(out_dir: Path, sources: Mapping[str, str | Path | None]) -> None:
+    """Copy each draft-vocabulary file to `out_dir/{name}` from its source, or, where there is none, remove the copy an
+    earlier export left: a mapping from another merged table must not sit beside these states as if it were theirs
+    (the README and the commands name the files only when they were copied)."""
+    for name, src in sources.items():
+        if src is None:
+            (out_dir / name).unlink(missing_ok=True)
+            continue
+        with atomic_path(out_dir / name) as tmp:
+            shutil.copyfile(src, tmp)
+
+
 def _dropped_ids(hs_dir: str | Path) -> set[str]:
     return {d["sample_id"] for d in recorded_drops(hs_dir)}
 
@@ -158,14 +171,12 @@ def export_specforge_states(
     paths = {
         "train": dirs["train"],
         "eval": dirs["eval"] if rows["eval"] else None,
-        "vocab_mapping": out_dir / "draft_vocab.pt" if draft_vocab_pt is not None else None,
+        "vocab_mapping": out_dir / DRAFT_VOCAB_PT if draft_vocab_pt is not None else None,
     }
     entries = handoff(record, drafters, paths=paths, layout=layout)
     aliases = specforge_aliases([e["type"] for e in entries if e["served"]])
     nbytes, n_direct = write_layout(SPECFORGE, hs_dir, merged_dir, out_dir, aliases=aliases)
-    if draft_vocab_pt is not None:
-        with atomic_path(out_dir / "draft_vocab.pt") as tmp:
-            shutil.copyfile(draft_vocab_pt, tmp)
+    _place_draft_vocab(out_dir, {DRAFT_VOCAB_PT: draft_vocab_pt})
     summary = StatesExportSummary(
         format="specforge_offline",
         path=str(out_dir),
@@ -179,7 +190,7 @@ def export_specforge_states(
             "config": {
                 "data.hidden_states_path": str(dirs["train"]),
                 "data.eval_hidden_states_path": str(dirs["eval"]) if rows["eval"] else None,
-                "model.vocab_mapping_path": str(out_dir / "draft_vocab.pt") if draft_vocab_pt is not None else None,
+                "model.vocab_mapping_path": str(out_dir / DRAFT_VOCAB_PT) if draft_vocab_pt is not None else None,
             },
             "note": "an offline config with an eval path also needs training.eval_interval",
             "keys": [*SF_EAGLE3_KEYS, *aliases],
@@ -261,10 +272,10 @@ def export_speculators_states(
     n_eval = table.num_rows - n_train
     aux_layers = list(record["aux_layers"])
     _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
-    if draft_vocab_dir is not None:
-        for name in ("d2t.npy", "t2d.npy"):
-            with atomic_path(out_dir / name) as tmp:
-                shutil.copyfile(Path(draft_vocab_dir) / name, tmp)
+    _place_draft_vocab(
+        out_dir,
+        {name: None if draft_vocab_dir is None else Path(draft_vocab_dir) / name for name in (D2T_NPY, T2D_NPY)},
+    )
     ratio = train_data_ratio(n_train, n_eval)
     fp8_states = record["quantize"] == QUANTIZE_FP8
     vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
@@ -272,8 +283,8 @@ def export_speculators_states(
         "data": out_dir,
         "hidden_states": out_dir / SPECULATORS_HS_DIR,
         "train_data_ratio": ratio,
-        "d2t": out_dir / "d2t.npy" if draft_vocab_dir is not None else None,
-        "t2d": out_dir / "t2d.npy" if draft_vocab_dir is not None else None,
+        "d2t": out_dir / D2T_NPY if draft_vocab_dir is not None else None,
+        "t2d": out_dir / T2D_NPY if draft_vocab_dir is not None else None,
         "verifier": verifier,
     }
     summary = StatesExportSummary(
@@ -299,7 +310,8 @@ def export_speculators_states(
         },
     )
     write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
-    _write_speculators_readme(out_dir, summary)
+    vocab_args = f"--d2t-path {paths['d2t']} --t2d-path {paths['t2d']}" if draft_vocab_dir is not None else None
+    _write_speculators_readme(out_dir, summary, vocab_args)
     return summary
 
 
@@ -317,8 +329,13 @@ def _save_arrow(ds: Any, out_dir: Path) -> None:
     tmp.rmdir()
 
 
-def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
+def _write_speculators_readme(out_dir: Path, s: StatesExportSummary, vocab_args: str | None) -> None:
+    """`vocab_args`: the `--d2t-path`/`--t2d-path` flags of the files copied beside the states, None when none was
+    (the command must not name a file that is not there)."""
     ratio = s.extra["train_data_ratio"]
+    # Each hs_{i} stacks the aux layers and then the final state (`trainer_layouts.serialise`): n_aux + 1 slots.
+    slots = int(s.extra["capture"]["layer_count"]) + 1
+    train = f"python scripts/train.py {s.extra['args']}"
     lines = [
         "# speculators offline data (written by eagle-pipeline)",
         "",
@@ -334,22 +351,21 @@ def _write_speculators_readme(out_dir: Path, s: StatesExportSummary) -> None:
         "Train with:",
         "",
         "```",
-        f"python scripts/train.py {s.extra['args']} \\",
-        f"    --d2t-path {out_dir / 'd2t.npy'} --t2d-path {out_dir / 't2d.npy'} ...",
+        *([f"{train} \\", f"    {vocab_args} ..."] if vocab_args else [f"{train} ..."]),
         "```",
         "",
         f"`--train-data-ratio` = (n_train + 0.5) / n = {ratio!r}: int(n * ratio) = n_train exactly."
         if ratio is not None
         else "No eval rows: speculators needs --train-data-ratio strictly inside (0, 1); set merge.eval_fraction > 0.",
         "",
-        "`hidden_states/hs_{i}.safetensors`: `hidden_states` [T, 4, H] = aux layers "
+        f"`hidden_states/hs_{{i}}.safetensors`: `hidden_states` [T, {slots}, H] = aux layers "
         f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
         f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
         *(
             [
                 "",
-                f"FP8 states: `hidden_states` float8_e4m3fn with `hidden_states_scales` fp32 [T, 4, 1] (one scale per "
-                f"token per layer); speculators dequantizes them with `{FP8_BACKEND_FLAG} {FP8_BACKEND}`.",
+                f"FP8 states: `hidden_states` float8_e4m3fn with `hidden_states_scales` fp32 [T, {slots}, 1] (one scale "
+                f"per token per layer); speculators dequantizes them with `{FP8_BACKEND_FLAG} {FP8_BACKEND}`.",
             ]
             if s.extra["hidden_states_backend"] == FP8_BACKEND
             else []

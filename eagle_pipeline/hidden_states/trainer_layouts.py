@@ -5,8 +5,9 @@
   `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] **after** the final norm; `draft_vocab.pt` beside.
 * speculators (`--data-path`): an Arrow dataset (`save_to_disk`, torch format: `input_ids`, `loss_mask`, `seq_len`,
   `sample_id`; train rows in merged order, then eval rows), `hidden_states/hs_{i}.safetensors` for row i with
-  `hidden_states` [T, 4, H] (the aux layers, then the final state **before** the final norm) and `token_ids` [T]
-  int64, `d2t.npy` / `t2d.npy`, and `--train-data-ratio` = (n_train + 0.5) / n in `export.json` and README.md.
+  `hidden_states` [T, n_aux + 1, H] (the n_aux aux layers, [T, 4, H] for the default 3, then the final state
+  **before** the final norm) and `token_ids` [T] int64, `d2t.npy` / `t2d.npy` when a draft vocabulary was built, and
+  `--train-data-ratio` = (n_train + 0.5) / n in `export.json` and README.md.
 
 With `hidden_states.layout: specforge | speculators` extraction writes each sample's states straight into that
 trainer's files (`plan_layout_target`, `SampleFilesWriter`); the shard file keeps only ids and masks, and every
@@ -167,7 +168,8 @@ def serialise(
     """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
     trainer's convention). SpecForge: `aliases` (`drafter_types.specforge_aliases`) adds the DFlash family's key
     names for EAGLE-3's tensors; torch.save writes a storage once however many keys name it. speculators with
-    `quantize: fp8`: e4m3 `hidden_states` and fp32 `hidden_states_scales` [T, 4, 1], what its fp8 backend loads."""
+    `quantize: fp8`: e4m3 `hidden_states` and fp32 `hidden_states_scales` [T, n_aux + 1, 1], what its fp8 backend
+    loads."""
     n_tok = int(t["input_ids"].numel())
     if layout == SPECULATORS:
         from safetensors.torch import save

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,7 +19,7 @@ from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sampl
 from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
 from eagle_pipeline_tests.test_config import _with_hidden_states
 
-from .conftest import make_rows
+from .conftest import VOCAB, make_rows
 
 H, L = 64, 8  # the tiny model's width and depth
 ALL = ["eagle3", "eagle3.1", "p-eagle", "dflash", "domino", "dspark"]
@@ -159,6 +160,36 @@ def test_speculators_files_serve_each_type_with_its_flags(extracted, tmp_path):
         assert torch.equal(states[:, -1], shard["final_hidden_state"])  # pre-norm: speculators norms it itself
     assert s.extra["capture"]["trainer_layer_ids"] == [x + 1 for x in aux]
     assert "--speculator-type dspark" in (tmp_path / "sp" / "README.md").read_text()
+
+
+def test_the_readmes_state_the_files_shape_and_name_only_a_vocabulary_copied_beside(extracted, tmp_path):
+    pytest.importorskip("datasets")
+    _rows, merged, hs, aux = extracted
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    np.save(vocab / "d2t.npy", np.arange(4, dtype=np.int64))
+    np.save(vocab / "t2d.npy", np.arange(VOCAB) < 4)
+    torch.save({"d2t": torch.arange(4), "t2d": torch.arange(VOCAB) < 4}, vocab / "draft_vocab.pt")
+    sp, sf = tmp_path / "sp", tmp_path / "sf"
+    export_speculators_states(hs, merged, sp, draft_vocab_dir=vocab)
+    copied = export_specforge_states(hs, merged, sf, draft_vocab_pt=vocab / "draft_vocab.pt")
+    slots = load_file(sp / "hidden_states" / "hs_0.safetensors")["hidden_states"].shape[1]
+    assert slots == len(aux) + 1  # the aux layers, then the final state
+    readme = (sp / "README.md").read_text()
+    assert f"`hidden_states` [T, {slots}, H] = aux layers {aux}" in readme
+    assert f"--d2t-path {sp / 'd2t.npy'} --t2d-path {sp / 't2d.npy'}" in readme
+    assert copied.extra["config"]["model.vocab_mapping_path"] == str(sf / "draft_vocab.pt")
+    # Exported again without a draft vocabulary: the earlier copies go, and nothing names them.
+    s = export_speculators_states(hs, merged, sp)
+    f = export_specforge_states(hs, merged, sf)
+    for folder, summary in ((sp, s), (sf, f)):
+        text = (folder / "README.md").read_text() + (folder / "export.json").read_text()
+        assert "--d2t-path" not in text and "--t2d-path" not in text and str(folder / "d2t.npy") not in text
+        assert str(folder / "draft_vocab.pt") not in text
+        assert all(e.get("vocab_mapping") != str(folder / "draft_vocab.pt") for e in summary.extra["drafters"])
+    assert f"python scripts/train.py {s.extra['args']} ..." in (sp / "README.md").read_text()
+    assert f.extra["config"]["model.vocab_mapping_path"] is None
+    assert not any((sp / n).exists() for n in ("d2t.npy", "t2d.npy")) and not (sf / "draft_vocab.pt").exists()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from eagle_pipeline.hidden_states.trainer_exports import export_speculators_stat
 from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
 from eagle_pipeline_tests.doubles.speculators_fp8 import load_fp8_sample, trainer_inputs
 
-from .conftest import greedy_rows, write_merged
+from .conftest import greedy_rows, make_rows, write_merged
 
 BF16 = torch.bfloat16
 # The teacher-agreement figure of FP8 states may fall this far below bf16's on the same rows (e4m3 keeps 2^-4 of
@@ -106,6 +106,17 @@ def test_fp8_export_names_speculators_fp8_backend(both):
     assert "--hidden-states-backend fp8" in command and "--hidden-states-path" not in command
     readme = (got / "sp" / "README.md").read_text()
     assert "--hidden-states-backend fp8" in readme and "float8_e4m3fn" in readme
+
+
+def test_the_fp8_readme_states_the_shape_of_its_files_at_another_layer_count(normed_model, merged_factory, tmp_path):
+    merged = merged_factory(make_rows(4, seed=33))
+    out, hs = tmp_path / "sp", tmp_path / "hs"
+    _extract(normed_model, merged, out, hs, "fp8", shards=1, aux_layers=2)
+    export_speculators_states(hs, merged, out)
+    raw = load_file(out / "hidden_states" / "hs_0.safetensors")
+    assert raw["hidden_states"].shape[1] == raw["hidden_states_scales"].shape[1] == 3  # 2 aux layers + the final
+    readme = (out / "README.md").read_text()
+    assert "`hidden_states` [T, 3, H]" in readme and "`hidden_states_scales` fp32 [T, 3, 1]" in readme
 
 
 def test_a_bad_scale_or_nan_byte_is_refused_naming_the_file(both, tmp_path):
