@@ -20,7 +20,7 @@ from eagle_pipeline.defs.tokens import audit_overview, token_samples
 dataset_job = dg.define_asset_job(
     "EAGLE_dataset",
     selection=dg.AssetSelection.assets(prompts, responses, token_samples),
-    # Fourteen audit checks as fourteen processes cost more than the checks themselves; one process per run.
+    # Three steps as three processes cost more than the steps themselves on a small dataset; one process per run.
     executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
 )
