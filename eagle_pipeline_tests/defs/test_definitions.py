@@ -71,19 +71,19 @@ def test_every_audit_gate_is_its_own_blocking_check():
     assert token_checks == gate_names
     merged_checks = {name for (asset, name) in specs if asset == "merged_dataset"}
     assert merged_checks == {
-        "merged_row_count_matches_admitted",
-        "merged_sample_ids_unique",
-        "merged_loss_mask_aligned",
-        "merged_spans_end_with_eot",
+        "rows_match_admitted",
+        "sample_ids_unique",
+        "loss_mask_aligned",
+        "spans_end_with_eot",
     }
     state_checks = {name for (asset, name) in specs if asset == "hidden_states"}
     assert state_checks == {
-        "shapes_match_token_counts",
+        "shapes_match_tokens",
         "no_nan_or_inf",
         "ids_match_merged",
         "states_not_degenerate",
         "layers_as_configured",
-        "norm_convention_matches_states",
+        "norm_convention_holds",
         "teacher_agreement",
     }
     # The audit view's own check blocks nothing (nothing is downstream of it); every other check blocks.

@@ -304,7 +304,7 @@ def test_after_a_refused_audit_the_summary_the_check_and_check_drafter_call_the_
     assert "B1: its token samples were rebuilt and audited again since (that audit FAILED)" in out
 
     instance = dg.DagsterInstance.from_config(str(root.dagster_home))
-    key = dg.AssetCheckKey(dg.AssetKey("trainer_exports"), "built_from_current_audits")
+    key = dg.AssetCheckKey(dg.AssetKey("trainer_exports"), "audits_still_current")
     record = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
     evaluation = record.event.dagster_event.event_specific_data
     assert evaluation.passed is False and "stale export" in evaluation.description
