@@ -97,7 +97,7 @@ PAGES = (
             "Failed (1)",
             f">{PASSING}<",
             f">{FAILING}<",
-            "EAGLE_dataset",
+            "did not materialize this asset",  # the partition page's banner on the failed run
         ),
     ),
     # The schedule and the declarative-automation sensor the daemon evaluates (both stopped by default).
