@@ -2,7 +2,7 @@
 which failed (an `Outcome`). The catalogue that names them, with their defaults, is `spec.GATES`.
 
 All gates here but one are pure numpy over the event list (see context.py) or, for `text_agreement`, over the flat id
-buffer; `round_trip` loops over rows to decode and re-encode. `tool_sections_well_formed`, which walks each tool row
+buffer; `round_trip` loops over rows to decode and re-encode. `tool_sections_valid`, which walks each tool row
 through a state machine, is in tool_sections.py.
 """
 

@@ -87,9 +87,10 @@ def _file_stamp(path: Path) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-# The 14 checks of a run each need the sha256 of the same file: it is hashed once per process while the file's stamp
-# (device, inode, size, mtime, ctime) stays the same; storage's atomic writes give every new file a new inode. The merge's
-# gate (audits_for_merge) always hashes afresh, so a verdict never stands for another file.
+# Readers in one process (the checks run alone, the audit view) need the sha256 of the same file: it is hashed once
+# per process while the file's stamp (device, inode, size, mtime, ctime) stays the same; storage's atomic writes give
+# every new file a new inode. The merge's gate (audits_for_merge) always hashes afresh, so a verdict never stands for
+# another file.
 _sha_by_stamp: dict[str, tuple[tuple[int, ...], str]] = {}
 
 

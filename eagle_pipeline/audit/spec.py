@@ -11,7 +11,7 @@ from typing import Any
 
 from eagle_pipeline.audit import gates as g
 from eagle_pipeline.audit.context import ORIGINS, AuditContext
-from eagle_pipeline.audit.tool_sections import gate_tool_sections_well_formed
+from eagle_pipeline.audit.tool_sections import gate_tool_sections_valid
 
 ACTIONS = ("block", "filter", "warn")
 
@@ -117,13 +117,13 @@ GATES: tuple[GateSpec, ...] = (
         returned="filter",
     ),
     _spec(
-        "tool_sections_well_formed",
+        "tool_sections_valid",
         "Tool sections are balanced, ordered and parseable",
         "section_begin (call_begin ID arg_begin ARGS call_end)+ section_end, once, after </think>, directly before "
         "the end of turn; ID is non-empty without whitespace (and `functions.NAME:INDEX` when it starts with "
         "'functions.'); ARGS decode to a JSON object; the number of calls equals n_tool_calls.",
         "filter",
-        gate_tool_sections_well_formed,
+        gate_tool_sections_valid,
     ),
     _spec(
         "round_trip",

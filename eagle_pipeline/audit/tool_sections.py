@@ -1,4 +1,4 @@
-"""The `tool_sections_well_formed` gate: a state machine over the special ids of each row that holds tool ids.
+"""The `tool_sections_valid` gate: a state machine over the special ids of each row that holds tool ids.
 
 Kimi's grammar is `section_begin (call_begin ID arg_begin ARGS call_end)+ section_end`, once, after `</think>`,
 directly before the end of turn; profiles without section tokens (Qwen3) write `call_begin {"name", "arguments"}
@@ -158,7 +158,7 @@ def _check_tool_row(ctx: AuditContext, row: int, complete: bool, think_close_pos
     return calls
 
 
-def gate_tool_sections_well_formed(ctx: AuditContext, settings: Any) -> Outcome:
+def gate_tool_sections_valid(ctx: AuditContext, settings: Any) -> Outcome:
     is_tool = np.isin(ctx.ev_code, TOOL_CODES)
     has_tool_ids = np.bincount(ctx.ev_row[is_tool], minlength=ctx.n) > 0
     expected = ctx.n_tool_calls

@@ -241,14 +241,14 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
 
 @dg.asset_check(
     asset=trainer_exports,
-    name="built_from_current_audits",
+    name="audits_still_current",
     blocking=True,  # as every check of the project; nothing is downstream of the exports: it marks the asset
     description=(
         "The dataset audits the exports were built from (their manifest's dataset_audits) are still the current "
         "ones: fails, naming each dataset, once a later run rebuilt a dataset's token samples or its audit fails."
     ),
 )
-def built_from_current_audits(pipeline: PipelineResource) -> dg.AssetCheckResult:
+def audits_still_current(pipeline: PipelineResource) -> dg.AssetCheckResult:
     from eagle_pipeline.hidden_states.drafter_check import stale_export_problems
 
     exports = pipeline.data_root().exports_dir
@@ -262,14 +262,14 @@ def built_from_current_audits(pipeline: PipelineResource) -> dg.AssetCheckResult
 
 @dg.asset_check(
     asset=trainer_exports,
-    name="draft_config_matches_capture",
+    name="draft_config_matches",
     blocking=True,
     description=(
         "hidden_states.draft_config (a draft JSON or trainer flag file) reads exactly the captured layers, in its "
         "trainer's convention, at the captured width: neither trainer checks this itself (docs/drafters.md)."
     ),
 )
-def draft_config_matches_capture(pipeline: PipelineResource) -> dg.AssetCheckResult:
+def draft_config_matches(pipeline: PipelineResource) -> dg.AssetCheckResult:
     from eagle_pipeline.hidden_states.drafter_check import check_drafter
 
     draft = pipeline.config().hidden_states.draft_config

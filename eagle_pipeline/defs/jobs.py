@@ -4,7 +4,7 @@ import dagster as dg
 
 from eagle_pipeline.defs.generation import prompts, responses
 from eagle_pipeline.defs.hidden_states import (
-    built_from_current_audits,
+    audits_still_current,
     hidden_state_plan,
     hidden_states,
     trainer_exports,
@@ -20,7 +20,7 @@ from eagle_pipeline.defs.tokens import audit_overview, token_samples
 dataset_job = dg.define_asset_job(
     "EAGLE_dataset",
     selection=dg.AssetSelection.assets(prompts, responses, token_samples),
-    # Fourteen audit checks as fourteen processes cost more than the checks themselves; one process per run.
+    # Three steps as three processes cost more than the steps themselves on a small dataset; one process per run.
     executor_def=dg.in_process_executor,
     description="Generate, reconstruct and audit one dataset (one partition per run).",
 )
@@ -73,7 +73,7 @@ exports_job = dg.define_asset_job(
 
 export_freshness_job = dg.define_asset_job(
     "EAGLE_exports_freshness",
-    selection=dg.AssetSelection.checks(built_from_current_audits),
+    selection=dg.AssetSelection.checks(audits_still_current),
     description="Judge the trainer exports on disk again: are the dataset audits they were built from still current? "
     "(the demo runs it after a refused audit, so the UI marks a stale export).",
 )

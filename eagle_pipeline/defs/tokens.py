@@ -5,7 +5,7 @@ import pyarrow.compute as pc
 
 from eagle_pipeline.audit import GATES, GateSpec, report_markdown
 from eagle_pipeline.audit.overview import audit_failure_summary, first_failure, gate_counts, gate_summary
-from eagle_pipeline.audit.records import audit_token_samples, current_audit, record_gate_verdict
+from eagle_pipeline.audit.records import StoredAudit, audit_token_samples, current_audit, record_gate_verdict
 from eagle_pipeline.defs.automation import after_any_audit
 from eagle_pipeline.defs.generation import responses
 from eagle_pipeline.defs.metadata import readable, records_table
@@ -15,20 +15,99 @@ from eagle_pipeline.shared.arrow import list_lengths, value_counts
 from eagle_pipeline.shared.figures import histogram_markdown
 from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 
+TOKEN_SAMPLES = dg.AssetKey("token_samples")
 
-@dg.asset(
+
+def _gate_check_spec(gate: GateSpec) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(
+        gate.name,
+        asset="token_samples",
+        description=f"{gate.title}. {gate.description}",
+        blocking=True,
+        partitions_def=dataset_partitions,
+    )
+
+
+# The asset and its gate checks are one computation: the checks judge the file this step writes, and a blocking
+# failure must fail the partition itself (Dagster marks a partition failed only when its run failed without
+# materializing it), so the list of datasets shows a refused one in red, not a green dot beside a red check.
+# can_subset: a run may select the asset without its checks, or the checks alone (they then judge the file on disk).
+@dg.multi_asset(
+    specs=[
+        dg.AssetSpec(
+            "token_samples",
+            partitions_def=dataset_partitions,
+            deps=[responses],
+            group_name="tokens",
+            kinds={"parquet"},
+            owners=["team:data"],
+            description=(
+                "Exact target token ids per response: prompt rendered through the target's chat template; output "
+                "rebuilt from API text (reasoning, </think>, content, tool-call section, <|im_end|>) or taken as "
+                "returned by SGLang/vLLM. Audited by one blocking check per gate; a blocking failure fails the "
+                "partition (nothing is materialized)."
+            ),
+        )
+    ],
+    check_specs=[_gate_check_spec(g) for g in GATES],
     partitions_def=dataset_partitions,
-    deps=[responses],
-    group_name="tokens",
-    kinds={"parquet"},
-    owners=["team:data"],
-    description=(
-        "Exact target token ids per response: prompt rendered through the target's chat template; output rebuilt "
-        "from API text (reasoning, </think>, content, tool-call section, <|im_end|>) or taken as returned by "
-        "SGLang/vLLM. Audited by one blocking check per gate."
-    ),
+    can_subset=True,
+    name="token_samples",
 )
-def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
+def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource):
+    dataset = context.partition_key
+    gates = [g.name for g in GATES if dg.AssetCheckKey(TOKEN_SAMPLES, g.name) in context.selected_asset_check_keys]
+    root = pipeline.data_root()
+    building = TOKEN_SAMPLES in context.selected_asset_keys
+    if building:
+        metadata, audit = _build_token_samples(context, pipeline)
+    else:
+        # The checks alone: they judge the file on disk (its stored audit, recomputed only if it is not bound to
+        # the current file and settings).
+        metadata = {}
+        audit = current_audit(root, dataset, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
+    results = {name: record_gate_verdict(root, audit, name) for name in gates}
+    checks = [gate_check_result(dataset, name, r, audit.tokens_sha256) for name, r in results.items()]
+    if not building or any(r["blocking"] for r in results.values()):
+        # A refusal materializes nothing: the evaluations are recorded (their metadata names the judged file by its
+        # sha256), then the step fails with the summary, and the partition shows as failed.
+        yield from checks
+        _refuse_if_blocked(dataset, results, metadata)
+        return
+    yield dg.MaterializeResult(
+        asset_key=TOKEN_SAMPLES,
+        metadata=metadata,
+        data_version=dg.DataVersion(str(metadata["sha256"])[:16]),
+        check_results=checks,
+    )
+
+
+def _refuse_if_blocked(dataset: str, results: dict[str, dict], metadata: dict) -> None:
+    """Fail the step when a blocking gate failed, with a summary of what failed, the figures and what to do (rather
+    than Dagster's generic "blocking asset check failed"). Not retried: regenerating would not fix the data."""
+    blocking = [name for name, r in results.items() if r["blocking"]]
+    if not blocking:
+        return
+    first = blocking[0]
+    summary = audit_failure_summary(dataset, first, results[first])
+    if len(blocking) > 1:
+        also = "; ".join(f"{name} ({gate_counts(results[name])})" for name in blocking[1:])
+        summary += f"\n\nAlso blocking {dataset}: {also}."
+    raise dg.Failure(
+        description=summary,
+        metadata={
+            "dataset": dataset,
+            "blocking_gates": dg.MetadataValue.json(blocking),
+            "counts": gate_counts(results[first]),
+            **metadata,
+        },
+        allow_retries=False,
+    )
+
+
+def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> tuple[dict, StoredAudit]:
+    """Reconstruct, write and audit the dataset's token samples: the materialization's metadata and the stored
+    audit of the file."""
     from eagle_pipeline.generation import read_responses
     from eagle_pipeline.generation.coverage import current_responses, prompt_sample_ids
     from eagle_pipeline.tokens import reconstruct_table
@@ -72,56 +151,54 @@ def token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource)
     context.log.info(
         f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind}); {cov.describe()}"
     )
-    return dg.MaterializeResult(
-        metadata={
-            "dagster/row_count": table.num_rows,
-            **cov.metadata(),
-            "path": dg.MetadataValue.path(str(path)),
-            "tokenizer": f"{tok.name} ({tok.kind})",
-            "tokenizer_is_demo": tok.kind == "demo",
-            "tokenizer_fingerprint": tok.fingerprint()[:16],
-            "output_tokens": int(pc.sum(lengths).as_py() or 0),
-            "prompt_tokens": int(pc.sum(prompt_lengths).as_py() or 0),
-            "mean_output_tokens": round(float(pc.mean(lengths).as_py() or 0.0), 1),
-            "max_output_tokens": int(pc.max(lengths).as_py() or 0),
-            "ids_origin": dg.MetadataValue.json(origin),
-            "rows_with_literal_special_strings": int(
-                pc.sum(table.column("literal_special").cast("int64")).as_py() or 0
-            ),
-            "audit_summary": dg.MetadataValue.md(report_markdown(audit.report)),
-            "rows_kept_after_filters": int(audit.keep_mask.sum()),
-            "token_lengths": dg.MetadataValue.md(
-                histogram_markdown(
-                    {
-                        "prompt": list_lengths(table.column("prompt_ids")),
-                        "output": list_lengths(table.column("output_ids")),
-                    },
-                    title=f"{ds.name}: tokens per sample ({tok.name})",
-                    xlabel="tokens",
-                )
-            ),
-            "sha256": digest,
-        },
-        data_version=dg.DataVersion(digest[:16]),
-    )
+    metadata = {
+        "dagster/row_count": table.num_rows,
+        **cov.metadata(),
+        "path": dg.MetadataValue.path(str(path)),
+        "tokenizer": f"{tok.name} ({tok.kind})",
+        "tokenizer_is_demo": tok.kind == "demo",
+        "tokenizer_fingerprint": tok.fingerprint()[:16],
+        "output_tokens": int(pc.sum(lengths).as_py() or 0),
+        "prompt_tokens": int(pc.sum(prompt_lengths).as_py() or 0),
+        "mean_output_tokens": round(float(pc.mean(lengths).as_py() or 0.0), 1),
+        "max_output_tokens": int(pc.max(lengths).as_py() or 0),
+        "ids_origin": dg.MetadataValue.json(origin),
+        "rows_with_literal_special_strings": int(pc.sum(table.column("literal_special").cast("int64")).as_py() or 0),
+        "audit_summary": dg.MetadataValue.md(report_markdown(audit.report)),
+        "rows_kept_after_filters": int(audit.keep_mask.sum()),
+        "token_lengths": dg.MetadataValue.md(
+            histogram_markdown(
+                {
+                    "prompt": list_lengths(table.column("prompt_ids")),
+                    "output": list_lengths(table.column("output_ids")),
+                },
+                title=f"{ds.name}: tokens per sample ({tok.name})",
+                xlabel="tokens",
+            )
+        ),
+        "sha256": digest,
+    }
+    return metadata, audit
 
 
-def gate_check_result(dataset: str, result: dict) -> dg.AssetCheckResult:
+def gate_check_result(dataset: str, gate: str, result: dict, tokens_sha256: str) -> dg.AssetCheckResult:
     """One gate's stored result (`GateResult.to_dict()`) on `dataset` as a check result: blocking failure -> ERROR
     (stops downstream); rows only filtered -> pass, counted; rows only warned -> WARN. The description names the
     dataset and the counts."""
-    metadata = gate_check_metadata(dataset, result)
-    description = gate_summary(dataset, result)
     if result["blocking"]:
-        return dg.AssetCheckResult(
-            passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata, description=description
-        )
-    warned = result["failing"] - result["excluded"]
-    if warned:
-        return dg.AssetCheckResult(
-            passed=False, severity=dg.AssetCheckSeverity.WARN, metadata=metadata, description=description
-        )
-    return dg.AssetCheckResult(passed=True, metadata=metadata, description=description)
+        passed, severity = False, dg.AssetCheckSeverity.ERROR
+    elif result["failing"] - result["excluded"]:  # rows only warned
+        passed, severity = False, dg.AssetCheckSeverity.WARN
+    else:
+        passed, severity = True, dg.AssetCheckSeverity.ERROR
+    return dg.AssetCheckResult(
+        asset_key=TOKEN_SAMPLES,
+        check_name=gate,
+        passed=passed,
+        severity=severity,
+        metadata={**gate_check_metadata(dataset, result), "token_samples_sha256": tokens_sha256},
+        description=gate_summary(dataset, result),
+    )
 
 
 def gate_check_metadata(dataset: str, result: dict) -> dict:
@@ -154,39 +231,6 @@ def gate_check_metadata(dataset: str, result: dict) -> dict:
     if result["details"]:
         meta["details"] = dg.MetadataValue.json(result["details"])
     return meta
-
-
-def build_gate_check(gate: GateSpec) -> dg.AssetChecksDefinition:
-    """One blocking asset check for one audit gate, so a passing gate never blocks through a failing neighbour."""
-
-    @dg.asset_check(
-        asset=token_samples,
-        name=gate.name,
-        description=f"{gate.title}. {gate.description}",
-        blocking=True,
-        partitions_def=dataset_partitions,
-    )
-    def _gate_check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource):
-        # Reads the dataset's stored audit (recomputed only if it is not bound to the current file and settings).
-        root = pipeline.data_root()
-        dataset = context.partition_key
-        audit = current_audit(root, dataset, pipeline.tokenizer(), pipeline.profile_ids(), pipeline.audit_settings())
-        result = record_gate_verdict(root, audit, gate.name)
-        yield gate_check_result(dataset, result)
-        if result["blocking"]:
-            # The evaluation above is recorded; failing the step with this summary (rather than Dagster's generic
-            # "1 blocking asset check failed") makes the run's error say what failed, the figures and what to do.
-            raise dg.Failure(
-                description=audit_failure_summary(dataset, gate.name, result),
-                metadata={"dataset": dataset, "gate": gate.name, "counts": gate_counts(result)},
-                allow_retries=False,
-            )
-
-    return _gate_check
-
-
-def build_gate_checks() -> list[dg.AssetChecksDefinition]:
-    return [build_gate_check(g) for g in GATES]
 
 
 @dg.asset(
@@ -265,7 +309,3 @@ def every_dataset_fit(pipeline: PipelineResource) -> dg.AssetCheckResult:
         description=view.fit_line(audits),
         metadata={"datasets not fit to merge": len(unfit), "unfit": dg.MetadataValue.json(unfit)},
     )
-
-
-# Module level, so that the defs folder's autoloading finds them (definitions.py).
-gate_checks = build_gate_checks()

@@ -53,7 +53,7 @@ def _check(
 
 SHARD_CHECKS: tuple[CheckSpec[ShardCheckContext], ...] = (
     _check(
-        "shapes_match_token_counts",
+        "shapes_match_tokens",
         "shapes",
         _structure,
         "Per sample, every state tensor has one row per token, width 3H / H.",
@@ -84,7 +84,7 @@ SHARD_CHECKS: tuple[CheckSpec[ShardCheckContext], ...] = (
         "layers identical (a wrong layer id).",
     ),
     _check(
-        "norm_convention_matches_states",
+        "norm_convention_holds",
         "norm_convention",
         _semantic,
         "The recorded final-state convention (pre/post final norm) agrees with the states' RMS statistics.",

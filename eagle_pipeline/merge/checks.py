@@ -191,25 +191,25 @@ class MergedCheckContext:
 # The merged table's checks (the Dagster shell declares one blocking check per entry; nothing else names them).
 MERGED_CHECKS: tuple[CheckSpec[MergedCheckContext], ...] = (
     CheckSpec(
-        "merged_row_count_matches_admitted",
+        "rows_match_admitted",
         "Merged rows equal the rows admitted by the audit.",
         "row_count",
         lambda c: check_row_count_matches_admitted(c.out_dir),
     ),
     CheckSpec(
-        "merged_sample_ids_unique",
+        "sample_ids_unique",
         "No sample_id appears twice.",
         "unique_sample_ids",
         lambda c: check_unique_sample_ids(c.out_dir),
     ),
     CheckSpec(
-        "merged_loss_mask_aligned",
+        "loss_mask_aligned",
         "Every loss mask is exactly as long as its input_ids.",
         "loss_mask_aligned",
         lambda c: check_loss_mask_aligned(c.out_dir),
     ),
     CheckSpec(
-        "merged_spans_end_with_eot",
+        "spans_end_with_eot",
         "Every supervised span ends with the end-of-turn id.",
         "supervised_spans_end_with_eot",
         lambda c: check_supervised_spans_end_with_eot(c.out_dir, c.eot_id()),

@@ -311,7 +311,7 @@ def test_qwen3_clean(qwen):
     report = run_audit(table, tok, ids)
     assert {r.name: r.failing for r in report.results} == dict.fromkeys(GATE_NAMES, 0)
     assert report.result("no_think_open").details["model_opens_think"] is True
-    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(
+    assert report.result("tool_sections_valid").details["well_formed_calls"] == sum(
         table.column("n_tool_calls").to_pylist()
     )
 
@@ -385,10 +385,10 @@ def test_qwen3_malformed_tool_calls(qwen, kind, problem):
         rows,
         tok,
         ids,
-        "tool_sections_well_formed",
+        "tool_sections_valid",
         allowed={"billing_agreement", "text_agreement"},
     )
-    problems = report.result("tool_sections_well_formed").details["problems"]
+    problems = report.result("tool_sections_valid").details["problems"]
     if kind == "text_between":
         # Text after the first call is "stray" when another call follows, "not_at_end" when the eot follows.
         n_multi = sum(table.column("n_tool_calls")[r].as_py() > 1 for r in rows)

@@ -68,9 +68,7 @@ def test_clean_rows_pass_every_gate(env):
     assert any(r["n_tool_calls"] > 1 for r in rows)
     assert any(not r["thinking"] for r in rows)
     assert {r["ids_origin"] for r in rows} == {"reconstructed", "returned"}
-    assert report.result("tool_sections_well_formed").details["well_formed_calls"] == sum(
-        r["n_tool_calls"] for r in rows
-    )
+    assert report.result("tool_sections_valid").details["well_formed_calls"] == sum(r["n_tool_calls"] for r in rows)
     assert report.result("round_trip").checked == table.num_rows
     # Every reconstructed row carries its text digest and agrees with it, literal special strings included.
     text = report.result(TEXT)
@@ -115,9 +113,7 @@ def test_dropped_eot(env):
     tok, ids, table = env
     rows = pick_rows(table, 60)
     bad = mutate(table, rows, lambda o, r: o[:-1])
-    report = assert_caught(
-        bad, rows, tok, ids, "ends_with_eot", allowed={"single_eot", "tool_sections_well_formed", TEXT}
-    )
+    report = assert_caught(bad, rows, tok, ids, "ends_with_eot", allowed={"single_eot", "tool_sections_valid", TEXT})
     assert report.result("single_eot").failing == 60  # a complete row without eot also has zero of them
     assert set(report.blocking_failed) >= {"ends_with_eot", "single_eot"}
 
@@ -180,7 +176,7 @@ def test_cut_tail(env):
         allowed={
             "single_eot",
             "single_think_close",
-            "tool_sections_well_formed",
+            "tool_sections_valid",
             "round_trip",
             "billing_agreement",
             TEXT,
@@ -238,7 +234,7 @@ def test_off_by_one_ordinary_id_is_always_caught(env):
     tok, ids, table = env
     rows = pick_rows(table, 300, _reconstructed)
     bad = mutate(table, rows, _off_by_one_ordinary(tok, 5))
-    report = assert_caught(bad, rows, tok, ids, TEXT, allowed={"round_trip", "tool_sections_well_formed"})
+    report = assert_caught(bad, rows, tok, ids, TEXT, allowed={"round_trip", "tool_sections_valid"})
     res = report.result(TEXT)
     assert res.failing == len(rows) and res.details["problems"] == {"digest_mismatch": len(rows)}
     assert res.blocking and res.excluded == len(rows) and TEXT in report.blocking_failed
@@ -280,9 +276,7 @@ def test_whole_row_shifted_by_one(env):
     low = _lowest_special(tok)
     rows = pick_rows(table, 300)
     shifted = mutate(table, rows, lambda o, r: [x + 1 if x < low - 1 else x for x in o])
-    report = assert_caught(
-        shifted, rows, tok, ids, "round_trip", exact=False, allowed={"tool_sections_well_formed", TEXT}
-    )
+    report = assert_caught(shifted, rows, tok, ids, "round_trip", exact=False, allowed={"tool_sections_valid", TEXT})
     assert report.result("round_trip").failing >= 0.95 * len(rows)
     origins = np.array(table.column("ids_origin").to_pylist())
     assert report.result(TEXT).row_fail[rows].tolist() == (origins[rows] == "reconstructed").tolist()
@@ -314,7 +308,7 @@ def test_id_not_in_vocab(env, kind):
         tok,
         ids,
         "ids_in_vocab",
-        allowed={"round_trip", "tool_sections_well_formed", TEXT},
+        allowed={"round_trip", "tool_sections_valid", TEXT},
     )
     details = report.result("ids_in_vocab").details
     key = {
@@ -517,8 +511,8 @@ def test_malformed_tool_section(env, kind):
     bad = mutate(table, rows, fn if kind != "count_mismatch" else (lambda o, r: o), **extra)
     # count_mismatch leaves the ids alone, so text_agreement stays silent there.
     allowed = {"billing_agreement"} | (set() if kind == "count_mismatch" else {TEXT})
-    report = assert_caught(bad, rows, tok, ids, "tool_sections_well_formed", allowed=allowed)
-    res = report.result("tool_sections_well_formed")
+    report = assert_caught(bad, rows, tok, ids, "tool_sections_valid", allowed=allowed)
+    res = report.result("tool_sections_valid")
     assert res.details["problems"] == {expected_problem: 30}
     assert res.examples[0]["problem"] == expected_problem
     # A malformed call is a property of the sample: filtered, not blocking, by default.

@@ -30,7 +30,7 @@ EXPECTED_GATES = {
     "reasoning_nonempty",
     "billing_agreement",
     "tool_tokens_declared",
-    "tool_sections_well_formed",
+    "tool_sections_valid",
     "ids_in_vocab",
     "not_truncated",
     "text_agreement",
@@ -248,7 +248,7 @@ def test_row_filter_gates():
     assert AuditSettings().row_filter_gates() == [
         "reasoning_nonempty",
         "tool_tokens_declared",
-        "tool_sections_well_formed",
+        "tool_sections_valid",
         "billing_agreement",
         "not_truncated",
     ]

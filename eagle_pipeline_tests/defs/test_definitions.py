@@ -58,8 +58,11 @@ def test_partitions():
 
 
 def test_every_audit_gate_is_its_own_blocking_check():
+    # The gate checks are token_samples' own (one computation, so a refusal fails the partition); the other checks
+    # are definitions of their own.
+    tokens_def = next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.key.path == ["token_samples"])
     specs = {}
-    for checks_def in defs.asset_checks:
+    for checks_def in [*defs.asset_checks, tokens_def]:
         for spec in checks_def.check_specs:
             specs[(spec.asset_key.to_user_string(), spec.name)] = spec
     gate_names = {g.name for g in GATES}
@@ -68,25 +71,26 @@ def test_every_audit_gate_is_its_own_blocking_check():
     assert token_checks == gate_names
     merged_checks = {name for (asset, name) in specs if asset == "merged_dataset"}
     assert merged_checks == {
-        "merged_row_count_matches_admitted",
-        "merged_sample_ids_unique",
-        "merged_loss_mask_aligned",
-        "merged_spans_end_with_eot",
+        "rows_match_admitted",
+        "sample_ids_unique",
+        "loss_mask_aligned",
+        "spans_end_with_eot",
     }
     state_checks = {name for (asset, name) in specs if asset == "hidden_states"}
     assert state_checks == {
-        "shapes_match_token_counts",
+        "shapes_match_tokens",
         "no_nan_or_inf",
         "ids_match_merged",
         "states_not_degenerate",
         "layers_as_configured",
-        "norm_convention_matches_states",
+        "norm_convention_holds",
         "teacher_agreement",
     }
     # The audit view's own check blocks nothing (nothing is downstream of it); every other check blocks.
     assert {key for key, spec in specs.items() if not spec.blocking} == {("audit_overview", "every_dataset_fit")}
-    # One check per step: a failing gate never blocks through a passing neighbour.
+    # Every other check is its own step: a failing one never blocks through a passing neighbour.
     assert all(len(list(c.check_specs)) == 1 for c in defs.asset_checks)
+    assert tokens_def.can_subset  # the asset without its checks, or the checks alone on the file on disk
     for (asset, _), spec in specs.items():
         if asset == "token_samples":
             assert spec.partitions_def is not None and spec.partitions_def.get_partition_keys()[0] == "B1"

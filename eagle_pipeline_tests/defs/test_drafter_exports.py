@@ -1,5 +1,5 @@
 """The drafter hand-off through Dagster: `trainer_exports` writes each listed drafter's keys and commands, and the
-blocking `draft_config_matches_capture` check holds the configured draft config against the captured layers."""
+blocking `draft_config_matches` check holds the configured draft config against the captured layers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .test_scale_out import N_ROWS, SHARD_SIZE, _config, _merged, _run_shard
 
 
 def test_the_check_blocks_a_draft_config_of_other_layers(tmp_path, monkeypatch, instance):
-    from eagle_pipeline.defs.hidden_states import draft_config_matches_capture, trainer_exports
+    from eagle_pipeline.defs.hidden_states import draft_config_matches, trainer_exports
     from eagle_pipeline.defs.resources import PipelineResource
 
     draft = tmp_path / "dflash.json"
@@ -32,7 +32,7 @@ def test_the_check_blocks_a_draft_config_of_other_layers(tmp_path, monkeypatch, 
 
     def export() -> dg.ExecuteInProcessResult:
         return dg.materialize(
-            [trainer_exports, draft_config_matches_capture],
+            [trainer_exports, draft_config_matches],
             instance=instance,
             resources={"pipeline": PipelineResource()},
             raise_on_error=False,

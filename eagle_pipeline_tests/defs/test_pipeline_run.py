@@ -109,15 +109,56 @@ def test_failing_audit_blocks_everything_downstream_in_the_same_run(pipeline_con
     evaluations = _check_evaluations(result)
     assert evaluations["billing_agreement"].passed is False
     assert evaluations["ends_with_eot"].passed is True  # its neighbour still passes
+    # A refused dataset is not materialized: nothing downstream runs, and its partition is failed, not green.
     materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
-    assert "token_samples" in materialized
-    assert materialized.isdisjoint({"merged_dataset", "draft_vocab", "hidden_state_plan"})
+    assert materialized == {"prompts", "responses"}
     # The failed step's error is a summary with the figures and what to do, not Dagster's generic check error.
     failure = next(e for e in result.all_events if e.is_step_failure)
-    assert failure.step_key == "token_samples_billing_agreement"
+    assert failure.step_key == "token_samples"
     message = failure.event_specific_data.error.message
     assert re.search(r"Audit failed: billing_agreement blocks B1: (\d+) of \1 rows over the per-row tolerance", message)
     assert "First failing row: B1-" in message and "rerun EAGLE_dataset for B1" in message
+
+
+def _partition_status(instance, asset, partitions_def):
+    """What the UI's partition list shows for each partition of `asset`: Dagster's own status cache."""
+    from dagster._core.storage.partition_status_cache import get_and_update_asset_status_cache_value
+
+    value = get_and_update_asset_status_cache_value(instance, dg.AssetKey(asset), partitions_def)
+    failed = set(value.deserialize_failed_partition_subsets(partitions_def).get_partition_keys())
+    materialized = set(value.deserialize_materialized_partition_subsets(partitions_def).get_partition_keys())
+    return {"failed": failed, "materialized": materialized - failed}
+
+
+def test_a_blocking_audit_failure_fails_the_partition_where_the_datasets_are_listed(pipeline_config, instance):
+    """B1 passes, B6 is over-billed: B6's partition of token_samples is failed (red in the partition list), B1's
+    materialized; B6's checks still say which gate failed. A clean rerun of B6 turns its partition green."""
+    from eagle_pipeline.defs.partitions import dataset_partitions
+
+    path = pipeline_config(datasets=("B1", "B6"))
+    defs = build_defs()
+    assert _run(defs, "EAGLE_dataset", instance, "B1").success
+    pipeline_config(datasets=("B1", "B6"), simulated={"faults": {"billing_mismatch": 1.0}})
+    result = _run(defs, "EAGLE_dataset", instance, "B6")
+    assert not result.success
+    assert _check_evaluations(result)["billing_agreement"].passed is False
+    assert _partition_status(instance, "token_samples", dataset_partitions) == {
+        "failed": {"B6"},
+        "materialized": {"B1"},
+    }
+
+    # Without faults (new prompts, so the stored over-billed answers are not reused) B6 passes and turns green.
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    raw["backends"]["simulated"]["simulated"].pop("faults", None)
+    next(d for d in raw["datasets"] if d["name"] == "B6")["sampling"] = {"seed": 1}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert _run(build_defs(), "EAGLE_dataset", instance, "B6").success
+    assert _partition_status(instance, "token_samples", dataset_partitions) == {
+        "failed": set(),
+        "materialized": {"B1", "B6"},
+    }
 
 
 def test_prompt_mismatch_warns_and_lets_the_data_flow(pipeline_config, instance):
@@ -263,7 +304,7 @@ def test_after_a_refused_audit_the_summary_the_check_and_check_drafter_call_the_
     assert "B1: its token samples were rebuilt and audited again since (that audit FAILED)" in out
 
     instance = dg.DagsterInstance.from_config(str(root.dagster_home))
-    key = dg.AssetCheckKey(dg.AssetKey("trainer_exports"), "built_from_current_audits")
+    key = dg.AssetCheckKey(dg.AssetKey("trainer_exports"), "audits_still_current")
     record = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
     evaluation = record.event.dagster_event.event_specific_data
     assert evaluation.passed is False and "stale export" in evaluation.description

@@ -259,10 +259,10 @@ def test_code_location_with_the_k8s_job_loads_and_validates_without_a_cluster(tm
         "hidden_states",
         "hidden_states_ids_match_merged",
         "hidden_states_no_nan_or_inf",
-        "hidden_states_shapes_match_token_counts",
+        "hidden_states_shapes_match_tokens",
         "hidden_states_states_not_degenerate",
         "hidden_states_layers_as_configured",
-        "hidden_states_norm_convention_matches_states",
+        "hidden_states_norm_convention_holds",
         "hidden_states_teacher_agreement",
     }
     location = tmp_path / "location_with_k8s.py"

@@ -26,7 +26,7 @@ def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, ins
     root, result, verdicts = _engine_shard_run(tmp_path, monkeypatch, instance, "vllm", settings)
     # The head is read from the checkpoint of the model the double serves, so the norm check judges engine shards;
     # the teacher check cannot judge a tiny random stand-in on simulated texts, and says so.
-    assert verdicts["norm_convention_matches_states"] == "pass" and verdicts["teacher_agreement"] == "not_judged"
+    assert verdicts["norm_convention_holds"] == "pass" and verdicts["teacher_agreement"] == "not_judged"
     assert verdicts["states_not_degenerate"] == verdicts["layers_as_configured"] == "pass"
     (mat,) = result.asset_materializations_for_node("hidden_states")
     assert mat.metadata["engine"].value == "vllm" and mat.metadata["device"].value == "vllm: simulated"

@@ -146,7 +146,7 @@ def test_the_check_registry_runs_each_check_and_asks_for_the_eot_id_only_where_n
     results = {spec.name: spec.run(eot_for(spec.name)) for spec in MERGED_CHECKS}
     assert all(results[spec.name].name == spec.result for spec in MERGED_CHECKS)
     assert all(r.passed for r in results.values()), results
-    assert results["merged_row_count_matches_admitted"].counts["expected_rows"] == 60
-    assert asked == ["merged_spans_end_with_eot"]
+    assert results["rows_match_admitted"].counts["expected_rows"] == 60
+    assert asked == ["spans_end_with_eot"]
     _edit_shard(sorted(merged.glob("part-*.parquet"))[0], lambda r: r.pop())  # one admitted row lost
     assert not MERGED_CHECKS[0].run(eot_for("again")).passed

@@ -88,19 +88,16 @@ PAGES = (
             ">Failure<",
         ),
     ),
-    # Partition status: both datasets materialised (a failed audit does not unmaterialise), B1's latest shown.
+    # Partition status: the refused dataset is Failed (its blocking audit failed; nothing was materialized), B6 shown.
     Page(
-        "token_samples_partitions",
-        f"/assets/token_samples?view=partitions&partition={PASSING}",
+        "token_samples_failed_partition",
+        f"/assets/token_samples?view=partitions&partition={FAILING}",
         (
-            "Materialized (2)",
-            "Missing (0)",
-            "Failed (0)",
+            "Materialized (1)",
+            "Failed (1)",
             f">{PASSING}<",
             f">{FAILING}<",
-            ">Materialized<",
-            "Latest materialization",
-            "EAGLE_dataset",
+            "did not materialize this asset",  # the partition page's banner on the failed run
         ),
     ),
     # The schedule and the declarative-automation sensor the daemon evaluates (both stopped by default).
