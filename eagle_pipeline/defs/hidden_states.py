@@ -83,12 +83,17 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import run_shard
+    from eagle_pipeline.hidden_states.run import PLAN_FILE, run_shard
     from eagle_pipeline.hidden_states.shards import ShardMismatchError
 
     paths = ExtractionPaths.of(pipeline.data_root())
     h = pipeline.config().hidden_states
     shard = int(context.partition_key)
+    if not (paths.out_dir / PLAN_FILE).exists():  # the shard run's disk check is made against it
+        raise dg.Failure(
+            f"No extraction plan at {paths.out_dir / PLAN_FILE}: materialize hidden_state_plan first.",
+            allow_retries=False,
+        )
     try:
         run = run_shard(
             h,

@@ -177,14 +177,15 @@ def run_shard(
     skip a done shard): the engine's facts (`ShardEngine.facts`) and the settings give the wanted fingerprint; a
     done shard under it is reused; one extracted under other settings raises `shards.ShardMismatchError` or, with
     `on_settings_change: redo`, is moved aside and redone; a partial one is redone. Only a shard to extract checks
-    the disk (`check_disk_for_run`, `free_space` its seam) and reaches the engine."""
+    the disk (`check_disk_for_run`, `free_space` its seam: against plan.json, which the Dagster asset requires and
+    a script may not have written) and reaches the engine."""
     chosen = engine if engine is not None else ENGINES[settings.engine]
     facts = chosen.facts(settings, paths, shard, vocab_size)
     wanted = fingerprint_for_config(
         settings, merged_dir=paths.merged_dir, vocab_size=vocab_size, facts=facts, final_state=final_state
     )
     state = shard_state(paths.out_dir, shard, wanted)
-    if state.status != "done" and _has_plan(settings, paths):
+    if state.status != "done" and (paths.out_dir / PLAN_FILE).exists():
         check_disk_for_run(settings, paths, free_space=free_space)
     decision = prepare_shard(paths.out_dir, shard, wanted, state, on_mismatch=settings.on_settings_change)
     if decision.reuse is not None:
@@ -192,12 +193,6 @@ def run_shard(
     else:
         result = chosen.extract(ShardJob(settings, paths, shard, vocab_size, wanted, facts, progress, log))
     return ShardRun(result.summary, result.device, decision.state.status)
-
-
-def _has_plan(settings: HiddenStatesConfig, paths: ExtractionPaths) -> bool:
-    """Whether the shard run checks the disk: the Dagster graph and the CLI always write plan.json first; a script
-    extracting without one (the Python API) is checked only when it sets a budget, which then needs the plan."""
-    return (paths.out_dir / PLAN_FILE).exists() or settings.disk_budget_gb is not None
 
 
 def extract_shard(
