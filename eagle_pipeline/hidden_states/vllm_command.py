@@ -207,12 +207,17 @@ class VLLMEngine:
     def facts(self, settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int, vocab_size: int) -> RunFacts:
         """The servers' `max_model_len` (GET /v1/models; for `simulated`, the limit the double is started with) and,
         under `too_long_rows: drop`, the shard's rows at or over it: what the shard leaves out."""
-        model = self._model(settings, paths, vocab_size)
+        # The shape only: the checkpoint (for tiny-random, a model saved to disk) is the extraction's business.
+        if self.model is not None:
+            identity, num_layers = self.model.identity, self.model.num_layers
+        else:
+            desc = describe_engine_model(settings.model, family=settings.family, vocab_size=vocab_size)
+            identity, num_layers = None, int(desc["num_layers"])
         limit = _served_limit(settings, vocab_size)
         drop = settings.vllm.too_long_rows == "drop"
         return RunFacts(
-            model_identity=model.identity,
-            num_layers=model.num_layers,
+            model_identity=identity,
+            num_layers=num_layers,
             left_out=left_out_rows(paths.merged_dir, shard, settings.shard_size, limit) if drop else (),
             max_model_len=limit,
         )
