@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# Padded tokens per forward when none is given: the Python API's, torchrun's and `hidden_states.max_tokens_per_batch`'s
-# default (hidden_states.settings; this module must stay free of torch, the configuration loads it).
-DEFAULT_MAX_TOKENS_PER_BATCH = 8192
-
 
 def plan_batches(lengths: Sequence[int], max_tokens_per_batch: int, *, sort: bool = True) -> list[list[int]]:
     """Group row positions into batches whose padded size (rows x longest row) stays within the budget.

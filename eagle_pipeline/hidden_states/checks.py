@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..shared.checks import CheckResult, CheckSpec
 
@@ -38,8 +38,6 @@ def _structure(key: str) -> Callable[[ShardCheckContext], CheckResult]:
 def _semantic(key: str) -> Callable[[ShardCheckContext], CheckResult]:
     def run(c: ShardCheckContext) -> CheckResult:
         # The semantic audit is computed once per shard and shared by its four checks (audit.audit_shard_cached).
-        from .run import audit_shard_for_settings
-
         return audit_shard_for_settings(c.settings, c.paths, c.shard)[key]
 
     return run
@@ -99,3 +97,28 @@ SHARD_CHECKS: tuple[CheckSpec[ShardCheckContext], ...] = (
     ),
 )
 SHARD_CHECKS_BY_KEY = {c.result: c for c in SHARD_CHECKS}
+
+
+def audit_shard_for_settings(settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int) -> dict[str, Any]:
+    """The semantic audit of shard `shard` (`audit.audit_shard_cached`: computed once, shared by its four checks)
+    under the settings: the configured aux layers, the teacher threshold, and whether the texts were written by the
+    extraction model (`audit.teacher_judgement`, from the merged rows' sources)."""
+    import pyarrow.parquet as pq
+
+    from .audit import audit_shard_cached, teacher_judgement
+    from .merged import merged_parts
+    from .runtime import resolve_device
+
+    h = settings
+    sources = {
+        s for p in merged_parts(paths.merged_dir) for s in pq.read_table(p, columns=["source"])["source"].to_pylist()
+    }
+    judgement = teacher_judgement(
+        extraction_model=h.model,
+        sources=sorted(sources, key=str),
+        texts_by_extraction_model=h.texts_by_extraction_model,
+    )
+    options: dict[str, Any] = {"expected_aux_layers": h.aux_layers, "judgement": judgement}
+    if h.teacher_min_top1 is not None:
+        options["min_top1"] = h.teacher_min_top1
+    return audit_shard_cached(paths.out_dir, shard, paths.merged_dir, device=resolve_device(h.device), **options)

@@ -204,7 +204,7 @@ def stale_export_problems(export_dir: str | Path) -> list[str]:
     ones (its manifest's `dataset_audits`, `audit.records.stale_audit_stamps`); empty when they are. The manifest is
     the exports folder's (`export_dir` or its parent); a trainer export copied away from it is not judged."""
     from ..audit.records import describe_stale, stale_audit_stamps
-    from .run import EXPORT_MANIFEST
+    from .trainer_exports import EXPORT_MANIFEST
 
     export_dir = Path(export_dir)
     found = [d / EXPORT_MANIFEST for d in (export_dir, export_dir.parent) if (d / EXPORT_MANIFEST).exists()]

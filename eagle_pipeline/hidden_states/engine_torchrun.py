@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
 from .engine import EngineResult, ExtractionPaths, RunFacts, ShardJob
 from .extract import default_state_dtype, extract_with_model
 from .fingerprint import ExtractionFingerprint
 from .format import read_index_meta, shard_paths, state_dtype
 from .model import load_text_config
+from .settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from .shards import ShardSummary
 from .trainer_layouts import SHARDS as LAYOUT_SHARDS
 from .trainer_layouts import plan_layout_target

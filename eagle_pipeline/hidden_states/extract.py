@@ -16,7 +16,7 @@ import torch
 
 from ..shared.progress import ProgressCallback
 from ..shared.storage import atomic_path
-from .batching import DEFAULT_MAX_TOKENS_PER_BATCH, padding_of, plan_batches
+from .batching import padding_of, plan_batches
 from .fingerprint import FINAL_STATES, ExtractionFingerprint
 from .format import StreamingSafetensorsWriter, shard_layout, shard_paths, state_dtype, tensor_key
 from .head import POST_NORM, final_norm_eps, save_target_head_from_model
@@ -29,6 +29,7 @@ from .layers import (
 )
 from .merged import MergedRows, count_rows, read_rows, shard_row_range
 from .model import describe_model_config
+from .settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from .shard_index import IDS_DTYPE, MASK_DTYPE, shard_header, shard_summary, write_shard_index
 from .shards import ShardSummary
 from .trainer_layouts import LAYOUT_FINAL_STATE, LayoutTarget, SampleFilesWriter, without_states

@@ -36,6 +36,9 @@ KIMI_K25_TEXT_CONFIG: dict[str, Any] = {
     "quantized_weight_bytes_per_param": 0.55,  # compressed-tensors INT4 routed experts, as vLLM serves them
 }
 
+# The `hidden_states.model` that names the tiny random target the demo and the tests build offline.
+TINY_RANDOM = "tiny-random"
+
 _DEEPSEEK_TYPES = {"deepseek_v3", "kimi_k2", "kite_text", "deepseek_v2"}
 
 

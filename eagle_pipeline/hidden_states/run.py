@@ -18,7 +18,6 @@ import torch
 
 from ..shared.progress import ProgressCallback
 from ..shared.storage import write_json_atomic
-from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
 from .disk_plan import FilesystemNeed
 from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from .engine_in_process import InProcessEngine, PreloadedModel
@@ -26,10 +25,13 @@ from .engine_torchrun import TorchrunEngine
 from .fp8 import QUANTIZE_NONE
 from .head import PRE_NORM
 from .layers import get_backbone, token_embedding
+from .model import TINY_RANDOM
 from .plan import ExtractionPlan
 from .run_plan import plan_for_config
-from .runtime import TINY_RANDOM, fingerprint_for_config
+from .runtime import fingerprint_for_config
+from .settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from .shards import ShardSummary, prepare_shard, shard_state
+from .trainer_exports import EXPORT_MANIFEST
 from .trainer_layouts import SHARDS, LayoutTarget, StatesExportSummary
 from .vllm_command import VLLMEngine
 
@@ -45,7 +47,6 @@ ENGINES: dict[str, ShardEngine] = {
     "torchrun": TorchrunEngine(),
 }
 PLAN_FILE = "plan.json"
-EXPORT_MANIFEST = "manifest.json"
 ALREADY_DONE = "none (already done)"
 
 
@@ -314,28 +315,3 @@ def export_for_trainers(
     }
     write_json_atomic(manifest, out / EXPORT_MANIFEST)
     return TrainerExports(manifest, exported, spec, hf, shard_keys)
-
-
-def audit_shard_for_settings(settings: HiddenStatesConfig, paths: ExtractionPaths, shard: int) -> dict[str, Any]:
-    """The semantic audit of shard `shard` (`audit.audit_shard_cached`: computed once, shared by its four checks)
-    under the settings: the configured aux layers, the teacher threshold, and whether the texts were written by the
-    extraction model (`audit.teacher_judgement`, from the merged rows' sources)."""
-    import pyarrow.parquet as pq
-
-    from .audit import audit_shard_cached, teacher_judgement
-    from .merged import merged_parts
-    from .runtime import resolve_device
-
-    h = settings
-    sources = {
-        s for p in merged_parts(paths.merged_dir) for s in pq.read_table(p, columns=["source"])["source"].to_pylist()
-    }
-    judgement = teacher_judgement(
-        extraction_model=h.model,
-        sources=sorted(sources, key=str),
-        texts_by_extraction_model=h.texts_by_extraction_model,
-    )
-    options: dict[str, Any] = {"expected_aux_layers": h.aux_layers, "judgement": judgement}
-    if h.teacher_min_top1 is not None:
-        options["min_top1"] = h.teacher_min_top1
-    return audit_shard_cached(paths.out_dir, shard, paths.merged_dir, device=resolve_device(h.device), **options)

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .model import KIMI_K25_TEXT_CONFIG, describe_model_config, load_text_config, tiny_config
+from .model import KIMI_K25_TEXT_CONFIG, TINY_RANDOM, describe_model_config, load_text_config, tiny_config
 from .plan import ExtractionPlan, plan_for_model
-from .runtime import TINY_RANDOM
 from .world_split import ExpertsReplicated, rank_share, world_ep_size
 
 if TYPE_CHECKING:

@@ -19,13 +19,11 @@ from .extract import default_state_dtype
 from .fingerprint import ExtractionFingerprint, config_sha256, merged_version, model_dir_identity
 from .format import dtype_name
 from .layers import resolve_aux_layers
-from .model import build_tiny_model, describe_model_config, load_text_config, tiny_config
+from .model import TINY_RANDOM, build_tiny_model, describe_model_config, load_text_config, tiny_config
 from .trainer_layouts import final_state_for_layout
 
 if TYPE_CHECKING:
     from .settings import HiddenStatesConfig
-
-TINY_RANDOM = "tiny-random"
 
 
 def resolve_device(device: str = "auto") -> str:

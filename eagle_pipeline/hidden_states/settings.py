@@ -29,7 +29,6 @@ from ..shared.spec_model import (
     field_value,
     resolve_path,
 )
-from .batching import DEFAULT_MAX_TOKENS_PER_BATCH
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
@@ -102,6 +101,10 @@ class DrafterSpec(SpecBase):
     type: DrafterType
     layers: Annotated[Int, Field(ge=1)] | None = None  # target layers the draft reads (e.g. a 5-layer DFlash)
     trainers: tuple[Literal["specforge", "speculators"], ...] | None = None  # None: every exported one that can
+
+
+# Padded tokens per forward when none is given: the Python API's, torchrun's and `max_tokens_per_batch`'s default.
+DEFAULT_MAX_TOKENS_PER_BATCH = 8192
 
 
 def _drafter_entry(value: Any) -> Any:

@@ -40,6 +40,9 @@ from .trainer_layouts import (
     shard_layout,
 )
 
+# The export folder's record of what it was built from (the layer guard and check-drafter read it).
+EXPORT_MANIFEST = "manifest.json"
+
 
 def write_layout(
     layout: str,

@@ -117,7 +117,7 @@ def serve_command_from_config(
     (`vllm_served.served_model`: its config.json), which must be the extraction model (`hidden_states.model`, else
     refused naming the key), the aux layers, the storage path and `--max-model-len`. Its comments name the vLLM
     version, the served model, its layer count and where its shape was read."""
-    from .runtime import TINY_RANDOM
+    from .model import TINY_RANDOM
     from .vllm_served import check_same_model, server_max_model_len
     from .vllm_served import served_model as find_served
 
@@ -172,7 +172,8 @@ def resolved_endpoints(
         return
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
-    from .runtime import TINY_RANDOM, load_extraction_model
+    from .model import TINY_RANDOM
+    from .runtime import load_extraction_model
 
     if model != TINY_RANDOM:
         raise ValueError(f"hidden_states.vllm.endpoints: 'simulated' serves tiny-random only, model is {model!r}")
@@ -186,8 +187,7 @@ def resolved_endpoints(
 def describe_engine_model(model: str, *, family: str, vocab_size: int) -> dict[str, Any]:
     """Shape of the model the servers run, from its config only (no weights): `tiny-random` or a directory (or
     config.json) of the target."""
-    from .model import describe_model_config, load_text_config, tiny_config
-    from .runtime import TINY_RANDOM
+    from .model import TINY_RANDOM, describe_model_config, load_text_config, tiny_config
 
     if model == TINY_RANDOM:
         return describe_model_config(tiny_config(vocab_size, family=family))

@@ -67,7 +67,7 @@ def served_model(
     (`--served-model-config`), `hidden_states.vllm.served_model_config`, `served_model` itself when it is a local
     directory or config.json, `hidden_states.model` when no served model is named (the server loads it), the tiny
     model for the simulated double. A hub id alone cannot be read offline: refused, saying what to give."""
-    from .runtime import TINY_RANDOM
+    from .model import TINY_RANDOM
 
     explicit = served_config or h.vllm.served_model_config
     if explicit:
