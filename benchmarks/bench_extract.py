@@ -26,15 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from eagle_pipeline.hidden_states import (
-    build_tiny_model,
-    default_aux_layers,
-    extract_shard,
-    get_backbone,
-    padding_of,
-    plan_batches,
-    read_rows,
-)
+from eagle_pipeline.hidden_states.engines.batching import padding_of, plan_batches
+from eagle_pipeline.hidden_states.models.layers import default_aux_layers, get_backbone
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.merged import read_rows
 from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
 

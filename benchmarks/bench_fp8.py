@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_fp8.py [--demo-dir data/hidden_states] [--tokens 4096] [--hidden 7168]
         [--repeat 3]
 
-Scale schemes (`eagle_pipeline.hidden_states.fp8`):
+Scale schemes (`eagle_pipeline.hidden_states.store.fp8`):
   per-token        speculators' fp8 backend: one fp32 scale per token over all layers, [T, 1, 1], amax / 448
   per-token-layer  this project: one fp32 scale per token per layer, [T, L, 1], amax / 448
 
@@ -52,8 +52,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_pipeline.hidden_states import fp8
-from eagle_pipeline.hidden_states.vllm_files import check_states, validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import check_states, validate_states_file
+from eagle_pipeline.hidden_states.store import fp8
 
 SCHEMES = {"per-token": fp8.PER_TOKEN, "per-token-layer": fp8.PER_TOKEN_LAYER}
 

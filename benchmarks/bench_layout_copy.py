@@ -41,12 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from eagle_pipeline.hidden_states.extract import IDS_DTYPE, MASK_DTYPE
-from eagle_pipeline.hidden_states.format import StreamingSafetensorsWriter, sample_file_digest, shard_layout, tensor_key
-from eagle_pipeline.hidden_states.head import TargetHead
-from eagle_pipeline.hidden_states.trainer_layouts import SPECFORGE, serialise
-from eagle_pipeline.hidden_states.vllm_files import check_states, validate_states_file
-from eagle_pipeline.hidden_states.vllm_handoff import hand_off, map_file, place_file, safetensors_views
+from eagle_pipeline.hidden_states.engines.extract import IDS_DTYPE, MASK_DTYPE
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import check_states, validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, map_file, place_file, safetensors_views
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import SPECFORGE, serialise
+from eagle_pipeline.hidden_states.store.format import (
+    StreamingSafetensorsWriter,
+    sample_file_digest,
+    shard_layout,
+    tensor_key,
+)
+from eagle_pipeline.hidden_states.store.head import TargetHead
 from eagle_pipeline.shared.storage import write_bytes_atomic
 
 H, N_AUX, LAYERS = 7168, 3, 61  # Kimi-K2.5: hidden size, aux layers, decoder layers (the final vLLM id)

@@ -19,8 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle_pipeline.hidden_states import build_tiny_model, extract_shard, get_backbone
-from eagle_pipeline.hidden_states.audit import TeacherJudgement, audit_shard
+from eagle_pipeline.hidden_states.checks.audit import TeacherJudgement, audit_shard
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.run import extract_shard
 
 VOCAB = 4096
 

@@ -99,8 +99,14 @@ def _contracts() -> dict[str, dict]:
     import tomllib
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    # By type; of the two forbidden contracts, "forbidden" is the one that forbids Dagster (the other, the tests).
-    return {c["type"]: c for c in contracts if c["type"] != "forbidden" or "dagster" in c["forbidden_modules"]}
+    # By type; of the two forbidden contracts, "forbidden" is the one that forbids Dagster (the other, the tests); of
+    # the layers contracts, "layers" is the package's (the others order the insides of one stage).
+    return {
+        c["type"]: c
+        for c in contracts
+        if (c["type"] != "forbidden" or "dagster" in c["forbidden_modules"])
+        and (c["type"] != "layers" or c["containers"] == ["eagle_pipeline"])
+    }
 
 
 def _layers() -> list[set[str]]:
@@ -201,7 +207,7 @@ def test_the_product_loads_the_simulation_only_when_the_configuration_names_it()
 MAX_FUNCTION_LINES = 80
 # Functions that may stay longer for now, each with its reason (keep this short; remove an entry once it is split).
 LONG_FUNCTIONS: dict[str, str] = {
-    "hidden_states/plan.py:plan_extraction": "24 keyword settings and ExtractionPlan's 35 fields, one per line; the "
+    "hidden_states/plan/estimate.py:plan_extraction": "24 keyword settings and ExtractionPlan's 35 fields, one per line; the "
     "compute side is plan.Compute, the disk side disk_plan.disk_items",
 }
 

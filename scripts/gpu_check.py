@@ -34,20 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from eagle_pipeline.hidden_states import (
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.models.layers import default_aux_layers
+from eagle_pipeline.hidden_states.models.model import (
     build_model_from_config,
     build_tiny_model,
-    count_rows,
-    default_aux_layers,
     describe_model_config,
     llama_8b_config,
-    num_shards,
-    plan_extraction,
-    shard_paths,
-    shard_status,
-    verify_shard,
 )
-from eagle_pipeline.hidden_states.shards import ShardSummary
+from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
+from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status
+from eagle_pipeline.hidden_states.store.merged import count_rows, num_shards
+from eagle_pipeline.hidden_states.store.shards import ShardSummary
 from eagle_pipeline.shared.progress import ProgressCallback
 from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 
@@ -304,8 +302,8 @@ def engine_extractor(
     it is (`PreloadedModel`: its own identity is the fingerprint's; only its config.json is saved, for the settings'
     `model`); torchrun's ranks and the vLLM
     engine's head read its weights, saved once."""
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.engine_in_process import InProcessEngine, PreloadedModel
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.engines.engine_in_process import InProcessEngine, PreloadedModel
     from eagle_pipeline.hidden_states.run import run_shard
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 
@@ -321,7 +319,7 @@ def engine_extractor(
         print(f"saved the model for the ranks in {time.perf_counter() - t:.1f}s")
     vllm = VLLMEngineConfig()
     if engine == "vllm":
-        from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+        from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
         from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
         storage = run.workdir / "connector"

@@ -50,7 +50,7 @@ def cmd_retire_responses(args: argparse.Namespace) -> int:
 
 
 def cmd_check_drafter(args: argparse.Namespace) -> int:
-    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+    from eagle_pipeline.hidden_states.checks.drafter_check import check_drafter
 
     if not Path(args.draft_config).is_file():
         raise CliError(f"{args.draft_config}: no such file")

@@ -25,7 +25,7 @@ def _hidden_states_config(args: argparse.Namespace):
 
 
 def cmd_vllm_command(args: argparse.Namespace) -> int:
-    from eagle_pipeline.hidden_states.vllm_command import serve_command_from_config
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_command import serve_command_from_config
 
     cfg, vocab = _hidden_states_config(args)
     try:
@@ -44,16 +44,20 @@ def cmd_vllm_command(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_smoke(args: argparse.Namespace) -> int:
-    from eagle_pipeline.hidden_states.engine_vllm import smoke_request
-    from eagle_pipeline.hidden_states.layers import resolve_aux_layers
-    from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, describe_engine_model, resolved_endpoints
-    from eagle_pipeline.hidden_states.vllm_files import SIMULATED, vllm_layer_ids
-    from eagle_pipeline.hidden_states.vllm_served import (
+    from eagle_pipeline.hidden_states.engines.vllm.engine_vllm import smoke_request
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_command import (
+        PINNED_VLLM_VERSION,
+        describe_engine_model,
+        resolved_endpoints,
+    )
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import SIMULATED, vllm_layer_ids
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_served import (
         check_same_model,
         fetch_max_model_len,
         fetch_server_version,
         served_model,
     )
+    from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
     from eagle_pipeline.shared.failures import RequestFailure
 
     cfg, vocab = _hidden_states_config(args)
@@ -117,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The extraction plan. Over the merged table: written to plan.json as `hidden_state_plan` writes it, then the
     disk check every shard run makes before its first request (budget and free space). Over `--tokens`/`--samples`:
     a scale sized before its data exists (budget only). Exit 1 when extraction would be refused."""
-    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_config
+    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_config
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states
@@ -148,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_merged(cfg: Any) -> tuple[dict[str, Any], int, int]:
     """The plan over the merged table (plan.json written, as the `hidden_state_plan` asset writes it), its tokens
     and rows."""
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.run import plan_run
     from eagle_pipeline.merge.manifest import MergeManifest
     from eagle_pipeline.shared.storage import DataRoot
@@ -171,8 +175,8 @@ def _plan_merged(cfg: Any) -> tuple[dict[str, Any], int, int]:
 
 def _check_disk(cfg: Any) -> int:
     """The disk check every shard run makes before its first request (`run.check_disk_for_run`), with its figures."""
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan.estimate import DiskBudgetExceeded
     from eagle_pipeline.hidden_states.run import check_disk_for_run
     from eagle_pipeline.shared.storage import DataRoot
 

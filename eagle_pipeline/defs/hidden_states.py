@@ -12,7 +12,7 @@ from eagle_pipeline.defs.metadata import readable
 from eagle_pipeline.defs.partitions import shard_partitions
 from eagle_pipeline.defs.progress import step_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.hidden_states.checks import SHARD_CHECKS, ShardCheckContext
+from eagle_pipeline.hidden_states.checks.registry import SHARD_CHECKS, ShardCheckContext
 from eagle_pipeline.shared.checks import CheckResult, CheckSpec
 
 # Scale-out: with the k8s_job_executor each shard step runs in its own pod with this GPU request (docs/scaling.md).
@@ -37,9 +37,9 @@ GPU_OP_TAGS = {
     ),
 )
 def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused
     from eagle_pipeline.hidden_states.run import plan_run
-    from eagle_pipeline.hidden_states.run_plan import PlanRefused
 
     cfg = pipeline.config()
     try:
@@ -81,10 +81,10 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
     ),
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan import DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.plan.estimate import DiskBudgetExceeded
     from eagle_pipeline.hidden_states.run import PLAN_FILE, run_shard
-    from eagle_pipeline.hidden_states.shards import ShardMismatchError
+    from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 
     paths = ExtractionPaths.of(pipeline.data_root())
     h = pipeline.config().hidden_states
@@ -151,8 +151,8 @@ def _shard_check(spec: CheckSpec[ShardCheckContext]) -> dg.AssetChecksDefinition
         description=spec.description,
     )
     def _check(context: dg.AssetCheckExecutionContext, pipeline: PipelineResource) -> dg.AssetCheckResult:
-        from eagle_pipeline.hidden_states.audit import AuditCheck
-        from eagle_pipeline.hidden_states.engine import ExtractionPaths
+        from eagle_pipeline.hidden_states.checks.audit import AuditCheck
+        from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
 
         paths, shard = ExtractionPaths.of(pipeline.data_root()), context.partition_key
         result = spec.run(ShardCheckContext(pipeline.config().hidden_states, paths, int(shard)))
@@ -210,9 +210,9 @@ hidden_state_checks = [_shard_check(spec) for spec in SHARD_CHECKS]
     ),
 )
 def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states.audit import audit_markdown
+    from eagle_pipeline.hidden_states.checks.stored_audits import audit_markdown
     from eagle_pipeline.hidden_states.run import export_for_trainers
-    from eagle_pipeline.hidden_states.shards import ShardsNotReadyError
+    from eagle_pipeline.hidden_states.store.shards import ShardsNotReadyError
 
     root = pipeline.data_root()
     cfg = pipeline.config()
@@ -254,7 +254,7 @@ def trainer_exports(pipeline: PipelineResource) -> dg.MaterializeResult:
     ),
 )
 def audits_still_current(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.hidden_states.drafter_check import stale_export_problems
+    from eagle_pipeline.hidden_states.checks.drafter_check import stale_export_problems
 
     exports = pipeline.data_root().exports_dir
     problems = stale_export_problems(exports)
@@ -275,7 +275,7 @@ def audits_still_current(pipeline: PipelineResource) -> dg.AssetCheckResult:
     ),
 )
 def draft_config_matches(pipeline: PipelineResource) -> dg.AssetCheckResult:
-    from eagle_pipeline.hidden_states.drafter_check import check_drafter
+    from eagle_pipeline.hidden_states.checks.drafter_check import check_drafter
 
     draft = pipeline.config().hidden_states.draft_config
     if draft is None:

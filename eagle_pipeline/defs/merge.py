@@ -28,7 +28,7 @@ from eagle_pipeline.shared.figures import histogram_markdown
     ),
 )
 def merged_dataset(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
-    from eagle_pipeline.hidden_states import num_shards
+    from eagle_pipeline.hidden_states.store.merged import num_shards
     from eagle_pipeline.merge import MergeInput, merge_datasets, read_merged
 
     cfg = pipeline.config()

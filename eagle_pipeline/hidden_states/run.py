@@ -16,29 +16,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..shared.progress import ProgressCallback
-from ..shared.storage import write_json_atomic
-from .disk_plan import FilesystemNeed
-from .engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
-from .engine_in_process import InProcessEngine, PreloadedModel
-from .engine_torchrun import TorchrunEngine
-from .fp8 import QUANTIZE_NONE
-from .head import PRE_NORM
-from .layers import get_backbone, token_embedding
-from .model import TINY_RANDOM
-from .plan import ExtractionPlan
-from .run_plan import plan_for_config
-from .runtime import fingerprint_for_config
-from .settings import DEFAULT_MAX_TOKENS_PER_BATCH
-from .shards import ShardSummary, prepare_shard, shard_state
-from .trainer_exports import EXPORT_MANIFEST
-from .trainer_layouts import SHARDS, LayoutTarget, StatesExportSummary
-from .vllm_command import VLLMEngine
+from eagle_pipeline.hidden_states.engines.engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
+from eagle_pipeline.hidden_states.engines.engine_in_process import InProcessEngine, PreloadedModel
+from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunEngine
+from eagle_pipeline.hidden_states.engines.runtime import fingerprint_for_config
+from eagle_pipeline.hidden_states.engines.vllm.vllm_command import VLLMEngine
+from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import SHARDS, LayoutTarget, StatesExportSummary
+from eagle_pipeline.hidden_states.models.layers import get_backbone, token_embedding
+from eagle_pipeline.hidden_states.models.model import TINY_RANDOM
+from eagle_pipeline.hidden_states.plan.disk_plan import FilesystemNeed
+from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan
+from eagle_pipeline.hidden_states.plan.run_plan import plan_for_config
+from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
+from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
+from eagle_pipeline.hidden_states.store.head import PRE_NORM
+from eagle_pipeline.hidden_states.store.shards import ShardSummary, prepare_shard, shard_state
+from eagle_pipeline.shared.progress import ProgressCallback
+from eagle_pipeline.shared.storage import write_json_atomic
 
 if TYPE_CHECKING:
-    from ..merge.export import ExportSummary
-    from ..shared.storage import DataRoot
-    from .settings import HiddenStatesConfig
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
+    from eagle_pipeline.merge.export import ExportSummary
+    from eagle_pipeline.shared.storage import DataRoot
 
 # `hidden_states.engine` -> the engine that runs it (docs/hidden_states.md §10-13).
 ENGINES: dict[str, ShardEngine] = {
@@ -62,7 +62,7 @@ def plan_run(
     by item (`disk_inputs`; `shard_runs`: shard runs at once, the `gpu` pool's limit), written to
     `paths.out_dir/plan.json` for the shard runs' disk check (`check_disk_for_run`). Raises `run_plan.PlanRefused`
     when the engine cannot hold the weights (nothing is written then)."""
-    from ..merge.manifest import MergeManifest
+    from eagle_pipeline.merge.manifest import MergeManifest
 
     manifest = MergeManifest.read(paths.merged_dir)
     plans = plan_for_config(
@@ -85,9 +85,9 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
     `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
     import pyarrow.parquet as pq
 
-    from .disk_plan import existing_parent
-    from .merged import merged_parts
-    from .vllm_requests import rows_ahead
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import rows_ahead
+    from eagle_pipeline.hidden_states.plan.disk_plan import existing_parent
+    from eagle_pipeline.hidden_states.store.merged import merged_parts
 
     lengths = [
         n
@@ -113,7 +113,7 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
 
 def disk_places(settings: HiddenStatesConfig, paths: ExtractionPaths) -> dict[str, Path]:
     """The folder each item of the disk plan is written to (`disk_plan` places)."""
-    from .disk_plan import CONNECTOR, EXPORTS, HIDDEN_STATES
+    from eagle_pipeline.hidden_states.plan.disk_plan import CONNECTOR, EXPORTS, HIDDEN_STATES
 
     return {
         HIDDEN_STATES: Path(paths.out_dir),
@@ -133,9 +133,9 @@ def check_disk_for_run(
     Which shards are done is read from their indexes and the files' sizes, never their bytes: every shard run
     makes this check, and hashing the finished shards (51 GB each for Kimi-K2.5) would make a whole extraction
     quadratic in the shards done. A shard's own digest is checked by its own run and by the export."""
-    from .disk_plan import free_bytes
-    from .format import shard_numbers, shard_status
-    from .plan import check_disk_budget
+    from eagle_pipeline.hidden_states.plan.disk_plan import free_bytes
+    from eagle_pipeline.hidden_states.plan.estimate import check_disk_budget
+    from eagle_pipeline.hidden_states.store.format import shard_numbers, shard_status
 
     done = {i for i in shard_numbers(paths.out_dir) if shard_status(paths.out_dir, i, check_hash=False) == "done"}
     return check_disk_budget(
@@ -218,7 +218,7 @@ def extract_shard(
     (`PreloadedModel`: its own identity is the fingerprint's model; `dtype` the stored dtype, default the device's).
     `layout_target` (`trainer_layouts.plan_layout_target`): the states go into that
     trainer's files, under its root. See `extract.extract_with_model` for what is written."""
-    from .settings import HiddenStatesConfig
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 
     layout, quantize = (layout_target.name, layout_target.quantize) if layout_target else (SHARDS, QUANTIZE_NONE)
     root = Path(layout_target.root) if layout_target else None
@@ -264,12 +264,12 @@ def export_for_trainers(
     Every shard is checked first (`shards.require_shards_ready`, raising `ShardsNotReadyError`): a refused export
     leaves the previous one whole. The dtype is left open because this step may run on another host than the
     extraction (a CPU pod after GPU pods)."""
-    from ..audit.records import audit_stamps
-    from ..merge import export_hf_parquet, export_specforge_jsonl
-    from ..shared.storage import read_json
-    from .audit import summarize_audits
-    from .shards import require_shards_ready
-    from .trainer_exports import export_specforge_states, export_speculators_states
+    from eagle_pipeline.audit.records import audit_stamps
+    from eagle_pipeline.hidden_states.checks.stored_audits import summarize_audits
+    from eagle_pipeline.hidden_states.layouts.trainer_exports import export_specforge_states, export_speculators_states
+    from eagle_pipeline.hidden_states.store.shards import require_shards_ready
+    from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
+    from eagle_pipeline.shared.storage import read_json
 
     out = root.exports_dir
     wanted = fingerprint_for_config(settings, merged_dir=root.merged_dir, vocab_size=vocab_size, pin_dtype=False)

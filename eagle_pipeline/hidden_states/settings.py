@@ -16,8 +16,8 @@ from pydantic import BeforeValidator, Field, ValidationInfo
 from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
-from ..drafter_types import DEFAULT_DRAFTERS, DRAFTER_TYPES, drafter_problems, model_depth
-from ..shared.spec_model import (
+from eagle_pipeline.drafter_types import DEFAULT_DRAFTERS, DRAFTER_TYPES, drafter_problems, model_depth
+from eagle_pipeline.shared.spec_model import (
     SPEC_CONFIG,
     Bool,
     Float,
@@ -142,7 +142,7 @@ class HiddenStatesConfig(SpecBase):
     # Trainer layouts derived from the shards by trainer_exports: each is a full copy of the states (7.94 TB at Kimi
     # scale), so none unless listed.
     trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
-    # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/fp8.py,
+    # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/store/fp8.py,
     # docs/hidden_states.md §15). For now with layout: speculators and the in_process or torchrun engine.
     quantize: Literal["none", "fp8"] = "none"
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the

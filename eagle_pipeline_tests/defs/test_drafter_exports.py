@@ -9,7 +9,7 @@ import dagster as dg
 import torch
 
 from eagle_pipeline.definitions import build_defs
-from eagle_pipeline.hidden_states import num_shards
+from eagle_pipeline.hidden_states.store.merged import num_shards
 
 from .test_scale_out import N_ROWS, SHARD_SIZE, _config, _merged, _run_shard
 

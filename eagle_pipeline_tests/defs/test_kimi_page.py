@@ -37,10 +37,10 @@ import pytest
 import yaml
 
 from eagle_pipeline.defs.generation import provider_token_counters
-from eagle_pipeline.hidden_states.layers import resolve_aux_layers
-from eagle_pipeline.hidden_states.model import describe_model_config, tiny_config
-from eagle_pipeline.hidden_states.vllm_command import resolved_endpoints
-from eagle_pipeline.hidden_states.vllm_files import SIMULATED, vllm_layer_ids
+from eagle_pipeline.hidden_states.engines.vllm.vllm_command import resolved_endpoints
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import SIMULATED, vllm_layer_ids
+from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
+from eagle_pipeline.hidden_states.models.model import describe_model_config, tiny_config
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline.tokens import get_profile, resolve_tokenizer
 

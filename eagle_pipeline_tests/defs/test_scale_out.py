@@ -47,7 +47,7 @@ def _merged(tmp_path: Path, instance: dg.DagsterInstance, n_rows: int = N_ROWS) 
     """Write a merged table of `n_rows` rows with its manifest, register its shards, materialize the plan."""
     from eagle_pipeline.defs.hidden_states import hidden_state_plan
     from eagle_pipeline.defs.resources import PipelineResource
-    from eagle_pipeline.hidden_states import num_shards
+    from eagle_pipeline.hidden_states.store.merged import num_shards
 
     root = DataRoot(tmp_path / "data")
     write_merged_with_manifest(root, n_rows, PipelineResource().tokenizer().vocab_size)
@@ -300,7 +300,8 @@ def _slot_window(instance, run_id, step_key):
 
 @pytest.mark.slow
 def test_shards_extract_in_parallel_runs_within_the_gpu_pool(tmp_path, monkeypatch):
-    from eagle_pipeline.hidden_states import shard_status, verify_shard
+    from eagle_pipeline.hidden_states.checks.verify import verify_shard
+    from eagle_pipeline.hidden_states.store.format import shard_status
 
     _config(tmp_path, monkeypatch)
     (tmp_path / "pool_home").mkdir()
@@ -368,7 +369,7 @@ def test_shards_extract_in_parallel_runs_within_the_gpu_pool(tmp_path, monkeypat
 
 
 def test_shards_lease_distinct_gpus_and_prefer_shard_modulo(tmp_path):
-    from eagle_pipeline.hidden_states.runtime import shard_device
+    from eagle_pipeline.hidden_states.engines.runtime import shard_device
 
     lease = dict(n_gpus=4, lease_dir=tmp_path, wait_s=0.0, poll_s=0.01)
     with shard_device("auto", 5, **lease) as d5:
@@ -391,11 +392,11 @@ def test_shards_lease_distinct_gpus_and_prefer_shard_modulo(tmp_path):
 
 
 def test_a_lease_is_held_across_processes(tmp_path):
-    from eagle_pipeline.hidden_states.runtime import shard_device
+    from eagle_pipeline.hidden_states.engines.runtime import shard_device
 
     code = (
         "import sys, time\n"
-        "from eagle_pipeline.hidden_states.runtime import shard_device\n"
+        "from eagle_pipeline.hidden_states.engines.runtime import shard_device\n"
         f"with shard_device('auto', 0, n_gpus=2, lease_dir={str(tmp_path)!r}) as d:\n"
         "    print(d, flush=True); sys.stdin.readline()\n"
     )
@@ -411,7 +412,7 @@ def test_a_lease_is_held_across_processes(tmp_path):
 
 
 def test_model_cache_is_per_process(monkeypatch):
-    from eagle_pipeline.hidden_states import runtime
+    from eagle_pipeline.hidden_states.engines import runtime
 
     cache = runtime.MODEL_CACHE  # the process-wide cache the asset uses, emptied for the test
     monkeypatch.setattr(cache, "_models", {})
@@ -478,7 +479,8 @@ def test_disk_budget_refuses_extraction_and_the_plan_shows_both_plans(tmp_path, 
 
 
 def test_a_corrupted_shard_is_partial_and_rematerializing_it_alone_repairs_it(tmp_path, monkeypatch, instance):
-    from eagle_pipeline.hidden_states import shard_paths, shard_status, verify_shard
+    from eagle_pipeline.hidden_states.checks.verify import verify_shard
+    from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status
 
     _config(tmp_path, monkeypatch)
     root = _merged(tmp_path, instance)
@@ -525,8 +527,9 @@ def _failure_message(result) -> str:
 
 
 def test_a_shard_done_under_other_settings_is_refused_then_redone_on_request(tmp_path, monkeypatch, instance):
-    from eagle_pipeline.hidden_states import shard_paths, shard_status, verify_shard
-    from eagle_pipeline.hidden_states.shards import SUPERSEDED_DIR
+    from eagle_pipeline.hidden_states.checks.verify import verify_shard
+    from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status
+    from eagle_pipeline.hidden_states.store.shards import SUPERSEDED_DIR
 
     _config(tmp_path, monkeypatch)
     root = _merged(tmp_path, instance)

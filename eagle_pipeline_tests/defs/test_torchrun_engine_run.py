@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths, shard_status
 
 from ..tolerances import assert_forwards_close
 from .test_scale_out import SHARD_SIZE, _engine_shard_run, _run_shard
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_shard_materializes_through_the_torchrun_engine(tmp_path, monkeypatch, instance):
     from eagle_pipeline.defs.resources import PipelineResource
-    from eagle_pipeline.hidden_states.runtime import load_extraction_model
+    from eagle_pipeline.hidden_states.engines.runtime import load_extraction_model
 
     root, result, verdicts = _engine_shard_run(tmp_path, monkeypatch, instance, "torchrun", {"tp_size": 2})
     assert verdicts["norm_convention_holds"] == "pass"  # rank 0 recorded the gathered head
@@ -56,8 +57,8 @@ def test_a_trainer_layout_through_the_torchrun_engine(layout, tmp_path, monkeypa
     """`layout: speculators | specforge` with `engine: torchrun` (gloo, 2 ranks): rank 0 writes the trainer's files
     once, under exports/<layout>, and the seven checks read them; the other rank's go to its scratch folder."""
     from eagle_pipeline.defs.resources import PipelineResource
-    from eagle_pipeline.hidden_states.runtime import load_extraction_model
-    from eagle_pipeline.hidden_states.trainer_layouts import load_sample
+    from eagle_pipeline.hidden_states.engines.runtime import load_extraction_model
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
 
     root, _, _ = _engine_shard_run(tmp_path, monkeypatch, instance, "torchrun", {"tp_size": 2}, layout=layout)
     meta = read_index_meta(shard_paths(root.hidden_states_dir, 1)[1])

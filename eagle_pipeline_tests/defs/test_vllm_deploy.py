@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from eagle_pipeline.hidden_states.layers import default_aux_layers
-from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
-from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.engines.vllm.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.models.layers import default_aux_layers
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "vllm-server.yaml"
 

@@ -6,9 +6,9 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from eagle_pipeline.hidden_states import shard_status, verify_shard
-from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
-from eagle_pipeline.hidden_states.head import (
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths, shard_status
+from eagle_pipeline.hidden_states.store.head import (
     checkpoint_head,
     checkpoint_head_key,
     load_target_head,
@@ -106,7 +106,7 @@ def test_a_vllm_shard_over_the_disk_budget_is_refused_before_any_request(tmp_pat
     the budget fails naming the planned bytes and the budget before it sends the server anything."""
     import dagster as dg
 
-    from eagle_pipeline.hidden_states.model import build_tiny_model
+    from eagle_pipeline.hidden_states.models.model import build_tiny_model
     from eagle_pipeline.shared.storage import read_json
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 

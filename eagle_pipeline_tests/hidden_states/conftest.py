@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle_pipeline.hidden_states import build_tiny_model
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
 
 VOCAB = 256
 
@@ -89,7 +89,7 @@ def tiny_llama():
 
 def with_norm_weights(model, seed: int = 3):
     """Give the final norm weights far from 1, so a missing or doubled norm changes the numbers."""
-    from eagle_pipeline.hidden_states import get_backbone
+    from eagle_pipeline.hidden_states.models.layers import get_backbone
 
     g = torch.Generator().manual_seed(seed)
     norm = get_backbone(model).norm
@@ -109,7 +109,7 @@ def greedy_rows(
 ) -> list[dict]:
     """Rows whose outputs are `model`'s own greedy continuations of random prompts (the texts a real target would
     have written at temperature 0), split train/eval like make_rows."""
-    from eagle_pipeline.hidden_states import get_backbone
+    from eagle_pipeline.hidden_states.models.layers import get_backbone
 
     rng = np.random.default_rng(seed)
     rows = []

@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.hidden_states.engine import ExtractionPaths
-from eagle_pipeline.hidden_states.engine_vllm import EngineModel
+from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+from eagle_pipeline.hidden_states.engines.vllm.engine_vllm import EngineModel
+from eagle_pipeline.hidden_states.engines.vllm.vllm_command import VLLMEngine
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import LayoutTarget
 from eagle_pipeline.hidden_states.run import run_shard
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
-from eagle_pipeline.hidden_states.shards import ShardSummary
-from eagle_pipeline.hidden_states.trainer_layouts import LayoutTarget
-from eagle_pipeline.hidden_states.vllm_command import VLLMEngine
+from eagle_pipeline.hidden_states.store.shards import ShardSummary
 
 
 def _paths(merged: str | Path, out: str | Path, layout_target: LayoutTarget | None) -> tuple[str, ExtractionPaths]:

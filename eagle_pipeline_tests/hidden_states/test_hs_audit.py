@@ -10,14 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle_pipeline.hidden_states import build_tiny_model, extract_shard, get_backbone
-from eagle_pipeline.hidden_states.audit import (
+from eagle_pipeline.hidden_states.checks.audit import (
     DEFAULT_MIN_TOP1,
     NOT_JUDGED,
     TeacherJudgement,
     audit_shard,
     teacher_judgement,
 )
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.run import extract_shard
 
 from .conftest import VOCAB, greedy_rows, make_rows, rows_table, with_norm_weights
 
@@ -193,7 +195,7 @@ def test_teacher_judgement_from_provenance():
 
 
 def test_cached_audit_and_per_dataset_summary(normed_model, texts, merged_factory, tmp_path):
-    from eagle_pipeline.hidden_states.audit import audit_path, audit_shard_cached, summarize_audits
+    from eagle_pipeline.hidden_states.checks.stored_audits import audit_path, audit_shard_cached, summarize_audits
 
     merged = merged_factory(texts)
     hs = tmp_path / "hs"
@@ -218,7 +220,7 @@ def test_cached_audit_and_per_dataset_summary(normed_model, texts, merged_factor
 def test_the_audit_summary_reads_only_the_audits_of_the_current_shards(normed_model, texts, merged_factory, tmp_path):
     """Issue 32, defect 7: audits stay in `audit/` after their shard is superseded or falls beyond a smaller merged
     table; the export manifest's summary must not carry them."""
-    from eagle_pipeline.hidden_states.audit import audit_path, audit_shard_cached, summarize_audits
+    from eagle_pipeline.hidden_states.checks.stored_audits import audit_path, audit_shard_cached, summarize_audits
 
     merged = merged_factory(texts)
     hs = tmp_path / "hs"
@@ -242,8 +244,8 @@ def test_the_audit_summary_reads_only_the_audits_of_the_current_shards(normed_mo
 def test_bf16_shards_pass_and_the_recorded_norm_is_bit_exact(merged_factory, tmp_path, final_state):
     """GPU runs store bf16: rounding must not trip the norm-convention tolerance, and the recorded head's final norm
     must reproduce the model's own bf16 norm exactly (what the SpecForge export relies on)."""
-    from eagle_pipeline.hidden_states import load_sample
-    from eagle_pipeline.hidden_states.head import load_target_head
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
+    from eagle_pipeline.hidden_states.store.head import load_target_head
 
     model = with_norm_weights(build_tiny_model(VOCAB, family="deepseek_v3", seed=7, dtype=torch.bfloat16))
     rows = greedy_rows(model, 4, seed=6, new_tokens=12)
@@ -257,7 +259,8 @@ def test_bf16_shards_pass_and_the_recorded_norm_is_bit_exact(merged_factory, tmp
 
 
 def test_audit_markdown_keeps_the_row_of_a_shard_without_an_rms_median():
-    from eagle_pipeline.hidden_states.audit import AUDIT_CHECKS, audit_markdown
+    from eagle_pipeline.hidden_states.checks.audit import AUDIT_CHECKS
+    from eagle_pipeline.hidden_states.checks.stored_audits import audit_markdown
 
     verdicts = dict.fromkeys(AUDIT_CHECKS, "pass")
     summary = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.hidden_states.disk_plan import (
+from eagle_pipeline.hidden_states.plan.disk_plan import (
     CONNECTOR,
     EXPORTS,
     HIDDEN_STATES,
@@ -32,8 +32,8 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
     files on disk, and no file is left out of the plan."""
     import pyarrow.parquet as pq
 
-    from eagle_pipeline.hidden_states import extract_shard
-    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.run import extract_shard
 
     rows = make_rows(12, seed=2, min_len=20, max_len=60)
     merged = merged_factory(rows, [7, 5])
@@ -98,7 +98,7 @@ def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
 
 
 def _plan(tmp_path: Path, budget_gb=None):
-    from eagle_pipeline.hidden_states import plan_extraction
+    from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
 
     return plan_extraction(
         hidden_size=64,

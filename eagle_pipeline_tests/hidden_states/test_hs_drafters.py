@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
-from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
-from eagle_pipeline.hidden_states.trainer_exports import export_specforge_states, export_speculators_states
+from eagle_pipeline.hidden_states.layouts.trainer_exports import export_specforge_states, export_speculators_states
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline_tests.test_config import _with_hidden_states
 
 from .conftest import VOCAB, make_rows
@@ -329,7 +331,8 @@ def test_served_combinations_load(tmp_path):
 
 
 def test_the_plan_shows_the_disk_of_each_layer_choice():
-    from eagle_pipeline.hidden_states import KIMI_K25_TEXT_CONFIG, plan_for_model
+    from eagle_pipeline.hidden_states.models.model import KIMI_K25_TEXT_CONFIG
+    from eagle_pipeline.hidden_states.plan.estimate import plan_for_model
 
     tokens, samples = 10**6, 1000
     p = plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=tokens, n_samples=samples, layer_counts=[4])

@@ -12,18 +12,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states import (
-    TENSOR_NAMES,
-    build_tiny_model,
-    extract_shard,
-    get_backbone,
-    load_sample,
-    padding_of,
-    plan_batches,
-    read_rows,
-    verify_shard,
-)
-from eagle_pipeline.hidden_states.format import read_index_meta
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.engines.batching import padding_of, plan_batches
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import TENSOR_NAMES, read_index_meta
+from eagle_pipeline.hidden_states.store.merged import read_rows
 
 from ..tolerances import assert_forwards_close
 from .conftest import VOCAB, make_rows
@@ -232,7 +228,7 @@ class _DeviceRecorder(torch.nn.Module):
     [("cuda:0", "cuda:1", True), ("cpu", "cuda:0", True), ("cuda:1", "cuda:1", False), ("cpu", "cpu", False)],
 )
 def test_a_preloaded_model_is_moved_to_the_leased_gpu(on, leased, moved):
-    from eagle_pipeline.hidden_states.extract import _place_model
+    from eagle_pipeline.hidden_states.engines.extract import _place_model
 
     model = _DeviceRecorder(on)
     _place_model(model, torch.device(leased))

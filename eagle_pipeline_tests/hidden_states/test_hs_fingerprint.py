@@ -12,22 +12,20 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle_pipeline.hidden_states import (
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.fingerprint import merged_version, model_identity
+from eagle_pipeline.hidden_states.store.format import INDEX_META_KEY, build_sample_index, read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.store.shards import (
+    SUPERSEDED_DIR,
     ShardMismatchError,
     ShardsNotReadyError,
-    build_sample_index,
-    build_tiny_model,
-    extract_shard,
-    get_backbone,
-    load_sample,
-    merged_version,
-    model_identity,
     require_shards_ready,
-    shard_paths,
-    verify_shard,
+    stored_fingerprint,
 )
-from eagle_pipeline.hidden_states.format import INDEX_META_KEY, read_index_meta
-from eagle_pipeline.hidden_states.shards import SUPERSEDED_DIR, stored_fingerprint
 
 from ..tolerances import assert_forwards_close
 from .conftest import VOCAB, make_rows, write_merged
@@ -143,7 +141,7 @@ def test_the_fingerprint_is_stored_with_the_shard(tiny_ds, merged, tmp_path):
 def test_model_identity_of_a_checkpoint_directory(tiny_ds, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from eagle_pipeline.hidden_states.runtime import model_identity_for_spec
+    from eagle_pipeline.hidden_states.engines.runtime import model_identity_for_spec
 
     ckpt = tmp_path / "ckpt"
     tiny_ds.save_pretrained(ckpt)

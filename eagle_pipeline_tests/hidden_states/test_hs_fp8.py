@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_pipeline.hidden_states import fp8
+from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline_tests.doubles.speculators_fp8 import load_fp8_sample, trainer_inputs
 
 

@@ -17,11 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_pipeline.hidden_states import extract_shard, fp8, load_sample, shard_status, verify_shard
-from eagle_pipeline.hidden_states.audit import TeacherJudgement, audit_shard
-from eagle_pipeline.hidden_states.shards import ShardMismatchError
-from eagle_pipeline.hidden_states.trainer_exports import export_speculators_states
-from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+from eagle_pipeline.hidden_states.checks.audit import TeacherJudgement, audit_shard
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.layouts.trainer_exports import export_speculators_states
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample, plan_layout_target
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store import fp8
+from eagle_pipeline.hidden_states.store.format import shard_status
+from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 from eagle_pipeline_tests.doubles.speculators_fp8 import load_fp8_sample, trainer_inputs
 
 from .conftest import greedy_rows, make_rows, write_merged
@@ -162,9 +165,9 @@ _CHILD = textwrap.dedent(
     import os, signal, sys, torch
     from pathlib import Path
     from eagle_pipeline.hidden_states import extract_shard
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
     from eagle_pipeline_tests.hidden_states.conftest import VOCAB, with_norm_weights
-    from eagle_pipeline.hidden_states.model import build_tiny_model
+    from eagle_pipeline.hidden_states.models.model import build_tiny_model
 
     merged, out, hs, kill_at = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     model = with_norm_weights(build_tiny_model(VOCAB, family="deepseek_v3", seed=7))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 

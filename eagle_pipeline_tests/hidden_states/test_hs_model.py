@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_pipeline.hidden_states import (
-    KIMI_K25_TEXT_CONFIG,
+from eagle_pipeline.hidden_states.models.layers import (
     aux_layer_to_hf_index,
     aux_layer_to_vllm_id,
-    build_tiny_model,
-    count_params,
     default_aux_layers,
-    describe_model_config,
     get_backbone,
     hf_hidden_states_convention,
+)
+from eagle_pipeline.hidden_states.models.model import (
+    KIMI_K25_TEXT_CONFIG,
+    build_tiny_model,
+    count_params,
+    describe_model_config,
     llama_8b_config,
     load_text_config,
 )

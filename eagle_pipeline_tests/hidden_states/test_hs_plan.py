@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from eagle_pipeline.hidden_states import KIMI_K25_TEXT_CONFIG, plan_extraction, plan_for_model
+from eagle_pipeline.hidden_states.models.model import KIMI_K25_TEXT_CONFIG
+from eagle_pipeline.hidden_states.plan.estimate import plan_extraction, plan_for_model
 
 KIMI_TOKENS = 138_400_000
 KIMI_SAMPLES = 60_000
@@ -63,9 +64,9 @@ def test_budget_refusal_flag_and_markdown():
 
 
 def test_the_plan_knows_the_engine_and_refuses_weights_that_cannot_fit(kimi_dir):
-    from eagle_pipeline.hidden_states.model import load_text_config
-    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_run
-    from eagle_pipeline.hidden_states.world_split import rank_share, world_ep_size
+    from eagle_pipeline.hidden_states.models.model import load_text_config
+    from eagle_pipeline.hidden_states.models.world_split import rank_share, world_ep_size
+    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_run
 
     common = dict(
         n_tokens=138_400_000,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.hidden_states import extract_shard
-from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.shared.progress import WorkProgress, progress_reporter
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard

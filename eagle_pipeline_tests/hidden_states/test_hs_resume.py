@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.hidden_states import extract_shard, shard_paths, shard_status
-from eagle_pipeline.hidden_states.format import shard_tmp_leftovers
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status, shard_tmp_leftovers
 
 from .conftest import make_rows
 

@@ -17,15 +17,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine_torchrun import TorchrunShard, rank_device, torchrun_argv
-from eagle_pipeline.hidden_states.world_split import (
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunShard, rank_device, torchrun_argv
+from eagle_pipeline.hidden_states.models.world_split import (
     EP_SETTING,
     ExpertsReplicated,
     is_routed_expert,
     rank_share,
     world_ep_size,
 )
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import shard_status
 
 from ..tolerances import assert_forwards_close
 from .conftest import make_rows
@@ -60,7 +62,7 @@ def _assert_half_the_routed_experts_per_rank(holds, model):
 
 
 def test_the_world_gets_exactly_the_shard_run_s_parameters(tmp_path):
-    from eagle_pipeline.hidden_states.fingerprint import ExtractionFingerprint
+    from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
 
     wanted = ExtractionFingerprint(
         model={"kind": "dir", "sha256": "ab"},
@@ -96,7 +98,7 @@ def test_the_ranks_store_the_dtype_the_shard_run_decided_with(tiny_ds, merged_fa
     CPU; the ranks record exactly the fingerprint the shard run decided with."""
     import torch
 
-    from eagle_pipeline.hidden_states.format import read_index_meta, shard_paths
+    from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as the rank sees it
     assert rank_device("cpu", 1) == "cpu" and rank_device("auto", 1) == "cuda:1" and rank_device("cuda", 0) == "cuda:0"
@@ -163,7 +165,7 @@ def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_s
 ):
     """Refused before any process starts (this process's transformers decides, as the ranks' does); unset, ep_size
     becomes tp_size. Under a transformers whose TP plan splits the experts, ep_size 1 is TP inside each expert."""
-    from eagle_pipeline.hidden_states.run_plan import PlanRefused, plan_for_run
+    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_run
 
     merged = merged_factory(make_rows(2, seed=1), [2])
     tiny_ds.save_pretrained(tmp_path / "model")
@@ -245,7 +247,7 @@ def test_kill_9_of_the_shard_run_ends_its_world_and_the_rerun_writes_identical_b
 
 _LAYOUT_CHILD = """
 import sys
-from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
 from eagle_pipeline_tests.hidden_states.engine_runs import torchrun_shard
 model, merged, out, layout, exports = sys.argv[1:6]
 torchrun_shard(model, merged, shard_size=24, out_dir=out, max_tokens_per_batch=48,
@@ -261,7 +263,7 @@ def test_kill_9_mid_shard_in_a_trainer_layout_and_the_rerun_writes_identical_fil
     """A real kill -9 of a torchrun shard run once rank 0 has written some of the trainer's files: the shard is not
     done, the rerun completes it, and the trainer's folder holds exactly the bytes of an uninterrupted world's, with
     no stray temporary and no state file twice on disk (inode walk)."""
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
 
     merged = merged_factory(make_rows(24, seed=8, min_len=2, max_len=40), [24])
     model_dir = tmp_path / "model"

@@ -10,12 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states import extract_shard, get_backbone, load_sample
-from eagle_pipeline.hidden_states.trainer_exports import (
+from eagle_pipeline.hidden_states.layouts.trainer_exports import (
     export_specforge_states,
     export_speculators_states,
     train_data_ratio,
 )
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.run import extract_shard
 
 from ..tolerances import assert_forwards_close
 from .conftest import VOCAB, make_rows
@@ -142,9 +144,10 @@ def test_export_refuses_missing_shards(extracted, tmp_path):
 def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merged_factory, tmp_path):
     """hidden_states.layout = a trainer's: the states exist once, in the trainer's files; the shard keeps ids and
     masks; every project check reads them; the export writes no state byte again."""
-    from eagle_pipeline.hidden_states import shard_status, verify_shard
-    from eagle_pipeline.hidden_states.audit import TeacherJudgement, audit_shard
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.checks.audit import TeacherJudgement, audit_shard
+    from eagle_pipeline.hidden_states.checks.verify import verify_shard
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.store.format import shard_status
 
     from .conftest import greedy_rows
 
@@ -213,7 +216,7 @@ def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merge
 
 
 def test_trainer_layout_refuses_the_wrong_convention(normed_model, merged_factory, tmp_path):
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
 
     merged = merged_factory(make_rows(3, seed=2))
     target = plan_layout_target("speculators", tmp_path / "out", merged)
@@ -234,7 +237,7 @@ def test_a_trainer_file_entry_is_verified_by_its_recorded_digest(tmp_path):
     change fails either kind; a size check alone (`check_hash=False`) passes it."""
     import hashlib
 
-    from eagle_pipeline.hidden_states.format import sample_file_digest, sample_file_entry, sample_file_intact
+    from eagle_pipeline.hidden_states.store.format import sample_file_digest, sample_file_entry, sample_file_intact
 
     data = bytes(range(256)) * 64
     (tmp_path / "hs_0.safetensors").write_bytes(data)
@@ -254,7 +257,7 @@ def test_a_trainer_file_entry_is_verified_by_its_recorded_digest(tmp_path):
 def test_a_killed_run_s_temporaries_go_for_its_own_samples_only(tmp_path):
     """`remove_stale_tmp`: a half-written copy of this shard's sample is deleted; another shard's (maybe being
     written right now by its own run) and the finished files stay."""
-    from eagle_pipeline.hidden_states.trainer_layouts import LayoutTarget, remove_stale_tmp
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import LayoutTarget, remove_stale_tmp
 
     files = {"a": "hidden_states/hs_1.safetensors", "b": "hidden_states/hs_10.safetensors"}
     target = LayoutTarget("speculators", tmp_path, files)

@@ -6,7 +6,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle_pipeline.hidden_states import extract_shard, verify_shard
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.run import extract_shard
 
 from .conftest import make_rows, write_merged
 
@@ -90,9 +91,9 @@ def test_merged_row_replaced_is_reported(shard):
 
 def test_the_check_registry_names_every_result_once(shard):
     """Each of the seven checks the UI shows reads one result that verify_shard or the semantic audit produces."""
-    from eagle_pipeline.hidden_states.audit import AUDIT_CHECKS
-    from eagle_pipeline.hidden_states.checks import SHARD_CHECKS, ShardCheckContext
-    from eagle_pipeline.hidden_states.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.checks.audit import AUDIT_CHECKS
+    from eagle_pipeline.hidden_states.checks.registry import SHARD_CHECKS, ShardCheckContext
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
 
     _, merged, out, _ = shard
     structure = verify_shard(out, 0, merged)

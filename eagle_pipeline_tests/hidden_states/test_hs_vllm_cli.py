@@ -12,11 +12,11 @@ import yaml
 
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import DEFAULT_CONFIG
-from eagle_pipeline.hidden_states.layers import default_aux_layers
-from eagle_pipeline.hidden_states.model import tiny_config
-from eagle_pipeline.hidden_states.runtime import load_extraction_model
-from eagle_pipeline.hidden_states.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
-from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.engines.runtime import load_extraction_model
+from eagle_pipeline.hidden_states.engines.vllm.vllm_command import PINNED_VLLM_VERSION, vllm_serve_command
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.models.layers import default_aux_layers
+from eagle_pipeline.hidden_states.models.model import tiny_config
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
 VOCAB = 2560  # the demo tokenizer's

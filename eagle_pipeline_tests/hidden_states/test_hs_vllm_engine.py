@@ -16,9 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states import extract_shard, get_backbone, shard_status, verify_shard
-from eagle_pipeline.hidden_states.format import read_index_meta
-from eagle_pipeline.hidden_states.vllm_files import DROPPED_FINAL_LAYER_BUG, EngineShardError, vllm_layer_ids
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
+    DROPPED_FINAL_LAYER_BUG,
+    EngineShardError,
+    vllm_layer_ids,
+)
+from eagle_pipeline.hidden_states.models.layers import get_backbone
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_status
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble, ids_key
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
@@ -123,7 +129,7 @@ def test_double_speaks_vllm_and_follows_its_layer_convention(tiny_ds, tmp_path):
 @pytest.fixture(scope="module")
 def clean_sha(tmp_path_factory):
     """The sha256 of the shard a fault-free run writes (the faults below must end in exactly these bytes)."""
-    from eagle_pipeline.hidden_states import build_tiny_model
+    from eagle_pipeline.hidden_states.models.model import build_tiny_model
 
     from .conftest import VOCAB, write_merged
 
@@ -269,7 +275,7 @@ def test_kill_9_mid_shard_resumes_with_identical_bytes(tiny_ds, merged, tmp_path
 def test_file_validation_finds_nan_inf_and_zero_vectors_in_every_dtype(dtype, tmp_path):
     from safetensors.torch import save_file
 
-    from eagle_pipeline.hidden_states.vllm_files import validate_states_file
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import validate_states_file
     from eagle_pipeline.shared.failures import RequestFailure
 
     ids = list(range(3, 11))
@@ -323,7 +329,7 @@ def test_rows_fetched_ahead_of_a_slow_row_are_bounded(tiny_ds, merged, rows, tmp
 
 
 def test_an_in_process_shard_is_never_reused_as_an_engine_shard(tiny_ds, merged, tmp_path):
-    from eagle_pipeline.hidden_states.shards import ShardMismatchError
+    from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 
     out, storage = tmp_path / "out", tmp_path / "s"
     extract_shard(tiny_ds, merged, shard_index=0, shard_size=8, out_dir=out, aux_layers=AUX)  # post-norm, in process

@@ -13,8 +13,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from eagle_pipeline.hidden_states.vllm_files import clean_journal, validate_states_file
-from eagle_pipeline.hidden_states.vllm_handoff import COPIED, RENAMED, hand_off, read_validated
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import clean_journal, validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import COPIED, RENAMED, hand_off, read_validated
 from eagle_pipeline.shared.failures import RequestFailure
 
 LAYER_IDS = (2, 4, 6, 8)
@@ -123,7 +123,7 @@ def test_across_filesystems_one_copy_then_the_connector_file_goes(tmp_path):
 _CHILD = """
 import os, signal, sys
 from pathlib import Path
-from eagle_pipeline.hidden_states.vllm_handoff import hand_off, place_file, read_validated
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, place_file, read_validated
 src, dst, ids = Path(sys.argv[1]), Path(sys.argv[2]), list(range(3, 40))
 layer_ids = (2, 4, 6, 8)
 if sys.argv[3] == "after-validation":
@@ -167,13 +167,14 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     import io
 
     from eagle_pipeline.generation.runner import run_coroutine
-    from eagle_pipeline.hidden_states import extract_shard, read_rows
-    from eagle_pipeline.hidden_states.head import TargetHead
-    from eagle_pipeline.hidden_states.layers import default_aux_layers
-    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
-    from eagle_pipeline.hidden_states.vllm_layouts import VllmLayoutRows
-    from eagle_pipeline.hidden_states.vllm_requests import ShardRequests
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_layouts import VllmLayoutRows
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import ShardRequests
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.models.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.run import extract_shard
+    from eagle_pipeline.hidden_states.store.head import TargetHead
+    from eagle_pipeline.hidden_states.store.merged import read_rows
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from ..tolerances import assert_forwards_close
@@ -257,10 +258,16 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
     """A vLLM shard run with a layout target: the shard is done with ids and masks only, shard_status checks the
     trainer files' sizes and digests, verify_shard reads them (open_shard), and the states equal in-process
     extraction's; a rerun reuses the shard; no state file exists twice."""
-    from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-    from eagle_pipeline.hidden_states.layers import default_aux_layers
-    from eagle_pipeline.hidden_states.trainer_layouts import final_state_for_layout, load_sample, plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.checks.verify import verify_shard
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+        final_state_for_layout,
+        load_sample,
+        plan_layout_target,
+    )
+    from eagle_pipeline.hidden_states.models.layers import default_aux_layers
+    from eagle_pipeline.hidden_states.run import extract_shard
+    from eagle_pipeline.hidden_states.store.format import shard_status
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from ..tolerances import assert_forwards_close
@@ -337,7 +344,7 @@ def _vllm_shard(merged, out, storage, url, target, n_layers, aux, hidden, **kw):
 _ENGINE_CHILD = """
 import sys
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
-from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
 merged, out, url, storage, exports, layout, ckpt = sys.argv[1:8]
 vllm_shard(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
            num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1, head_checkpoint=ckpt,
@@ -351,9 +358,9 @@ def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layou
     connector files; SpecForge: `.ckpt` files written): the shard is partial, the rerun completes it, and the
     trainer's folder then holds exactly the bytes of an uninterrupted run, with no stray file and no state file
     twice on disk."""
-    from eagle_pipeline.hidden_states import shard_status
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
-    from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.store.format import shard_status
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
     from .conftest import kill_after_requests, make_rows
@@ -398,7 +405,7 @@ def test_the_sweep_takes_only_this_shard_s_finished_orphans(tmp_path):
     never heard back from); another shard's file, and one of ours whose lock the server still holds, stay."""
     import fcntl
 
-    from eagle_pipeline.hidden_states.vllm_files import sweep_orphans
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_files import sweep_orphans
 
     storage = tmp_path / "s"
     ours, other = list(range(3, 20)), list(range(50, 67))

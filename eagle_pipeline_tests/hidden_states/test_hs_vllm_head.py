@@ -17,10 +17,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_pipeline.hidden_states import extract_shard
-from eagle_pipeline.hidden_states.audit import FAIL, NOT_JUDGED, PASS, TeacherJudgement, audit_shard, audit_shard_cached
-from eagle_pipeline.hidden_states.format import read_index_meta
-from eagle_pipeline.hidden_states.head import (
+from eagle_pipeline.hidden_states.checks.audit import (
+    FAIL,
+    NOT_JUDGED,
+    PASS,
+    TeacherJudgement,
+    audit_shard,
+)
+from eagle_pipeline.hidden_states.checks.stored_audits import audit_shard_cached
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
+from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.format import read_index_meta
+from eagle_pipeline.hidden_states.store.head import (
     SAFETENSORS_INDEX,
     TARGET_HEAD_FILE,
     DamagedHeadWarning,
@@ -31,14 +39,13 @@ from eagle_pipeline.hidden_states.head import (
     save_target_head_from_checkpoint,
     verified_head_sha256,
 )
-from eagle_pipeline.hidden_states.shards import (
+from eagle_pipeline.hidden_states.store.shards import (
     ShardMismatchError,
     ShardsNotReadyError,
     require_shards_ready,
     shard_state,
     stored_fingerprint,
 )
-from eagle_pipeline.hidden_states.vllm_files import vllm_layer_ids
 from eagle_pipeline.shared.storage import file_sha256
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard

@@ -8,10 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from eagle_pipeline.hidden_states import shard_status, verify_shard
-from eagle_pipeline.hidden_states.format import read_index, read_index_meta, shard_paths
-from eagle_pipeline.hidden_states.shards import ShardMismatchError
-from eagle_pipeline.hidden_states.vllm_files import EngineShardError, vllm_layer_ids
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError, vllm_layer_ids
+from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta, shard_paths, shard_status
+from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 
@@ -162,8 +162,8 @@ def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_
     import datasets
     from safetensors.torch import load_file
 
-    from eagle_pipeline.hidden_states.trainer_exports import export_speculators_states
-    from eagle_pipeline.hidden_states.trainer_layouts import plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_exports import export_speculators_states
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
     from eagle_pipeline.shared.storage import read_json
 
     merged = merged_factory(rows, [3, 5])

@@ -52,7 +52,7 @@ def vllm_venv() -> Path | None:
 def write_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     """A tiny seeded Llama (the project's builder) with a byte-level tokenizer and chat template, saved as a
     checkpoint directory vLLM loads offline."""
-    from eagle_pipeline.hidden_states.model import build_tiny_model
+    from eagle_pipeline.hidden_states.models.model import build_tiny_model
 
     # Two heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the builder's default 16).
     model = build_tiny_model(VOCAB, family="llama", seed=seed, hidden_size=64, num_heads=2)
@@ -67,7 +67,7 @@ def tiny_deepseek_config():
     """A tiny DeepSeek-V3 (Kimi-K2's architecture: MLA, one dense layer then routed experts with a shared one) in
     the only MLA shape vLLM 0.32's CPU kernel takes (latent kv_lora_rank 512 + rope 64 = its head size 576), with
     Kimi's vocabulary size."""
-    from eagle_pipeline.hidden_states.model import tiny_config
+    from eagle_pipeline.hidden_states.models.model import tiny_config
 
     cfg = tiny_config(DEEPSEEK_VOCAB, family="deepseek_v3", hidden_size=64, num_layers=8, num_heads=2)
     cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim = 512, 64, 128, 128  # Kimi's
@@ -83,7 +83,7 @@ def tiny_deepseek_config():
 def write_tiny_deepseek(out: Path, *, seed: int = 0) -> Path:
     """The tiny DeepSeek-V3 above with seeded random weights and the byte-level tokenizer (ids 262.. have no
     tokens; vLLM accepts ids below the model's vocabulary size), saved as a checkpoint directory."""
-    from eagle_pipeline.hidden_states.model import build_model_from_config
+    from eagle_pipeline.hidden_states.models.model import build_model_from_config
 
     model = build_model_from_config(tiny_deepseek_config(), seed=seed)
     gen = torch.Generator().manual_seed(seed)

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import load_config
-from eagle_pipeline.hidden_states import extract_shard, shard_status, verify_shard
-from eagle_pipeline.hidden_states.engine import ExtractionPaths
-from eagle_pipeline.hidden_states.format import read_index_meta
-from eagle_pipeline.hidden_states.run import run_shard
+from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+from eagle_pipeline.hidden_states.run import extract_shard, run_shard
+from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_status
 from eagle_pipeline_tests.hidden_states.conftest import make_rows, write_merged
 
 from ..tolerances import assert_forwards_close, precision_tolerance

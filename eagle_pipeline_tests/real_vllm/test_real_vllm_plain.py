@@ -16,10 +16,10 @@ import torch
 
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import load_config
-from eagle_pipeline.hidden_states.engine import ExtractionPaths
-from eagle_pipeline.hidden_states.format import shard_status
+from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError
 from eagle_pipeline.hidden_states.run import run_shard
-from eagle_pipeline.hidden_states.vllm_files import EngineShardError
+from eagle_pipeline.hidden_states.store.format import shard_status
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 from eagle_pipeline_tests.hidden_states.conftest import make_rows, write_merged
 

@@ -1,0 +1,192 @@
+"""Where a vLLM shard's rows go: the shard file (`VllmShardFile`), or straight into a trainer's layout
+(`hidden_states.layout: speculators | specforge`, `VllmLayoutRows`).
+
+The shard file keeps only ids and masks, as the in-process layouts do (`trainer_layouts.SampleFilesWriter`); each
+row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
+for the shard index's `sample_files`, which `shard_status`, `open_shard` and every check read.
+
+* speculators: the connector's file already is `hs_{i}.safetensors` (pre-norm final state, vLLM's layer order), so
+  `validate` reads it once (`vllm_handoff.read_validated`: the checks and the digest over one mapping) and `place`
+  renames it (one filesystem) or writes the mapped bytes once (`vllm_handoff.place_file`).
+* specforge: its final state is post-norm and its file a `torch.save` record, so `place` reads the validated file,
+  applies the target's final norm (`final_norm`, from the recorded head) and writes the `.ckpt` (a full rewrite:
+  docs/hidden_states.md §12 measures it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError, FileFacts, validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import HandedFile, place_file, read_validated
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+    SPECFORGE,
+    SPECULATORS,
+    LayoutTarget,
+    SampleFilesWriter,
+    remove_stale_tmp,
+    without_states,
+)
+from eagle_pipeline.hidden_states.store.format import (
+    StreamingSafetensorsWriter,
+    sample_file_entry,
+    shard_layout,
+    tensor_key,
+)
+from eagle_pipeline.hidden_states.store.merged import MergedRows
+from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
+
+
+class VllmLayoutRows:
+    """Validates and places each connector file of one vLLM shard run in `target`'s layout.
+
+    `validate` stands in for `vllm_files.validate_states_file` in the request workers (`ShardRequests(validate=...)`);
+    `place` is called by the shard's writer in row order; `files` are the shard index's `sample_files`; `close`
+    releases what a failed run validated but never placed (its files stay for the journal to delete)."""
+
+    def __init__(
+        self,
+        target: LayoutTarget,
+        out_dir: Path,
+        masks: dict[str, np.ndarray],
+        n_aux: int,
+        *,
+        final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if target.name not in (SPECULATORS, SPECFORGE):
+            raise ValueError(f"{target.name!r} is not a trainer layout")
+        if target.name == SPECFORGE and final_norm is None:
+            raise ValueError("the specforge layout holds the post-norm final state: the target's final norm is needed")
+        self.target, self.out_dir, self.masks, self.n_aux, self.final_norm = target, out_dir, masks, n_aux, final_norm
+        remove_stale_tmp(target, list(masks))  # a copy a killed run of this shard left half written
+        self._validated: dict[Path, tuple[HandedFile, mmap.mmap]] = {}
+        self.files: list[dict[str, Any]] = []
+        self._specforge: SampleFilesWriter | None = None
+
+    def validate(
+        self, path: Path, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
+    ) -> FileFacts:
+        if self.target.name == SPECFORGE:
+            return validate_states_file(path, ids, layer_ids, hidden_size=hidden_size)
+        handed, buf = read_validated(path, ids, layer_ids, hidden_size=hidden_size)
+        old = self._validated.pop(Path(path), None)
+        if old is not None:
+            old[1].close()
+        self._validated[Path(path)] = (handed, buf)
+        return handed.facts
+
+    def place(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
+        """Put row `sample_id`'s validated connector file `path` into the trainer's layout, and record it."""
+        rel = self.target.file_of.get(sample_id)
+        if rel is None:
+            raise ValueError(
+                f"sample {sample_id!r} has no file in the {self.target.name} layout: the merged table changed"
+            )
+        if self.target.name == SPECFORGE:
+            self._place_specforge(sample_id, path, input_ids)
+            return
+        handed, buf = self._validated.pop(Path(path))
+        dst = self.target.root / rel
+        try:
+            place_file(path, dst, buf)
+        finally:
+            buf.close()
+        self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), handed.size, handed.digest))
+
+    def _place_specforge(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
+        from safetensors import safe_open
+
+        assert self.final_norm is not None
+        if self._specforge is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
+            self._specforge = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
+            self.files = self._specforge.files
+        with safe_open(str(path), framework="pt") as f:
+            hs = f.get_tensor("hidden_states")
+        t, h = int(hs.shape[0]), int(hs.shape[2])
+        tensors = {
+            "aux_hidden_states": hs[:, : self.n_aux].reshape(t, self.n_aux * h),
+            "final_hidden_state": self.final_norm(hs[:, self.n_aux]),
+            "input_ids": input_ids,
+        }
+        self._specforge.write_sample(sample_id, tensors)
+
+    def close(self) -> None:
+        for _, buf in self._validated.values():
+            buf.close()
+        self._validated.clear()
+
+
+class VllmShardFile:
+    """`ShardRequests.write_row` of a vLLM shard run: copies each validated connector file into the shard file, or
+    hands it to `placed` (a trainer's layout; the shard file then keeps ids and masks), in row order. The first file
+    fixes H and the dtype of the whole shard; `header(facts)` is the shard file's header."""
+
+    def __init__(
+        self,
+        rows: MergedRows,
+        shard_index: int,
+        n_aux: int,
+        fh: BinaryIO,
+        header: Callable[[FileFacts], dict[str, str]],
+        placed: VllmLayoutRows | None,
+    ) -> None:
+        self.rows, self.shard_index, self.n_aux = rows, shard_index, n_aux
+        self.fh, self.header, self.placed = fh, header, placed
+        self.writer: StreamingSafetensorsWriter | None = None
+        self.facts: FileFacts | None = None  # the first file's
+
+    def _open(self, facts: FileFacts) -> StreamingSafetensorsWriter:
+        rows = self.rows
+        layout = shard_layout(
+            rows.sample_ids,
+            rows.lengths,
+            list(range(len(rows))),
+            n_aux=self.n_aux,
+            hidden=facts.hidden_size,
+            state_dtype=facts.dtype,
+            ids_dtype=IDS_DTYPE,
+            mask_dtype=MASK_DTYPE,
+        )
+        if self.placed is not None:  # the states go to the trainer's files; the shard keeps ids and masks
+            layout = without_states(layout)
+        self.facts = facts
+        return StreamingSafetensorsWriter(self.fh, layout, self.header(facts))
+
+    def __call__(self, i: int, path: Path, facts: FileFacts) -> None:
+        from safetensors import safe_open
+
+        if self.writer is None:
+            self.writer = self._open(facts)
+        first, rows, n_aux = self.facts, self.rows, self.n_aux
+        assert first is not None
+        if (facts.hidden_size, facts.dtype) != (first.hidden_size, first.dtype):
+            raise EngineShardError(
+                f"shard {self.shard_index:05d}, merged row {rows.global_row(i)} ({rows.sample_ids[i]}): {path} holds "
+                f"{facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} H={first.hidden_size}: "
+                "the endpoints serve different models"
+            )
+        t, sid, w = facts.tokens, rows.sample_ids[i], self.writer
+        if self.placed is not None:
+            w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+            self.placed.place(sid, path, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
+            return
+        with safe_open(str(path), framework="pt") as f:
+            hs = f.get_tensor("hidden_states")
+        w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :n_aux].reshape(t, n_aux * facts.hidden_size))
+        w.write(tensor_key(sid, "final_hidden_state"), hs[:, n_aux])
+        w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+
+    def finish(self) -> tuple[str, int]:
+        """The loss masks, then the file's sha256 and size."""
+        rows, writer = self.rows, self.writer
+        assert writer is not None
+        for i in range(len(rows)):
+            writer.write(tensor_key(rows.sample_ids[i], "loss_mask"), torch.from_numpy(rows.loss_mask[i]))
+        return writer.finish(), writer.total_bytes
