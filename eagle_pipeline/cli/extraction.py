@@ -174,10 +174,9 @@ def _plan_merged(cfg: Any) -> tuple[dict[str, Any], int, int]:
 
 
 def _check_disk(cfg: Any) -> int:
-    """The disk check every shard run makes before its first request (`run.check_disk_for_run`), with its figures."""
+    """The disk check every shard run makes before its first request (`disk_plan.check_disk_for_run`), with its figures."""
     from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan.estimate import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import check_disk_for_run
+    from eagle_pipeline.hidden_states.plan.disk_plan import DiskBudgetExceeded, check_disk_for_run
     from eagle_pipeline.shared.storage import DataRoot
 
     try:

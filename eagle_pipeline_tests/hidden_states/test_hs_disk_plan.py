@@ -1,5 +1,6 @@
 """The disk plan: the bytes of what each layout writes (checked against files really written), the connector's peak,
-the trainer copies, and the refusal against the budget and a filesystem's free space (injected through a seam)."""
+the trainer copies, and the refusal against the budget and a filesystem's free space (injected through a seam),
+before a shard run and before a trainer layout converted from the shards."""
 
 from __future__ import annotations
 
@@ -153,6 +154,29 @@ def test_the_budget_is_held_against_the_whole_plan(tmp_path):
         check_disk(plan, (total - 1) / 1e9, places=places, done_shards={0, 1, 2}, free_space=lambda p: 10**15)
     assert f"{total:,} bytes" in str(exc.value) and "hidden_states.disk_budget_gb" in str(exc.value)
     assert check_disk(plan, total / 1e9, places=places, done_shards=(), free_space=lambda p: 10**15)
+
+
+def test_a_converted_trainer_layout_is_refused_before_writing_when_its_disk_has_no_room(
+    tiny_ds, merged_factory, tmp_path, monkeypatch
+):
+    """The copy needs the shards' states again (from their indexes; none of a shard already in that layout), held
+    against the free space under the export folder, which does not exist yet."""
+    from eagle_pipeline.hidden_states.plan import disk_plan
+    from eagle_pipeline.hidden_states.run import extract_shard
+
+    merged = merged_factory(make_rows(6, seed=4), [6])
+    hs = tmp_path / "hs"
+    extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=hs)
+    need = disk_plan.states_bytes(hs)
+    assert need == _sizes(hs, "shard-*.safetensors") > 0
+    assert disk_plan.states_bytes(hs, skip_layout="shards") == 0  # extraction wrote these shards in that layout
+    out = tmp_path / "exports" / "speculators"
+    monkeypatch.setattr(disk_plan, "free_bytes", lambda p: need - 1)
+    with pytest.raises(OSError, match=rf"speculators export needs about {need:,} bytes .* only {need - 1:,} are free"):
+        disk_plan.check_export_room(hs, out, "speculators")
+    monkeypatch.setattr(disk_plan, "free_bytes", lambda p: need)
+    disk_plan.check_export_room(hs, out, "speculators")
+    assert not out.exists()
 
 
 def test_the_cli_plan_prints_the_items_and_refuses_what_the_disk_cannot_hold(tmp_path, capsys, monkeypatch):

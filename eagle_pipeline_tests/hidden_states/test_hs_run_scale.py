@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, disk_inputs
 from eagle_pipeline.hidden_states.plan.run_plan import plan_for_config
-from eagle_pipeline.hidden_states.run import PLAN_FILE, disk_inputs, run_shard
+from eagle_pipeline.hidden_states.run import run_shard
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 from eagle_pipeline.shared.storage import write_json_atomic
 

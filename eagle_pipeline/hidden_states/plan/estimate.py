@@ -1,11 +1,11 @@
-"""Disk and GPU-time estimates for hidden-state extraction, before any GPU is touched."""
+"""Disk and GPU-time estimates for hidden-state extraction, before any GPU is touched (the disk side, item by item,
+is `disk_plan`'s)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
@@ -15,17 +15,11 @@ from eagle_pipeline.hidden_states.plan.disk_plan import (
     MASK_BYTES,
     PROJECT_SHARD_SAMPLE_BYTES,
     SHARDS,
-    DiskBudgetExceeded,
-    FilesystemNeed,
     StateShape,
-    check_disk,
-    disk_items,
-    free_bytes,
+    plan_disk_items,
 )
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8, QUANTIZE_NONE
-from eagle_pipeline.shared.storage import read_json
 
-__all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]
 # The field's observed extraction rate for Kimi-K2.5 on H200 (TorchSpec: 6B tokens in 1,500 GPU-hours including
 # training, docs/hidden_states.md §1): shown beside the MFU assumption, which it may undercut by up to ~2.5x.
 OBSERVED_TOKENS_PER_GPU_S = (2200.0, 3700.0)
@@ -196,7 +190,7 @@ def plan_extraction(
         dtype_bytes, shape = 1, StateShape(len(aux) + final, hidden_size, 1, FP8_SCALE_BYTES)
     else:
         shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
-    items = _disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
+    items = plan_disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
     total = sum(d["bytes"] for d in items if d["counted"])
     gpu = compute.figures(n_tokens, total_params, active_params)
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
@@ -305,20 +299,6 @@ class Compute:
         }
 
 
-def _disk_items(
-    shape: StateShape, layout: str, disk: Mapping[str, Any] | None, n_tokens: int, n_samples: int, shard_size: int
-) -> list[dict[str, Any]]:
-    """`disk_plan.disk_items` for the plan; without per-shard figures the tokens are spread evenly over the shards."""
-    kw = dict(disk or {})
-    if "shard_rows" not in kw:
-        rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
-        kw["shard_rows"] = rows
-        kw["shard_tokens"] = [n_tokens * r // n_samples for r in rows]
-        if rows:
-            kw["shard_tokens"][-1] += n_tokens - sum(kw["shard_tokens"])
-    return disk_items(shape, layout=layout, **kw)
-
-
 def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -> dict[str, tuple[int, ...]]:
     """Choice name -> its layer ids: the configured ones first, then those that differ from them."""
     out: dict[str, tuple[int, ...]] = {"configured": tuple(aux)}
@@ -345,29 +325,3 @@ def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, *
         n_samples=n_samples,
         **kwargs,
     )
-
-
-def check_disk_budget(
-    plan_path: str | Path,
-    disk_budget_gb: float | None,
-    *,
-    places: Mapping[str, Path] | None = None,
-    done_shards: Collection[int] = (),
-    free_space: Callable[[Path], int] = free_bytes,
-) -> list[FilesystemNeed]:
-    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now, or,
-    with `places` (each item's folder: `run.disk_places`), when what remains to be written on a filesystem (all but
-    `done_shards`) exceeds its free space (`disk_plan.check_disk`); return each filesystem's figures.
-
-    The budget is the caller's current setting, not the one plan.json was made under, so lowering it takes effect
-    without replanning. A missing plan is a FileNotFoundError that says how to make one.
-    """
-    plan_path = Path(plan_path)
-    if not plan_path.exists():
-        raise FileNotFoundError(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.")
-    plan = read_json(plan_path)["this_run"]
-    if places is None or "disk_items" not in plan:  # a plan.json written before the items: the budget alone
-        if disk_budget_gb is not None and int(plan["bytes_on_disk"]) > disk_budget_gb * 1e9:
-            raise DiskBudgetExceeded(int(plan["bytes_on_disk"]), disk_budget_gb, plan)
-        return []
-    return check_disk(plan, disk_budget_gb, places=places, done_shards=done_shards, free_space=free_space)
