@@ -42,7 +42,7 @@ from eagle_pipeline.hidden_states.models.model import (
     describe_model_config,
     llama_8b_config,
 )
-from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
+from eagle_pipeline.hidden_states.plan.estimate import ModelShape, Storage, Workload, plan_extraction
 from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status
 from eagle_pipeline.hidden_states.store.merged import count_rows, num_shards
 from eagle_pipeline.hidden_states.store.shards import ShardSummary
@@ -201,14 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     n_rows = count_rows(merged)
     shards = num_shards(n_rows, shard_size)
     plan = plan_extraction(
-        hidden_size=desc["hidden_size"],
-        num_layers=n_layers,
-        total_params=desc["params"],
-        active_params=desc["matmul_active_params"],
-        n_tokens=n_tokens,
-        n_samples=samples,
-        dtype_bytes=dtype.itemsize,
-        shard_size=shard_size,
+        ModelShape.of_config(model.config, args.arch),
+        Workload(n_tokens, samples),
+        Storage(dtype_bytes=dtype.itemsize, shard_size=shard_size),
     )
     print(
         f"data: {samples} samples, {n_tokens:,} tokens (mean {n_tokens / samples:.0f}, max {max_len}), "

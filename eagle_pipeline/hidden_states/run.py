@@ -31,8 +31,8 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
 from eagle_pipeline.hidden_states.models.layers import get_backbone, token_embedding
 from eagle_pipeline.hidden_states.models.model import TINY_RANDOM
 from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, check_disk_for_run, check_export_room, disk_inputs
-from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan
-from eagle_pipeline.hidden_states.plan.run_plan import plan_for_config
+from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan, Workload
+from eagle_pipeline.hidden_states.plan.run_plan import plan_for_run
 from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
 from eagle_pipeline.hidden_states.store.head import PRE_NORM
@@ -69,11 +69,10 @@ def plan_run(
     from eagle_pipeline.merge.manifest import MergeManifest
 
     manifest = MergeManifest.read(paths.merged_dir)
-    plans = plan_for_config(
+    plans = plan_for_run(
         settings,
+        Workload(manifest.tokens_total, manifest.rows_total),
         target_model_config=target_model_config,
-        n_tokens=manifest.tokens_total,
-        n_samples=manifest.rows_total,
         vocab_size=vocab_size,
         disk=disk_inputs(settings, paths, shard_runs=shard_runs),
     )

@@ -13,6 +13,7 @@ from eagle_pipeline.hidden_states.plan.disk_plan import (
     EXPORTS,
     HIDDEN_STATES,
     DiskBudgetExceeded,
+    DiskInputs,
     StateShape,
     check_disk,
     connector_file_bytes,
@@ -54,10 +55,7 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
     shape = StateShape(4, cfg.hidden_size, 4)  # 3 aux + final, fp32 on CPU
     lengths = [n for p in sorted(merged.glob("*.parquet")) for n in pq.read_table(p)["n_tokens"].to_pylist()]
     items = disk_items(
-        shape,
-        layout=layout,
-        shard_tokens=[sum(lengths[:6]), sum(lengths[6:])],
-        shard_rows=[6, 6],
+        shape, DiskInputs(shard_tokens=[sum(lengths[:6]), sum(lengths[6:])], shard_rows=[6, 6]), layout=layout
     )
     by_place: dict[str, int] = {}
     for d in items:
@@ -74,14 +72,13 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
 
 def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
     shape = StateShape(4, 7168, 2)
-    items = disk_items(
-        shape,
-        layout="speculators",
+    inputs = DiskInputs(
         trainer_layouts=("speculators", "specforge"),  # the layout itself is no copy
         shard_tokens=[1000, 500],
         shard_rows=[4, 2],
         scratch_rows=[400, 300],
     )
+    items = disk_items(shape, inputs, layout="speculators")
     what = [d["what"] for d in items]
     assert what == [
         "ids and masks in the shards",
@@ -99,25 +96,16 @@ def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
 
 
 def _plan(tmp_path: Path, budget_gb=None):
-    from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
+    from eagle_pipeline.hidden_states.plan.estimate import ModelShape, Storage, Workload, plan_extraction
 
+    budget = None if budget_gb is None else int(budget_gb * 1e9)
     return plan_extraction(
-        hidden_size=64,
-        num_layers=8,
-        total_params=1e6,
-        active_params=1e6,
-        n_tokens=3000,
-        n_samples=30,
-        dtype_bytes=4,
-        shard_size=10,
-        layout="speculators",
-        disk={
-            "trainer_layouts": ("specforge",),
-            "shard_tokens": [1000] * 3,
-            "shard_rows": [10] * 3,
-            "scratch_rows": [200] * 4,
-        },
-        disk_budget_bytes=None if budget_gb is None else int(budget_gb * 1e9),
+        ModelShape("tiny", hidden_size=64, num_layers=8, total_params=1e6, active_params=1e6),
+        Workload(n_tokens=3000, n_samples=30),
+        Storage(dtype_bytes=4, shard_size=10, layout="speculators", disk_budget_bytes=budget),
+        disk=DiskInputs(
+            trainer_layouts=("specforge",), shard_tokens=[1000] * 3, shard_rows=[10] * 3, scratch_rows=[200] * 4
+        ),
     ).to_dict()
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,37 +91,40 @@ def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:
     return n_tokens * (shape.token_bytes + 8) + SPECULATORS_FILE_BYTES
 
 
-def disk_items(
-    shape: StateShape,
-    *,
-    layout: str = SHARDS,
-    trainer_layouts: Sequence[str] = (),
-    shard_tokens: Sequence[int],
-    shard_rows: Sequence[int],
-    scratch_rows: Sequence[int] = (),
-    scratch_counted: bool = True,
-    scratch_note: str = "",
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class DiskInputs:
+    """What the disk plan needs beyond the state shape and the layout: each shard's tokens and rows, the copies in
+    `trainer_layouts`, and the token counts of the connector files on disk at the peak (`scratch_rows`; empty: no
+    connector), counted or not (`scratch_counted`: False when they become another item's bytes, `scratch_note` says
+    why). `disk_inputs` reads them from the merged rows and the settings."""
+
+    shard_tokens: Sequence[int]
+    shard_rows: Sequence[int]
+    trainer_layouts: Sequence[str] = ()
+    scratch_rows: Sequence[int] = ()
+    scratch_counted: bool = True
+    scratch_note: str = ""
+
+
+def disk_items(shape: StateShape, inputs: DiskInputs, *, layout: str = SHARDS) -> list[dict[str, Any]]:
     """What extraction and its exports write, one dict per item: `what`, `place` (HIDDEN_STATES, EXPORTS,
     CONNECTOR), `bytes`, `per_shard` (bytes of each shard, for items written shard by shard; None otherwise),
-    `counted` (False: bytes that become another item's, e.g. connector files renamed to hs_{i}) and `note`.
-    `scratch_rows`: the token counts of the connector files on disk at the peak (empty: no connector)."""
+    `counted` (False: bytes that become another item's, e.g. connector files renamed to hs_{i}) and `note`."""
     items: list[dict[str, Any]] = []
     for what, place, per_token, per_sample in layout_rates(layout, shape):
         per_file = SHARD_FILE_BYTES if place == HIDDEN_STATES else 0
-        per_shard = [t * per_token + r * per_sample + per_file for t, r in zip(shard_tokens, shard_rows)]
+        per_shard = [t * per_token + r * per_sample + per_file for t, r in zip(inputs.shard_tokens, inputs.shard_rows)]
         items.append(dict(what=what, place=place, bytes=sum(per_shard), per_shard=per_shard, counted=True, note=""))
-    n_tokens, n_samples = sum(shard_tokens), sum(shard_rows)
-    for extra in dict.fromkeys(t for t in trainer_layouts if t != layout):
+    n_tokens, n_samples = sum(inputs.shard_tokens), sum(inputs.shard_rows)
+    for extra in dict.fromkeys(t for t in inputs.trainer_layouts if t != layout):
         for what, place, per_token, per_sample in layout_rates(extra, shape, direct=False):
             nbytes = n_tokens * per_token + n_samples * per_sample
             items.append(dict(what=what, place=place, bytes=nbytes, per_shard=None, counted=True, note=""))
-    if scratch_rows:
-        peak = sum(connector_file_bytes(shape, t) for t in scratch_rows)
-        what = f"connector files at their peak ({len(scratch_rows)} rows in flight, the longest)"
-        items.append(
-            dict(what=what, place=CONNECTOR, bytes=peak, per_shard=None, counted=scratch_counted, note=scratch_note)
-        )
+    if inputs.scratch_rows:
+        peak = sum(connector_file_bytes(shape, t) for t in inputs.scratch_rows)
+        what = f"connector files at their peak ({len(inputs.scratch_rows)} rows in flight, the longest)"
+        counted, note = inputs.scratch_counted, inputs.scratch_note
+        items.append(dict(what=what, place=CONNECTOR, bytes=peak, per_shard=None, counted=counted, note=note))
     return items
 
 
@@ -218,21 +221,20 @@ def check_disk(
 
 
 def plan_disk_items(
-    shape: StateShape, layout: str, disk: Mapping[str, Any] | None, n_tokens: int, n_samples: int, shard_size: int
+    shape: StateShape, layout: str, inputs: DiskInputs | None, n_tokens: int, n_samples: int, shard_size: int
 ) -> list[dict[str, Any]]:
-    """`disk_items` for the plan; without per-shard figures (`disk`: `disk_inputs`' dict, or None for a workload
-    sized before its data exists) the tokens are spread evenly over the shards."""
-    kw = dict(disk or {})
-    if "shard_rows" not in kw:
+    """`disk_items` for the plan; without `inputs` (a workload sized before its data exists) the tokens are spread
+    evenly over the shards, with no trainer copies and no connector."""
+    if inputs is None:
         rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
-        kw["shard_rows"] = rows
-        kw["shard_tokens"] = [n_tokens * r // n_samples for r in rows]
+        tokens = [n_tokens * r // n_samples for r in rows]
         if rows:
-            kw["shard_tokens"][-1] += n_tokens - sum(kw["shard_tokens"])
-    return disk_items(shape, layout=layout, **kw)
+            tokens[-1] += n_tokens - sum(tokens)
+        inputs = DiskInputs(shard_tokens=tokens, shard_rows=rows)
+    return disk_items(shape, inputs, layout=layout)
 
 
-def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> dict[str, Any]:
+def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> DiskInputs:
     """`disk_items`' figures from the merged rows: each shard's tokens and rows, the copies in
     `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
     `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
@@ -249,20 +251,21 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
         for n in pq.read_table(p, columns=["n_tokens"])["n_tokens"].to_pylist()
     ]
     size = settings.shard_size
-    out: dict[str, Any] = {
-        "trainer_layouts": tuple(settings.trainer_layouts),
-        "shard_tokens": [int(sum(lengths[i : i + size])) for i in range(0, len(lengths), size)],
-        "shard_rows": [len(lengths[i : i + size]) for i in range(0, len(lengths), size)],
-    }
-    if settings.engine == "vllm":
-        v = settings.vllm
-        k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
-        out["scratch_rows"] = sorted(lengths, reverse=True)[:k]
-        same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
-        if settings.layout == "speculators" and same_fs:
-            out["scratch_counted"] = False
-            out["scratch_note"] = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
-    return out
+    inputs = DiskInputs(
+        trainer_layouts=tuple(settings.trainer_layouts),
+        shard_tokens=[int(sum(lengths[i : i + size])) for i in range(0, len(lengths), size)],
+        shard_rows=[len(lengths[i : i + size]) for i in range(0, len(lengths), size)],
+    )
+    if settings.engine != "vllm":
+        return inputs
+    v = settings.vllm
+    k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
+    inputs = replace(inputs, scratch_rows=sorted(lengths, reverse=True)[:k])
+    same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
+    if settings.layout == "speculators" and same_fs:
+        note = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
+        inputs = replace(inputs, scratch_counted=False, scratch_note=note)
+    return inputs
 
 
 def disk_places(settings: HiddenStatesConfig, paths: ExtractionPaths) -> dict[str, Path]:
