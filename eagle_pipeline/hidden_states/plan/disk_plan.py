@@ -5,8 +5,8 @@ request and before an export.
 (the project's shards, speculators' `hs_{i}.safetensors`, or SpecForge's `.ckpt`, each with its per-file bytes), the
 ids and masks a shard keeps beside a trainer's files, speculators' Arrow dataset, the vLLM connector's files at
 their peak (the rows fetched ahead of the copy), and each trainer copy listed in `hidden_states.trainer_layouts`;
-`disk_inputs` reads its figures from the merged rows and the settings, `plan_disk_items` spreads a workload sized
-before its data exists. `check_disk_for_run` (`check_disk` on plan.json) compares them, before a shard run sends its
+`disk_inputs` reads its figures from the merged rows and the settings, `extraction_disk` gives the plan's figures
+(spreading a workload sized before its data exists). `check_disk_for_run` (`check_disk` on plan.json) compares them, before a shard run sends its
 first request, with `hidden_states.disk_budget_gb` (the whole plan) and with the free space of each filesystem they
 land on (only what is still to be written: done shards are already on disk). `check_export_room` does the same for a
 trainer layout converted from the shards. Torch-free at import: the plan runs before any model is near (what reads
@@ -220,18 +220,65 @@ def check_disk(
     return out
 
 
-def plan_disk_items(
+def state_shape(n_states: int, hidden_size: int, dtype_bytes: int, quantize: str) -> StateShape:
+    """The shape of what is stored per token: `n_states` vectors of `hidden_size` values of `dtype_bytes` each, or
+    with `quantize: fp8` e4m3 values (1 B) and one fp32 scale per token per layer (store/fp8.py)."""
+    from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8
+
+    if quantize == QUANTIZE_FP8:
+        return StateShape(n_states, hidden_size, 1, FP8_SCALE_BYTES)
+    return StateShape(n_states, hidden_size, dtype_bytes)
+
+
+@dataclass(frozen=True)
+class ExtractionDisk:
+    """What an extraction of `n_tokens` tokens in `n_samples` rows writes, item by item (`disk_items`), and the
+    plan's figures of it."""
+
+    shape: StateShape
+    items: list[dict[str, Any]]
+    n_tokens: int
+    n_samples: int
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """The counted items' bytes: all that is written."""
+        return sum(d["bytes"] for d in self.items if d["counted"])
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The states and a project shard's id and mask of one token."""
+        return self.shape.token_bytes + IDS_BYTES + MASK_BYTES
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.n_tokens * self.shape.token_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """The project shards' bytes beyond the states: ids, masks and each sample's header entries and index row."""
+        return self.n_tokens * (IDS_BYTES + MASK_BYTES) + self.n_samples * PROJECT_SHARD_SAMPLE_BYTES
+
+    def bytes_with_states(self, n_states: int) -> int:
+        """`bytes_on_disk` had each token `n_states` vectors instead of the shape's (another layer choice): each
+        counted copy of the states (the layout's, each trainer copy) grows or shrinks by the difference."""
+        copies = sum(1 for d in self.items if d["counted"] and d["what"].startswith(("states", "copy")))
+        per_layer = self.n_tokens * self.shape.hidden_size * self.shape.dtype_bytes * copies
+        return self.bytes_on_disk + (n_states - self.shape.n_states) * per_layer
+
+
+def extraction_disk(
     shape: StateShape, layout: str, inputs: DiskInputs | None, n_tokens: int, n_samples: int, shard_size: int
-) -> list[dict[str, Any]]:
-    """`disk_items` for the plan; without `inputs` (a workload sized before its data exists) the tokens are spread
-    evenly over the shards, with no trainer copies and no connector."""
+) -> ExtractionDisk:
+    """What the plan's extraction writes; without `inputs` (a workload sized before its data exists) the tokens are
+    spread evenly over the shards, with no trainer copies and no connector."""
     if inputs is None:
         rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
         tokens = [n_tokens * r // n_samples for r in rows]
         if rows:
             tokens[-1] += n_tokens - sum(tokens)
         inputs = DiskInputs(shard_tokens=tokens, shard_rows=rows)
-    return disk_items(shape, inputs, layout=layout)
+    return ExtractionDisk(shape, disk_items(shape, inputs, layout=layout), n_tokens, n_samples)
 
 
 def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> DiskInputs:

@@ -10,17 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
 from eagle_pipeline.hidden_states.models.model import describe_model_config
-from eagle_pipeline.hidden_states.plan.disk_plan import (
-    FP8_SCALE_BYTES,
-    IDS_BYTES,
-    MASK_BYTES,
-    PROJECT_SHARD_SAMPLE_BYTES,
-    SHARDS,
-    DiskInputs,
-    StateShape,
-    plan_disk_items,
-)
-from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8, QUANTIZE_NONE
+from eagle_pipeline.hidden_states.plan.disk_plan import SHARDS, DiskInputs, extraction_disk, state_shape
+from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
 
 if TYPE_CHECKING:
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
@@ -249,31 +240,25 @@ def plan_extraction(
     n_tokens, n_samples, shard_size = work.n_tokens, work.n_samples, stored.shard_size
     aux = resolve_aux_layers(stored.aux_layers, model.num_layers)
     final = 1 if stored.save_final_state else 0
-    dtype_bytes = stored.dtype_bytes
-    if stored.quantize == QUANTIZE_FP8:  # e4m3 values and one fp32 scale per token per layer (store/fp8.py)
-        dtype_bytes, shape = 1, StateShape(len(aux) + final, model.hidden_size, 1, FP8_SCALE_BYTES)
-    else:
-        shape = StateShape(len(aux) + final, model.hidden_size, dtype_bytes)
-    items = plan_disk_items(shape, stored.layout, disk, n_tokens, n_samples, shard_size)
-    total = sum(d["bytes"] for d in items if d["counted"])
+    shape = state_shape(len(aux) + final, model.hidden_size, stored.dtype_bytes, stored.quantize)
+    written = extraction_disk(shape, stored.layout, disk, n_tokens, n_samples, shard_size)
+    total = written.bytes_on_disk
     gpu = compute.figures(n_tokens, model.total_params, model.active_params)
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
-    copies = sum(1 for d in items if d["counted"] and d["what"].startswith(("states", "copy")))  # of the states
-    per_layer = n_tokens * model.hidden_size * dtype_bytes * copies
     budget = stored.disk_budget_bytes
     return ExtractionPlan(
         hidden_size=model.hidden_size,
         num_layers=model.num_layers,
         aux_layers=aux,
         save_final_state=stored.save_final_state,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=shape.dtype_bytes,
         n_tokens=n_tokens,
         n_samples=n_samples,
         total_params=float(model.total_params),
         active_params=float(model.active_params),
-        bytes_per_token=shape.token_bytes + IDS_BYTES + MASK_BYTES,
-        hidden_bytes=n_tokens * shape.token_bytes,
-        overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PROJECT_SHARD_SAMPLE_BYTES,
+        bytes_per_token=written.bytes_per_token,
+        hidden_bytes=written.hidden_bytes,
+        overhead_bytes=written.overhead_bytes,
         bytes_on_disk=total,
         n_gpus=compute.n_gpus,
         shard_size=shard_size,
@@ -286,13 +271,13 @@ def plan_extraction(
         engine=compute.engine,
         gpus_per_model=compute.gpus_per_model,
         fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= compute.gpus_per_model,
-        assumptions=compute.assumptions(model.total_params, dtype_bytes),
+        assumptions=compute.assumptions(model.total_params, shape.dtype_bytes),
         layer_choices=[
-            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer}
+            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": written.bytes_with_states(len(ids) + final)}
             for name, ids in _layer_choices(aux, model.num_layers, stored.layer_counts).items()
         ],
         layout=stored.layout,
-        disk_items=items,
+        disk_items=written.items,
         **gpu,
     )
 
