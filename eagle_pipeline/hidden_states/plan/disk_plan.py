@@ -6,11 +6,11 @@ request and before an export.
 ids and masks a shard keeps beside a trainer's files, speculators' Arrow dataset, the vLLM connector's files at
 their peak (the rows fetched ahead of the copy), and each trainer copy listed in `hidden_states.trainer_layouts`;
 `disk_inputs` reads its figures from the merged rows and the settings, `extraction_disk` gives the plan's figures
-(spreading a workload sized before its data exists). `check_disk_for_run` (`check_disk` on plan.json) compares them, before a shard run sends its
-first request, with `hidden_states.disk_budget_gb` (the whole plan) and with the free space of each filesystem they
-land on (only what is still to be written: done shards are already on disk). `check_export_room` does the same for a
-trainer layout converted from the shards. Torch-free at import: the plan runs before any model is near (what reads
-shards or settings is imported where it is used).
+(spreading a workload sized before its data exists). `check_disk_for_run` (`check_disk` on plan.json) compares
+them, before a shard run sends its first request, with `hidden_states.disk_budget_gb` (the whole plan) and with the
+free space of each filesystem they land on (only what is still to be written: done shards are already on disk).
+`check_export_room` does the same for a trainer layout converted from the shards. Torch-free at import: the plan
+runs before any model is near (what reads shards, merged rows or the vLLM engine is imported where it is used).
 """
 
 from __future__ import annotations
