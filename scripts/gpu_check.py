@@ -42,7 +42,8 @@ from eagle_pipeline.hidden_states.models.model import (
     describe_model_config,
     llama_8b_config,
 )
-from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
+from eagle_pipeline.hidden_states.plan.disk_plan import free_bytes
+from eagle_pipeline.hidden_states.plan.estimate import ModelShape, Storage, Workload, plan_extraction
 from eagle_pipeline.hidden_states.store.format import shard_paths, shard_status
 from eagle_pipeline.hidden_states.store.merged import count_rows, num_shards
 from eagle_pipeline.hidden_states.store.shards import ShardSummary
@@ -185,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="eagle-gpu-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(workdir).free
-    bytes_per_token = (len(aux) + 1) * desc["hidden_size"] * dtype.itemsize + 5
-    # Shards are deleted after verification, so peak disk is about one shard plus the one being written.
-    budget_tokens = int(args.disk_fraction * free / bytes_per_token)
+    free = free_bytes(workdir)
     merged, n_tokens = write_synthetic_merged(
         workdir / "merged",
         samples,
@@ -201,27 +199,23 @@ def main(argv: list[str] | None = None) -> int:
     n_rows = count_rows(merged)
     shards = num_shards(n_rows, shard_size)
     plan = plan_extraction(
-        hidden_size=desc["hidden_size"],
-        num_layers=n_layers,
-        total_params=desc["params"],
-        active_params=desc["matmul_active_params"],
-        n_tokens=n_tokens,
-        n_samples=samples,
-        dtype_bytes=dtype.itemsize,
-        shard_size=shard_size,
+        ModelShape.of_config(model.config, args.arch),
+        Workload(n_tokens, samples),
+        Storage(dtype_bytes=dtype.itemsize, shard_size=shard_size),
     )
     print(
         f"data: {samples} samples, {n_tokens:,} tokens (mean {n_tokens / samples:.0f}, max {max_len}), "
         f"{shards} shards of {shard_size}; output ~{plan.bytes_on_disk / 1e9:.2f} GB "
         f"({plan.bytes_per_shard / 1e9:.2f} GB per shard); free disk {free / 1e9:.1f} GB in {workdir}"
     )
+    # Shards are deleted after verification, so peak disk is about one shard plus the one being written.
     if 2 * plan.bytes_per_shard > args.disk_fraction * free and not args.keep:
         print(
             f"ERROR: two shards ({2 * plan.bytes_per_shard / 1e9:.1f} GB) exceed {args.disk_fraction:.0%} of free disk;"
             " lower --samples or --shard-size"
         )
         return 2
-    if args.keep and n_tokens > budget_tokens:
+    if args.keep and n_tokens > int(args.disk_fraction * free / plan.bytes_per_token):  # every shard stays
         print("ERROR: --keep would need more disk than allowed; lower --samples")
         return 2
 

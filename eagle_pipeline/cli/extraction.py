@@ -121,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The extraction plan. Over the merged table: written to plan.json as `hidden_state_plan` writes it, then the
     disk check every shard run makes before its first request (budget and free space). Over `--tokens`/`--samples`:
     a scale sized before its data exists (budget only). Exit 1 when extraction would be refused."""
-    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_config
+    from eagle_pipeline.hidden_states.plan.estimate import Workload
+    from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_run
 
     cfg, vocab = _hidden_states_config(args)
     h = cfg.hidden_states
@@ -133,9 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plans, tokens, samples = _plan_merged(cfg)
         else:
             tokens, samples = args.tokens, args.samples
-            plans = plan_for_config(
-                h, target_model_config=cfg.target.model_config, n_tokens=tokens, n_samples=samples, vocab_size=vocab
-            )
+            work = Workload(tokens, samples)
+            plans = plan_for_run(h, work, target_model_config=cfg.target.model_config, vocab_size=vocab)
     except PlanRefused as exc:
         print(f"{PROG} plan: refused: {exc}", file=sys.stderr)
         return EXIT_BLOCKED
@@ -174,10 +174,9 @@ def _plan_merged(cfg: Any) -> tuple[dict[str, Any], int, int]:
 
 
 def _check_disk(cfg: Any) -> int:
-    """The disk check every shard run makes before its first request (`run.check_disk_for_run`), with its figures."""
+    """The disk check every shard run makes before its first request (`disk_plan.check_disk_for_run`), with its figures."""
     from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan.estimate import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import check_disk_for_run
+    from eagle_pipeline.hidden_states.plan.disk_plan import DiskBudgetExceeded, check_disk_for_run
     from eagle_pipeline.shared.storage import DataRoot
 
     try:

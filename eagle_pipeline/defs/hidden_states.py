@@ -82,8 +82,8 @@ def hidden_state_plan(context: dg.AssetExecutionContext, pipeline: PipelineResou
 )
 def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> dg.MaterializeResult:
     from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
-    from eagle_pipeline.hidden_states.plan.estimate import DiskBudgetExceeded
-    from eagle_pipeline.hidden_states.run import PLAN_FILE, run_shard
+    from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, DiskBudgetExceeded
+    from eagle_pipeline.hidden_states.run import run_shard
     from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 
     paths = ExtractionPaths.of(pipeline.data_root())
@@ -109,7 +109,7 @@ def hidden_states(context: dg.AssetExecutionContext, pipeline: PipelineResource)
             metadata={"differences": dg.MetadataValue.json({k: list(v) for k, v in exc.differences.items()})},
             allow_retries=False,
         ) from exc
-    except DiskBudgetExceeded as exc:  # the disk check of a shard to extract (`run.check_disk_for_run`)
+    except DiskBudgetExceeded as exc:  # the disk check of a shard to extract (`disk_plan.check_disk_for_run`)
         raise dg.Failure(
             str(exc),
             metadata={

@@ -8,7 +8,6 @@ a shard is already done, and the fingerprint it must carry are decided here, onc
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +21,18 @@ from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunEngine
 from eagle_pipeline.hidden_states.engines.runtime import fingerprint_for_config
 from eagle_pipeline.hidden_states.engines.vllm.vllm_command import VLLMEngine
 from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import SHARDS, LayoutTarget, StatesExportSummary
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+    SHARDS,
+    SPECFORGE,
+    SPECULATORS,
+    LayoutTarget,
+    StatesExportSummary,
+)
 from eagle_pipeline.hidden_states.models.layers import get_backbone, token_embedding
 from eagle_pipeline.hidden_states.models.model import TINY_RANDOM
-from eagle_pipeline.hidden_states.plan.disk_plan import FilesystemNeed
-from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan
-from eagle_pipeline.hidden_states.plan.run_plan import plan_for_config
+from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, check_disk_for_run, check_export_room, disk_inputs
+from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan, Workload
+from eagle_pipeline.hidden_states.plan.run_plan import plan_for_run
 from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
 from eagle_pipeline.hidden_states.store.head import PRE_NORM
@@ -46,7 +51,6 @@ ENGINES: dict[str, ShardEngine] = {
     "vllm": VLLMEngine(),
     "torchrun": TorchrunEngine(),
 }
-PLAN_FILE = "plan.json"
 ALREADY_DONE = "none (already done)"
 
 
@@ -59,92 +63,21 @@ def plan_run(
     shard_runs: int = 1,
 ) -> dict[str, ExtractionPlan]:
     """The plans over the merged table ('target', 'this_run': `run_plan.plan_for_run`), with what is written item
-    by item (`disk_inputs`; `shard_runs`: shard runs at once, the `gpu` pool's limit), written to
-    `paths.out_dir/plan.json` for the shard runs' disk check (`check_disk_for_run`). Raises `run_plan.PlanRefused`
+    by item (`disk_plan.disk_inputs`; `shard_runs`: shard runs at once, the `gpu` pool's limit), written to
+    `paths.out_dir/plan.json` for the shard runs' disk check (`disk_plan.check_disk_for_run`). Raises `run_plan.PlanRefused`
     when the engine cannot hold the weights (nothing is written then)."""
     from eagle_pipeline.merge.manifest import MergeManifest
 
     manifest = MergeManifest.read(paths.merged_dir)
-    plans = plan_for_config(
+    plans = plan_for_run(
         settings,
+        Workload(manifest.tokens_total, manifest.rows_total),
         target_model_config=target_model_config,
-        n_tokens=manifest.tokens_total,
-        n_samples=manifest.rows_total,
         vocab_size=vocab_size,
         disk=disk_inputs(settings, paths, shard_runs=shard_runs),
     )
     write_json_atomic({k: p.to_dict() for k, p in plans.items()}, paths.out_dir / PLAN_FILE)
     return plans
-
-
-def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> dict[str, Any]:
-    """`disk_plan.disk_items`' figures from the merged rows: each shard's tokens and rows, the copies in
-    `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
-    `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
-    speculators` and the connector's storage on the export folder's filesystem those files are renamed to
-    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
-    import pyarrow.parquet as pq
-
-    from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import rows_ahead
-    from eagle_pipeline.hidden_states.plan.disk_plan import existing_parent
-    from eagle_pipeline.hidden_states.store.merged import merged_parts
-
-    lengths = [
-        n
-        for p in merged_parts(paths.merged_dir)
-        for n in pq.read_table(p, columns=["n_tokens"])["n_tokens"].to_pylist()
-    ]
-    size = settings.shard_size
-    out: dict[str, Any] = {
-        "trainer_layouts": tuple(settings.trainer_layouts),
-        "shard_tokens": [int(sum(lengths[i : i + size])) for i in range(0, len(lengths), size)],
-        "shard_rows": [len(lengths[i : i + size]) for i in range(0, len(lengths), size)],
-    }
-    if settings.engine == "vllm":
-        v = settings.vllm
-        k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
-        out["scratch_rows"] = sorted(lengths, reverse=True)[:k]
-        same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
-        if settings.layout == "speculators" and same_fs:
-            out["scratch_counted"] = False
-            out["scratch_note"] = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
-    return out
-
-
-def disk_places(settings: HiddenStatesConfig, paths: ExtractionPaths) -> dict[str, Path]:
-    """The folder each item of the disk plan is written to (`disk_plan` places)."""
-    from eagle_pipeline.hidden_states.plan.disk_plan import CONNECTOR, EXPORTS, HIDDEN_STATES
-
-    return {
-        HIDDEN_STATES: Path(paths.out_dir),
-        EXPORTS: Path(paths.exports_dir),
-        CONNECTOR: Path(settings.vllm.storage_path),
-    }
-
-
-def check_disk_for_run(
-    settings: HiddenStatesConfig, paths: ExtractionPaths, *, free_space: Callable[[Path], int] | None = None
-) -> list[FilesystemNeed]:
-    """Before a shard run's first request: raise `plan.DiskBudgetExceeded` when plan.json's total exceeds
-    `hidden_states.disk_budget_gb`, or when what remains to be written (every shard not done yet, the connector's
-    peak, the exports) exceeds a filesystem's free space (`free_space(path)`, default `disk_plan.free_bytes`: a
-    seam for tests); return each filesystem's figures.
-
-    Which shards are done is read from their indexes and the files' sizes, never their bytes: every shard run
-    makes this check, and hashing the finished shards (51 GB each for Kimi-K2.5) would make a whole extraction
-    quadratic in the shards done. A shard's own digest is checked by its own run and by the export."""
-    from eagle_pipeline.hidden_states.plan.disk_plan import free_bytes
-    from eagle_pipeline.hidden_states.plan.estimate import check_disk_budget
-    from eagle_pipeline.hidden_states.store.format import shard_numbers, shard_status
-
-    done = {i for i in shard_numbers(paths.out_dir) if shard_status(paths.out_dir, i, check_hash=False) == "done"}
-    return check_disk_budget(
-        paths.out_dir / PLAN_FILE,
-        settings.disk_budget_gb,
-        places=disk_places(settings, paths),
-        done_shards=done,
-        free_space=free_space or free_bytes,
-    )
 
 
 @dataclass(frozen=True)
@@ -178,7 +111,7 @@ def run_shard(
     skip a done shard): the engine's facts (`ShardEngine.facts`) and the settings give the wanted fingerprint; a
     done shard under it is reused; one extracted under other settings raises `shards.ShardMismatchError` or, with
     `on_settings_change: redo`, is moved aside and redone; a partial one is redone. Only a shard to extract checks
-    the disk (`check_disk_for_run`, `free_space` its seam: against plan.json, which the Dagster asset requires and
+    the disk (`disk_plan.check_disk_for_run`, `free_space` its seam: against plan.json, which the Dagster asset requires and
     a script may not have written) and reaches the engine."""
     chosen = engine if engine is not None else ENGINES[settings.engine]
     facts = chosen.facts(settings, paths, shard, vocab_size)
@@ -283,6 +216,7 @@ def export_for_trainers(
     # Copied beside the states when built (the draft_vocab asset); the export's summary records where it is, or None.
     vocab_pt = root.draft_vocab_dir / "draft_vocab.pt"
     if "specforge" in layouts:
+        check_export_room(root.hidden_states_dir, out / "specforge", SPECFORGE)
         exported["specforge_offline"] = export_specforge_states(
             root.hidden_states_dir,
             root.merged_dir,
@@ -292,6 +226,7 @@ def export_for_trainers(
             layout=settings.layout,
         )
     if "speculators" in layouts:
+        check_export_room(root.hidden_states_dir, out / "speculators", SPECULATORS)
         exported["speculators_offline"] = export_speculators_states(
             root.hidden_states_dir,
             root.merged_dir,

@@ -1,5 +1,6 @@
 """The disk plan: the bytes of what each layout writes (checked against files really written), the connector's peak,
-the trainer copies, and the refusal against the budget and a filesystem's free space (injected through a seam)."""
+the trainer copies, and the refusal against the budget and a filesystem's free space (injected through a seam),
+before a shard run and before a trainer layout converted from the shards."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from eagle_pipeline.hidden_states.plan.disk_plan import (
     EXPORTS,
     HIDDEN_STATES,
     DiskBudgetExceeded,
+    DiskInputs,
     StateShape,
     check_disk,
     connector_file_bytes,
@@ -53,10 +55,7 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
     shape = StateShape(4, cfg.hidden_size, 4)  # 3 aux + final, fp32 on CPU
     lengths = [n for p in sorted(merged.glob("*.parquet")) for n in pq.read_table(p)["n_tokens"].to_pylist()]
     items = disk_items(
-        shape,
-        layout=layout,
-        shard_tokens=[sum(lengths[:6]), sum(lengths[6:])],
-        shard_rows=[6, 6],
+        shape, DiskInputs(shard_tokens=[sum(lengths[:6]), sum(lengths[6:])], shard_rows=[6, 6]), layout=layout
     )
     by_place: dict[str, int] = {}
     for d in items:
@@ -73,14 +72,13 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
 
 def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
     shape = StateShape(4, 7168, 2)
-    items = disk_items(
-        shape,
-        layout="speculators",
+    inputs = DiskInputs(
         trainer_layouts=("speculators", "specforge"),  # the layout itself is no copy
         shard_tokens=[1000, 500],
         shard_rows=[4, 2],
         scratch_rows=[400, 300],
     )
+    items = disk_items(shape, inputs, layout="speculators")
     what = [d["what"] for d in items]
     assert what == [
         "ids and masks in the shards",
@@ -98,25 +96,16 @@ def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
 
 
 def _plan(tmp_path: Path, budget_gb=None):
-    from eagle_pipeline.hidden_states.plan.estimate import plan_extraction
+    from eagle_pipeline.hidden_states.plan.estimate import ModelShape, Storage, Workload, plan_extraction
 
+    budget = None if budget_gb is None else int(budget_gb * 1e9)
     return plan_extraction(
-        hidden_size=64,
-        num_layers=8,
-        total_params=1e6,
-        active_params=1e6,
-        n_tokens=3000,
-        n_samples=30,
-        dtype_bytes=4,
-        shard_size=10,
-        layout="speculators",
-        disk={
-            "trainer_layouts": ("specforge",),
-            "shard_tokens": [1000] * 3,
-            "shard_rows": [10] * 3,
-            "scratch_rows": [200] * 4,
-        },
-        disk_budget_bytes=None if budget_gb is None else int(budget_gb * 1e9),
+        ModelShape("tiny", hidden_size=64, num_layers=8, total_params=1e6, active_params=1e6),
+        Workload(n_tokens=3000, n_samples=30),
+        Storage(dtype_bytes=4, shard_size=10, layout="speculators", disk_budget_bytes=budget),
+        disk=DiskInputs(
+            trainer_layouts=("specforge",), shard_tokens=[1000] * 3, shard_rows=[10] * 3, scratch_rows=[200] * 4
+        ),
     ).to_dict()
 
 
@@ -153,6 +142,29 @@ def test_the_budget_is_held_against_the_whole_plan(tmp_path):
         check_disk(plan, (total - 1) / 1e9, places=places, done_shards={0, 1, 2}, free_space=lambda p: 10**15)
     assert f"{total:,} bytes" in str(exc.value) and "hidden_states.disk_budget_gb" in str(exc.value)
     assert check_disk(plan, total / 1e9, places=places, done_shards=(), free_space=lambda p: 10**15)
+
+
+def test_a_converted_trainer_layout_is_refused_before_writing_when_its_disk_has_no_room(
+    tiny_ds, merged_factory, tmp_path, monkeypatch
+):
+    """The copy needs the shards' states again (from their indexes; none of a shard already in that layout), held
+    against the free space under the export folder, which does not exist yet."""
+    from eagle_pipeline.hidden_states.plan import disk_plan
+    from eagle_pipeline.hidden_states.run import extract_shard
+
+    merged = merged_factory(make_rows(6, seed=4), [6])
+    hs = tmp_path / "hs"
+    extract_shard(tiny_ds, merged, shard_index=0, shard_size=6, out_dir=hs)
+    need = disk_plan.states_bytes(hs)
+    assert need == _sizes(hs, "shard-*.safetensors") > 0
+    assert disk_plan.states_bytes(hs, skip_layout="shards") == 0  # extraction wrote these shards in that layout
+    out = tmp_path / "exports" / "speculators"
+    monkeypatch.setattr(disk_plan, "free_bytes", lambda p: need - 1)
+    with pytest.raises(OSError, match=rf"speculators export needs about {need:,} bytes .* only {need - 1:,} are free"):
+        disk_plan.check_export_room(hs, out, "speculators")
+    monkeypatch.setattr(disk_plan, "free_bytes", lambda p: need)
+    disk_plan.check_export_room(hs, out, "speculators")
+    assert not out.exists()
 
 
 def test_the_cli_plan_prints_the_items_and_refuses_what_the_disk_cannot_hold(tmp_path, capsys, monkeypatch):

@@ -332,10 +332,11 @@ def test_served_combinations_load(tmp_path):
 
 def test_the_plan_shows_the_disk_of_each_layer_choice():
     from eagle_pipeline.hidden_states.models.model import KIMI_K25_TEXT_CONFIG
-    from eagle_pipeline.hidden_states.plan.estimate import plan_for_model
+    from eagle_pipeline.hidden_states.plan.estimate import ModelShape, Storage, Workload, plan_extraction
 
     tokens, samples = 10**6, 1000
-    p = plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=tokens, n_samples=samples, layer_counts=[4])
+    kimi, work = ModelShape.of_facts(KIMI_K25_TEXT_CONFIG), Workload(tokens, samples)
+    p = plan_extraction(kimi, work, Storage(layer_counts=(4,)))
     hidden, depth = int(KIMI_K25_TEXT_CONFIG["hidden_size"]), int(KIMI_K25_TEXT_CONFIG["num_layers"])
     by = {c["choice"]: c for c in p.layer_choices}
     assert by["configured"] == {"choice": "configured", "aux_layers": [1, 29, 57], "bytes_on_disk": p.bytes_on_disk}
@@ -345,8 +346,5 @@ def test_the_plan_shows_the_disk_of_each_layer_choice():
         assert c["aux_layers"] == spread(n, depth)
         assert c["bytes_on_disk"] - p.bytes_on_disk == (n - 3) * per_layer
         # the same figure as planning that choice itself
-        assert (
-            c["bytes_on_disk"]
-            == plan_for_model(KIMI_K25_TEXT_CONFIG, n_tokens=tokens, n_samples=samples, aux_layers=n).bytes_on_disk
-        )
+        assert c["bytes_on_disk"] == plan_extraction(kimi, work, Storage(aux_layers=n)).bytes_on_disk
     assert "Disk by layer choice" in p.to_markdown() and "[1, 15, 30, 44, 58]" in p.to_markdown()

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
-from eagle_pipeline.hidden_states.plan.run_plan import plan_for_config
-from eagle_pipeline.hidden_states.run import PLAN_FILE, disk_inputs, run_shard
+from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, disk_inputs
+from eagle_pipeline.hidden_states.plan.estimate import Workload
+from eagle_pipeline.hidden_states.plan.run_plan import plan_for_run
+from eagle_pipeline.hidden_states.run import run_shard
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 from eagle_pipeline.shared.storage import write_json_atomic
 
@@ -41,11 +43,10 @@ def _opened_during(fn) -> list[str]:
 
 
 def _plan(settings: HiddenStatesConfig, paths: ExtractionPaths, rows: list[dict]) -> None:
-    plans = plan_for_config(
+    plans = plan_for_run(
         settings,
+        Workload(sum(r["n_tokens"] for r in rows), len(rows)),
         target_model_config=None,
-        n_tokens=sum(r["n_tokens"] for r in rows),
-        n_samples=len(rows),
         vocab_size=VOCAB,
         disk=disk_inputs(settings, paths),
     )

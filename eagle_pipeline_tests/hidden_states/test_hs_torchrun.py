@@ -165,7 +165,9 @@ def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_s
 ):
     """Refused before any process starts (this process's transformers decides, as the ranks' does); unset, ep_size
     becomes tp_size. Under a transformers whose TP plan splits the experts, ep_size 1 is TP inside each expert."""
+    from eagle_pipeline.hidden_states.plan.estimate import Workload
     from eagle_pipeline.hidden_states.plan.run_plan import PlanRefused, plan_for_run
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig
 
     merged = merged_factory(make_rows(2, seed=1), [2])
     tiny_ds.save_pretrained(tmp_path / "model")
@@ -177,11 +179,15 @@ def test_a_world_that_would_replicate_the_routed_experts_is_refused_naming_the_s
     with pytest.raises(ExpertsReplicated, match=rf"{EP_SETTING}: 1 with tp_size 2 would hold .* on each of the 2"):
         torchrun_shard(tmp_path / "model", merged, shard_size=2, out_dir=tmp_path / "o", ep_size=1)
     assert shard_status(tmp_path / "o", 0) == "missing" and not list((tmp_path / "o").glob("shard-*"))
-    plan = dict(n_tokens=100, n_samples=2, target_model_config=None, extraction_model=str(tmp_path / "model"))
-    plan |= dict(extraction_family="deepseek_v3", vocab_size=0, aux_layers=None, shard_size=2, disk_budget_gb=None)
+
+    def plan(ep_size: int | None) -> dict:
+        torchrun = TorchrunConfig(tp_size=2, ep_size=ep_size)
+        h = HiddenStatesConfig(model=str(tmp_path / "model"), shard_size=2, engine="torchrun", torchrun=torchrun)
+        return plan_for_run(h, Workload(100, 2), target_model_config=None, vocab_size=0)
+
     with pytest.raises(PlanRefused, match=EP_SETTING):
-        plan_for_run(**plan, engine="torchrun", tp_size=2, ep_size=1)
-    this_run = plan_for_run(**plan, engine="torchrun", tp_size=2)["this_run"]  # unset: EP, half per rank
+        plan(1)
+    this_run = plan(None)["this_run"]  # unset: EP, half per rank
     share = rank_share(tiny_ds.config, 2, 2)
     assert share.routed_experts_per_rank * 2 == share.routed_experts
     assert this_run.assumptions["weights"].startswith(f"{share.params:.4g} params")

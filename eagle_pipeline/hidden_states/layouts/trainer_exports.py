@@ -1,6 +1,6 @@
 """Trainer exports derived from finished shards: SpecForge's offline `.ckpt` files and speculators' Arrow dataset with
 its `hs_{i}.safetensors` files (a full copy of the states: docs/hidden_states.md on when a layout written directly by
-extraction saves it), with their disk-room check and speculators' `--train-data-ratio`."""
+extraction saves it), with speculators' `--train-data-ratio` (the disk-room check before each is `disk_plan.check_export_room`)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
     recorded_drops,
     serialise,
     shard_final_state,
-    shard_indexes,
-    shard_layout,
 )
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id
 from eagle_pipeline.hidden_states.store.fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8
@@ -61,7 +59,6 @@ def write_layout(
     target = plan_layout_target(layout, out_dir, merged_dir, left_out=_dropped_ids(hs_dir))
     assert target is not None
     direct = direct_samples(hs_dir, target)
-    refuse_without_room(hs_dir, out_dir, layout, skip_layout=layout)
     for d in {(out_dir / rel).parent for rel in target.file_of.values()}:
         d.mkdir(parents=True, exist_ok=True)
         clean_stale_tmp(d)
@@ -92,31 +89,6 @@ def write_layout(
         if p.resolve() not in keep:
             p.unlink()
     return nbytes, len(direct)
-
-
-def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
-    """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
-    converting them to a trainer layout writes again."""
-    return sum(
-        int(meta["size_bytes"])
-        for _shard, meta, _ids in shard_indexes(hs_dir)
-        if skip_layout is None or shard_layout(meta) != skip_layout
-    )
-
-
-def refuse_without_room(hs_dir: str | Path, out_dir: str | Path, what: str, *, skip_layout: str | None = None) -> None:
-    """Raise before writing a trainer layout that the disk under `out_dir` has no room for (each layout is a
-    second copy of the states: 7.94 TB at Kimi scale, docs/hidden_states.md §14)."""
-    need = states_bytes(hs_dir, skip_layout=skip_layout)
-    probe = Path(out_dir)
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if need > free:
-        raise OSError(
-            f"{what} export needs about {need:,} bytes ({need / 1e12:.3g} TB) under {out_dir}, but only {free:,} are "
-            "free. Export fewer trainer layouts (hidden_states.trainer_layouts) or free disk."
-        )
 
 
 def _place_draft_vocab(out_dir: Path, sources: Mapping[str, str | Path | None]) -> None:

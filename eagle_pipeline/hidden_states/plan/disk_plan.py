@@ -1,12 +1,16 @@
-"""The bytes extraction writes, item by item, and the refusal before the first request when they do not fit.
+"""The one disk module of extraction: what it writes, item by item, and whether that fits, before a shard run's first
+request and before an export.
 
 `disk_items` lists what a run writes under the settings (docs/hidden_states.md §1): the states in the chosen layout
 (the project's shards, speculators' `hs_{i}.safetensors`, or SpecForge's `.ckpt`, each with its per-file bytes), the
 ids and masks a shard keeps beside a trainer's files, speculators' Arrow dataset, the vLLM connector's files at
-their peak (the rows fetched ahead of the copy), and each trainer copy listed in `hidden_states.trainer_layouts`.
-`check_disk` compares them, before a shard run sends its first request, with `hidden_states.disk_budget_gb` (the
-whole plan) and with the free space of each filesystem they land on (only what is still to be written: done shards
-are already on disk). Torch-free: the plan runs before any model is near.
+their peak (the rows fetched ahead of the copy), and each trainer copy listed in `hidden_states.trainer_layouts`;
+`disk_inputs` reads its figures from the merged rows and the settings, `extraction_disk` gives the plan's figures
+(spreading a workload sized before its data exists). `check_disk_for_run` (`check_disk` on plan.json) compares
+them, before a shard run sends its first request, with `hidden_states.disk_budget_gb` (the whole plan) and with the
+free space of each filesystem they land on (only what is still to be written: done shards are already on disk).
+`check_export_room` does the same for a trainer layout converted from the shards. Torch-free at import: the plan
+runs before any model is near (what reads shards, merged rows or the vLLM engine is imported where it is used).
 """
 
 from __future__ import annotations
@@ -14,9 +18,15 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from eagle_pipeline.shared.storage import read_json
+
+if TYPE_CHECKING:
+    from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 
 SHARDS, SPECFORGE, SPECULATORS = "shards", "specforge", "speculators"
 IDS_BYTES = 4  # int32 input_ids in a shard
@@ -31,8 +41,9 @@ FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
 SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
 ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
 ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
-# Places items land on, resolved to paths by the caller (`run.disk_places`).
+# Places items land on, resolved to paths by `disk_places`.
 HIDDEN_STATES, EXPORTS, CONNECTOR = "hidden_states", "exports", "connector"
+PLAN_FILE = "plan.json"  # in the hidden-states folder: the plans `run.plan_run` writes, which a shard run checks
 
 
 @dataclass(frozen=True)
@@ -80,37 +91,40 @@ def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:
     return n_tokens * (shape.token_bytes + 8) + SPECULATORS_FILE_BYTES
 
 
-def disk_items(
-    shape: StateShape,
-    *,
-    layout: str = SHARDS,
-    trainer_layouts: Sequence[str] = (),
-    shard_tokens: Sequence[int],
-    shard_rows: Sequence[int],
-    scratch_rows: Sequence[int] = (),
-    scratch_counted: bool = True,
-    scratch_note: str = "",
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class DiskInputs:
+    """What the disk plan needs beyond the state shape and the layout: each shard's tokens and rows, the copies in
+    `trainer_layouts`, and the token counts of the connector files on disk at the peak (`scratch_rows`; empty: no
+    connector), counted or not (`scratch_counted`: False when they become another item's bytes, `scratch_note` says
+    why). `disk_inputs` reads them from the merged rows and the settings."""
+
+    shard_tokens: Sequence[int]
+    shard_rows: Sequence[int]
+    trainer_layouts: Sequence[str] = ()
+    scratch_rows: Sequence[int] = ()
+    scratch_counted: bool = True
+    scratch_note: str = ""
+
+
+def disk_items(shape: StateShape, inputs: DiskInputs, *, layout: str = SHARDS) -> list[dict[str, Any]]:
     """What extraction and its exports write, one dict per item: `what`, `place` (HIDDEN_STATES, EXPORTS,
     CONNECTOR), `bytes`, `per_shard` (bytes of each shard, for items written shard by shard; None otherwise),
-    `counted` (False: bytes that become another item's, e.g. connector files renamed to hs_{i}) and `note`.
-    `scratch_rows`: the token counts of the connector files on disk at the peak (empty: no connector)."""
+    `counted` (False: bytes that become another item's, e.g. connector files renamed to hs_{i}) and `note`."""
     items: list[dict[str, Any]] = []
     for what, place, per_token, per_sample in layout_rates(layout, shape):
         per_file = SHARD_FILE_BYTES if place == HIDDEN_STATES else 0
-        per_shard = [t * per_token + r * per_sample + per_file for t, r in zip(shard_tokens, shard_rows)]
+        per_shard = [t * per_token + r * per_sample + per_file for t, r in zip(inputs.shard_tokens, inputs.shard_rows)]
         items.append(dict(what=what, place=place, bytes=sum(per_shard), per_shard=per_shard, counted=True, note=""))
-    n_tokens, n_samples = sum(shard_tokens), sum(shard_rows)
-    for extra in dict.fromkeys(t for t in trainer_layouts if t != layout):
+    n_tokens, n_samples = sum(inputs.shard_tokens), sum(inputs.shard_rows)
+    for extra in dict.fromkeys(t for t in inputs.trainer_layouts if t != layout):
         for what, place, per_token, per_sample in layout_rates(extra, shape, direct=False):
             nbytes = n_tokens * per_token + n_samples * per_sample
             items.append(dict(what=what, place=place, bytes=nbytes, per_shard=None, counted=True, note=""))
-    if scratch_rows:
-        peak = sum(connector_file_bytes(shape, t) for t in scratch_rows)
-        what = f"connector files at their peak ({len(scratch_rows)} rows in flight, the longest)"
-        items.append(
-            dict(what=what, place=CONNECTOR, bytes=peak, per_shard=None, counted=scratch_counted, note=scratch_note)
-        )
+    if inputs.scratch_rows:
+        peak = sum(connector_file_bytes(shape, t) for t in inputs.scratch_rows)
+        what = f"connector files at their peak ({len(inputs.scratch_rows)} rows in flight, the longest)"
+        counted, note = inputs.scratch_counted, inputs.scratch_note
+        items.append(dict(what=what, place=CONNECTOR, bytes=peak, per_shard=None, counted=counted, note=note))
     return items
 
 
@@ -204,3 +218,181 @@ def check_disk(
             raise DiskBudgetExceeded(need, disk_budget_gb or 0.0, dict(plan), free=(str(path), free))
         out.append(FilesystemNeed(str(path), tuple(names), need, free))
     return out
+
+
+def state_shape(n_states: int, hidden_size: int, dtype_bytes: int, quantize: str) -> StateShape:
+    """The shape of what is stored per token: `n_states` vectors of `hidden_size` values of `dtype_bytes` each, or
+    with `quantize: fp8` e4m3 values (1 B) and one fp32 scale per token per layer (store/fp8.py)."""
+    from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8
+
+    if quantize == QUANTIZE_FP8:
+        return StateShape(n_states, hidden_size, 1, FP8_SCALE_BYTES)
+    return StateShape(n_states, hidden_size, dtype_bytes)
+
+
+@dataclass(frozen=True)
+class ExtractionDisk:
+    """What an extraction of `n_tokens` tokens in `n_samples` rows writes, item by item (`disk_items`), and the
+    plan's figures of it."""
+
+    shape: StateShape
+    items: list[dict[str, Any]]
+    n_tokens: int
+    n_samples: int
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """The counted items' bytes: all that is written."""
+        return sum(d["bytes"] for d in self.items if d["counted"])
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The states and a project shard's id and mask of one token."""
+        return self.shape.token_bytes + IDS_BYTES + MASK_BYTES
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.n_tokens * self.shape.token_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """The project shards' bytes beyond the states: ids, masks and each sample's header entries and index row."""
+        return self.n_tokens * (IDS_BYTES + MASK_BYTES) + self.n_samples * PROJECT_SHARD_SAMPLE_BYTES
+
+    def bytes_with_states(self, n_states: int) -> int:
+        """`bytes_on_disk` had each token `n_states` vectors instead of the shape's (another layer choice): each
+        counted copy of the states (the layout's, each trainer copy) grows or shrinks by the difference."""
+        copies = sum(1 for d in self.items if d["counted"] and d["what"].startswith(("states", "copy")))
+        per_layer = self.n_tokens * self.shape.hidden_size * self.shape.dtype_bytes * copies
+        return self.bytes_on_disk + (n_states - self.shape.n_states) * per_layer
+
+
+def extraction_disk(
+    shape: StateShape, layout: str, inputs: DiskInputs | None, n_tokens: int, n_samples: int, shard_size: int
+) -> ExtractionDisk:
+    """What the plan's extraction writes; without `inputs` (a workload sized before its data exists) the tokens are
+    spread evenly over the shards, with no trainer copies and no connector."""
+    if inputs is None:
+        rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
+        tokens = [n_tokens * r // n_samples for r in rows]
+        if rows:
+            tokens[-1] += n_tokens - sum(tokens)
+        inputs = DiskInputs(shard_tokens=tokens, shard_rows=rows)
+    return ExtractionDisk(shape, disk_items(shape, inputs, layout=layout), n_tokens, n_samples)
+
+
+def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_runs: int = 1) -> DiskInputs:
+    """`disk_items`' figures from the merged rows: each shard's tokens and rows, the copies in
+    `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
+    `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
+    speculators` and the connector's storage on the export folder's filesystem those files are renamed to
+    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
+    import pyarrow.parquet as pq
+
+    from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import rows_ahead
+    from eagle_pipeline.hidden_states.store.merged import merged_parts
+
+    lengths = [
+        n
+        for p in merged_parts(paths.merged_dir)
+        for n in pq.read_table(p, columns=["n_tokens"])["n_tokens"].to_pylist()
+    ]
+    size = settings.shard_size
+    inputs = DiskInputs(
+        trainer_layouts=tuple(settings.trainer_layouts),
+        shard_tokens=[int(sum(lengths[i : i + size])) for i in range(0, len(lengths), size)],
+        shard_rows=[len(lengths[i : i + size]) for i in range(0, len(lengths), size)],
+    )
+    if settings.engine != "vllm":
+        return inputs
+    v = settings.vllm
+    k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
+    inputs = replace(inputs, scratch_rows=sorted(lengths, reverse=True)[:k])
+    same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
+    if settings.layout == "speculators" and same_fs:
+        note = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
+        inputs = replace(inputs, scratch_counted=False, scratch_note=note)
+    return inputs
+
+
+def disk_places(settings: HiddenStatesConfig, paths: ExtractionPaths) -> dict[str, Path]:
+    """The folder each item of the disk plan is written to (HIDDEN_STATES, EXPORTS, CONNECTOR)."""
+    return {
+        HIDDEN_STATES: Path(paths.out_dir),
+        EXPORTS: Path(paths.exports_dir),
+        CONNECTOR: Path(settings.vllm.storage_path),
+    }
+
+
+def check_disk_budget(
+    plan_path: str | Path,
+    disk_budget_gb: float | None,
+    *,
+    places: Mapping[str, Path] | None = None,
+    done_shards: Collection[int] = (),
+    free_space: Callable[[Path], int] = free_bytes,
+) -> list[FilesystemNeed]:
+    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now, or,
+    with `places` (each item's folder: `disk_places`), when what remains to be written on a filesystem (all but
+    `done_shards`) exceeds its free space (`check_disk`); return each filesystem's figures.
+
+    The budget is the caller's current setting, not the one plan.json was made under, so lowering it takes effect
+    without replanning. A missing plan is a FileNotFoundError that says how to make one.
+    """
+    plan_path = Path(plan_path)
+    if not plan_path.exists():
+        raise FileNotFoundError(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.")
+    plan = read_json(plan_path)["this_run"]
+    if places is None or "disk_items" not in plan:  # a plan.json written before the items: the budget alone
+        if disk_budget_gb is not None and int(plan["bytes_on_disk"]) > disk_budget_gb * 1e9:
+            raise DiskBudgetExceeded(int(plan["bytes_on_disk"]), disk_budget_gb, plan)
+        return []
+    return check_disk(plan, disk_budget_gb, places=places, done_shards=done_shards, free_space=free_space)
+
+
+def check_disk_for_run(
+    settings: HiddenStatesConfig, paths: ExtractionPaths, *, free_space: Callable[[Path], int] | None = None
+) -> list[FilesystemNeed]:
+    """Before a shard run's first request: raise `DiskBudgetExceeded` when plan.json's total exceeds
+    `hidden_states.disk_budget_gb`, or when what remains to be written (every shard not done yet, the connector's
+    peak, the exports) exceeds a filesystem's free space (`free_space(path)`, default `free_bytes`: a seam for
+    tests); return each filesystem's figures.
+
+    Which shards are done is read from their indexes and the files' sizes, never their bytes: every shard run
+    makes this check, and hashing the finished shards (51 GB each for Kimi-K2.5) would make a whole extraction
+    quadratic in the shards done. A shard's own digest is checked by its own run and by the export."""
+    from eagle_pipeline.hidden_states.store.format import shard_numbers, shard_status
+
+    done = {i for i in shard_numbers(paths.out_dir) if shard_status(paths.out_dir, i, check_hash=False) == "done"}
+    return check_disk_budget(
+        paths.out_dir / PLAN_FILE,
+        settings.disk_budget_gb,
+        places=disk_places(settings, paths),
+        done_shards=done,
+        free_space=free_space or free_bytes,
+    )
+
+
+def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
+    """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
+    converting them to a trainer layout writes again."""
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import shard_indexes, shard_layout
+
+    return sum(
+        int(meta["size_bytes"])
+        for _shard, meta, _ids in shard_indexes(hs_dir)
+        if skip_layout is None or shard_layout(meta) != skip_layout
+    )
+
+
+def check_export_room(hs_dir: str | Path, out_dir: str | Path, layout: str) -> None:
+    """Raise before writing trainer layout `layout` under `out_dir` when its disk has no room for it: each layout is
+    a second copy of the states (7.94 TB at Kimi scale, docs/hidden_states.md §14), but for the shards extraction
+    wrote in that layout directly."""
+    need = states_bytes(hs_dir, skip_layout=layout)
+    free = free_bytes(out_dir)
+    if need > free:
+        raise OSError(
+            f"{layout} export needs about {need:,} bytes ({need / 1e12:.3g} TB) under {out_dir}, but only {free:,} are "
+            "free. Export fewer trainer layouts (hidden_states.trainer_layouts) or free disk."
+        )

@@ -1,31 +1,21 @@
-"""Disk and GPU-time estimates for hidden-state extraction, before any GPU is touched."""
+"""Disk and GPU-time estimates for hidden-state extraction, before any GPU is touched (the disk side, item by item,
+is `disk_plan`'s)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
-from eagle_pipeline.hidden_states.plan.disk_plan import (
-    FP8_SCALE_BYTES,
-    IDS_BYTES,
-    MASK_BYTES,
-    PROJECT_SHARD_SAMPLE_BYTES,
-    SHARDS,
-    DiskBudgetExceeded,
-    FilesystemNeed,
-    StateShape,
-    check_disk,
-    disk_items,
-    free_bytes,
-)
-from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8, QUANTIZE_NONE
-from eagle_pipeline.shared.storage import read_json
+from eagle_pipeline.hidden_states.models.model import describe_model_config
+from eagle_pipeline.hidden_states.plan.disk_plan import SHARDS, DiskInputs, extraction_disk, state_shape
+from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
 
-__all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]
+if TYPE_CHECKING:
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
+
 # The field's observed extraction rate for Kimi-K2.5 on H200 (TorchSpec: 6B tokens in 1,500 GPU-hours including
 # training, docs/hidden_states.md §1): shown beside the MFU assumption, which it may undercut by up to ~2.5x.
 OBSERVED_TOKENS_PER_GPU_S = (2200.0, 3700.0)
@@ -141,99 +131,153 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: its name, width and depth, its parameters (all of them, and those a token's
+    matmuls touch), and the bytes per parameter of the quantized weights it ships with (None: it ships none)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    total_params: float
+    active_params: float
+    quantized_weight_bytes_per_param: float | None = None
+
+    @classmethod
+    def of_facts(cls, facts: Mapping[str, Any]) -> ModelShape:
+        """From a facts dict such as `KIMI_K25_TEXT_CONFIG`."""
+        return cls(
+            name=str(facts["name"]),
+            hidden_size=int(facts["hidden_size"]),
+            num_layers=int(facts["num_layers"]),
+            total_params=float(facts["total_params"]),
+            active_params=float(facts["active_params"]),
+            quantized_weight_bytes_per_param=facts.get("quantized_weight_bytes_per_param"),
+        )
+
+    @classmethod
+    def of_config(cls, config: Any, name: str, *, quantized_weight_bytes_per_param: float | None = None) -> ModelShape:
+        """From a transformers config (or config dict), through `model.describe_model_config`."""
+        d = describe_model_config(config)
+        return cls(
+            name=name,
+            hidden_size=int(d["hidden_size"]),
+            num_layers=int(d["num_layers"]),
+            total_params=float(d["params"]),
+            active_params=float(d["matmul_active_params"]),
+            quantized_weight_bytes_per_param=quantized_weight_bytes_per_param,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The tokens and rows a plan covers: the merged table's, or a scale sized before its data exists."""
+
+    n_tokens: int
+    n_samples: int
+
+    def __post_init__(self) -> None:
+        if self.n_tokens < 0 or self.n_samples < 0:
+            raise ValueError("n_tokens and n_samples must be non-negative")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What is written of each token and how it is sharded: the aux layers (ids, a count, or None for EAGLE-3's
+    low/mid/high), the final state, the bytes of one value, `quantize` (FP8: 1 B values and a scale per vector), the
+    layout, rows per shard, the layer counts the drafters read (the disk of each is shown beside), and the disk budget
+    (None: none). `of_settings` reads them from the `hidden_states` section."""
+
+    aux_layers: Sequence[int] | int | None = None
+    dtype_bytes: int = 2
+    save_final_state: bool = True
+    quantize: str = QUANTIZE_NONE
+    layout: str = SHARDS
+    shard_size: int = 256
+    layer_counts: tuple[int, ...] = ()
+    disk_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard_size < 1:
+            raise ValueError("shard_size must be >= 1")
+
+    @classmethod
+    def of_settings(cls, h: HiddenStatesConfig, *, dtype_bytes: int = 2) -> Storage:
+        """The section's layers, quantization, layout, shard size, drafters' layer counts and budget; `dtype_bytes`:
+        the values' bytes as the extraction model is loaded."""
+        budget = int(h.disk_budget_gb * 1e9) if h.disk_budget_gb is not None else None
+        return cls(
+            aux_layers=h.aux_layers,
+            dtype_bytes=dtype_bytes,
+            quantize=h.quantize,
+            layout=h.layout,
+            shard_size=h.shard_size,
+            layer_counts=tuple(d.layers for d in h.drafters if d.layers),
+            disk_budget_bytes=budget,
+        )
+
+
 def plan_extraction(
+    model: ModelShape,
+    work: Workload,
+    stored: Storage | None = None,
+    compute: Compute | None = None,
     *,
-    hidden_size: int,
-    num_layers: int,
-    total_params: float,
-    active_params: float,
-    n_tokens: int,
-    n_samples: int,
-    aux_layers: Sequence[int] | int | None = None,
-    dtype_bytes: int = 2,
-    save_final_state: bool = True,
-    gpu_bf16_peak_tflops: float = 989.0,
-    mfu: float = 0.35,
-    n_gpus: int = 1,
-    shard_size: int = 256,
-    disk_budget_bytes: int | None = None,
-    weight_bytes_per_param: float = 2.0,
-    gpu_memory_bytes: float = 141e9,
-    engine: str = "in_process",
-    gpus_per_model: int = 1,
-    replicated_params: float = 0.0,
-    layer_counts: Sequence[int] = (),
-    layout: str = SHARDS,
-    disk: Mapping[str, Any] | None = None,
-    quantize: str = QUANTIZE_NONE,
+    disk: DiskInputs | None = None,
 ) -> ExtractionPlan:
-    """Estimate disk and GPU time of extracting `n_tokens` tokens (the formulas: docs/hidden_states.md §1).
+    """Estimate disk and GPU time of extracting `work` with `model` (the formulas: docs/hidden_states.md §1).
 
     disk = what is written (`disk_plan.disk_items`; `layout: shards`: n_tokens x [(len(aux) + final) x H x
-    dtype_bytes + 5] + n_samples x 640 B + 10 kB per shard; `disk`: its other arguments, e.g. trainer_layouts,
-    scratch_rows; per-shard figures default to the tokens spread evenly). FLOPs = 2 x active_params x n_tokens (one
-    prefill; lm_head and attention scores ignored); GPU-hours = FLOPs / (peak x mfu) / 3600, wall = / n_gpus; min
-    GPUs = ceil(split x weight_bytes_per_param / (0.9 x gpu_memory_bytes - replicated_params x weight_bytes_per_param))
-    with split = total_params - replicated_params (`replicated_params`: what every GPU of one model holds whole, a
-    torchrun rank's share under the installed transformers, `world_split.RankShare`), fitting the engine when <=
-    `gpus_per_model`. `layer_choices`: the disk of EAGLE-3's and SpecForge's 1-/5-layer spreads (and `layer_counts`).
+    dtype_bytes + 5] + n_samples x 640 B + 10 kB per shard; `disk`: the per-shard figures, trainer copies and
+    connector peak from the merged rows, `disk_plan.disk_inputs`; None: the tokens spread evenly over the shards).
+    FLOPs = 2 x active_params x n_tokens (one prefill; lm_head and attention scores ignored); GPU-hours = FLOPs /
+    (peak x mfu) / 3600, wall = / n_gpus; min GPUs = ceil(split x weight_bytes_per_param / (0.9 x gpu_memory_bytes -
+    replicated_params x weight_bytes_per_param)) with split = total_params - replicated_params (`Compute`; default:
+    one GPU in process), fitting the engine when <= `gpus_per_model`. `layer_choices`: the disk of EAGLE-3's and
+    SpecForge's 1-/5-layer spreads (and `stored.layer_counts`).
     """
-    if n_tokens < 0 or n_samples < 0 or shard_size < 1:
-        raise ValueError("n_tokens and n_samples must be non-negative, shard_size >= 1")
-    compute = Compute(
-        engine=engine,
-        gpus_per_model=gpus_per_model,
-        n_gpus=n_gpus,
-        peak_tflops=gpu_bf16_peak_tflops,
-        mfu=mfu,
-        weight_bytes_per_param=weight_bytes_per_param,
-        gpu_memory_bytes=gpu_memory_bytes,
-        replicated_params=replicated_params,
-    )
-    aux = resolve_aux_layers(aux_layers, num_layers)
-    final = 1 if save_final_state else 0
-    if quantize == QUANTIZE_FP8:  # e4m3 values and one fp32 scale per token per layer (hidden_states/store/fp8.py)
-        dtype_bytes, shape = 1, StateShape(len(aux) + final, hidden_size, 1, FP8_SCALE_BYTES)
-    else:
-        shape = StateShape(len(aux) + final, hidden_size, dtype_bytes)
-    items = _disk_items(shape, layout, disk, n_tokens, n_samples, shard_size)
-    total = sum(d["bytes"] for d in items if d["counted"])
-    gpu = compute.figures(n_tokens, total_params, active_params)
+    stored, compute = stored or Storage(), compute or Compute()
+    n_tokens, n_samples, shard_size = work.n_tokens, work.n_samples, stored.shard_size
+    aux = resolve_aux_layers(stored.aux_layers, model.num_layers)
+    final = 1 if stored.save_final_state else 0
+    shape = state_shape(len(aux) + final, model.hidden_size, stored.dtype_bytes, stored.quantize)
+    written = extraction_disk(shape, stored.layout, disk, n_tokens, n_samples, shard_size)
+    total = written.bytes_on_disk
+    gpu = compute.figures(n_tokens, model.total_params, model.active_params)
     frac = min(shard_size / n_samples, 1.0) if n_samples else 0.0
-    copies = sum(1 for d in items if d["counted"] and d["what"].startswith(("states", "copy")))  # of the states
-    per_layer = n_tokens * hidden_size * dtype_bytes * copies
+    budget = stored.disk_budget_bytes
     return ExtractionPlan(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
+        hidden_size=model.hidden_size,
+        num_layers=model.num_layers,
         aux_layers=aux,
-        save_final_state=save_final_state,
-        dtype_bytes=dtype_bytes,
+        save_final_state=stored.save_final_state,
+        dtype_bytes=shape.dtype_bytes,
         n_tokens=n_tokens,
         n_samples=n_samples,
-        total_params=float(total_params),
-        active_params=float(active_params),
-        bytes_per_token=shape.token_bytes + IDS_BYTES + MASK_BYTES,
-        hidden_bytes=n_tokens * shape.token_bytes,
-        overhead_bytes=n_tokens * (IDS_BYTES + MASK_BYTES) + n_samples * PROJECT_SHARD_SAMPLE_BYTES,
+        total_params=float(model.total_params),
+        active_params=float(model.active_params),
+        bytes_per_token=written.bytes_per_token,
+        hidden_bytes=written.hidden_bytes,
+        overhead_bytes=written.overhead_bytes,
         bytes_on_disk=total,
-        n_gpus=n_gpus,
+        n_gpus=compute.n_gpus,
         shard_size=shard_size,
         n_shards=max(math.ceil(n_samples / shard_size), 1) if n_samples else 0,
         tokens_per_shard=n_tokens * frac,
         bytes_per_shard=total * frac,
         gpu_hours_per_shard=gpu["gpu_hours"] * frac,
-        disk_budget_bytes=disk_budget_bytes,
-        exceeds_budget=disk_budget_bytes is not None and total > disk_budget_bytes,
-        engine=engine,
-        gpus_per_model=gpus_per_model,
-        fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= gpus_per_model,
-        assumptions=compute.assumptions(total_params, dtype_bytes),
+        disk_budget_bytes=budget,
+        exceeds_budget=budget is not None and total > budget,
+        engine=compute.engine,
+        gpus_per_model=compute.gpus_per_model,
+        fits_engine=gpu["min_gpus_for_weights"] is not None and gpu["min_gpus_for_weights"] <= compute.gpus_per_model,
+        assumptions=compute.assumptions(model.total_params, shape.dtype_bytes),
         layer_choices=[
-            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": total + (len(ids) - len(aux)) * per_layer}
-            for name, ids in _layer_choices(aux, num_layers, layer_counts).items()
+            {"choice": name, "aux_layers": list(ids), "bytes_on_disk": written.bytes_with_states(len(ids) + final)}
+            for name, ids in _layer_choices(aux, model.num_layers, stored.layer_counts).items()
         ],
-        layout=layout,
-        disk_items=items,
+        layout=stored.layout,
+        disk_items=written.items,
         **gpu,
     )
 
@@ -243,14 +287,14 @@ class Compute:
     """The GPUs the plan assumes: the engine's model span and count, their peak and MFU, memory and the weights'
     bytes per parameter, and what each GPU of one model holds whole (`plan_extraction`'s docstring: the formulas)."""
 
-    engine: str
-    gpus_per_model: int
-    n_gpus: int
-    peak_tflops: float
-    mfu: float
-    weight_bytes_per_param: float
-    gpu_memory_bytes: float
-    replicated_params: float
+    engine: str = "in_process"
+    gpus_per_model: int = 1
+    n_gpus: int = 1
+    peak_tflops: float = 989.0  # dense bf16, H100/H200 SXM
+    mfu: float = 0.35
+    weight_bytes_per_param: float = 2.0
+    gpu_memory_bytes: float = 141e9
+    replicated_params: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
@@ -305,20 +349,6 @@ class Compute:
         }
 
 
-def _disk_items(
-    shape: StateShape, layout: str, disk: Mapping[str, Any] | None, n_tokens: int, n_samples: int, shard_size: int
-) -> list[dict[str, Any]]:
-    """`disk_plan.disk_items` for the plan; without per-shard figures the tokens are spread evenly over the shards."""
-    kw = dict(disk or {})
-    if "shard_rows" not in kw:
-        rows = [min(shard_size, n_samples - start) for start in range(0, n_samples, shard_size)]
-        kw["shard_rows"] = rows
-        kw["shard_tokens"] = [n_tokens * r // n_samples for r in rows]
-        if rows:
-            kw["shard_tokens"][-1] += n_tokens - sum(kw["shard_tokens"])
-    return disk_items(shape, layout=layout, **kw)
-
-
 def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -> dict[str, tuple[int, ...]]:
     """Choice name -> its layer ids: the configured ones first, then those that differ from them."""
     out: dict[str, tuple[int, ...]] = {"configured": tuple(aux)}
@@ -332,42 +362,3 @@ def _layer_choices(aux: Sequence[int], num_layers: int, counts: Sequence[int]) -
         if ids not in out.values():
             out[name] = ids
     return out
-
-
-def plan_for_model(facts: Mapping[str, Any], *, n_tokens: int, n_samples: int, **kwargs: Any) -> ExtractionPlan:
-    """`plan_extraction` with the shape taken from a facts dict such as `KIMI_K25_TEXT_CONFIG`."""
-    return plan_extraction(
-        hidden_size=int(facts["hidden_size"]),
-        num_layers=int(facts["num_layers"]),
-        total_params=float(facts["total_params"]),
-        active_params=float(facts["active_params"]),
-        n_tokens=n_tokens,
-        n_samples=n_samples,
-        **kwargs,
-    )
-
-
-def check_disk_budget(
-    plan_path: str | Path,
-    disk_budget_gb: float | None,
-    *,
-    places: Mapping[str, Path] | None = None,
-    done_shards: Collection[int] = (),
-    free_space: Callable[[Path], int] = free_bytes,
-) -> list[FilesystemNeed]:
-    """Raise `DiskBudgetExceeded` when the plan at `plan_path` ('this_run') exceeds the budget in force now, or,
-    with `places` (each item's folder: `run.disk_places`), when what remains to be written on a filesystem (all but
-    `done_shards`) exceeds its free space (`disk_plan.check_disk`); return each filesystem's figures.
-
-    The budget is the caller's current setting, not the one plan.json was made under, so lowering it takes effect
-    without replanning. A missing plan is a FileNotFoundError that says how to make one.
-    """
-    plan_path = Path(plan_path)
-    if not plan_path.exists():
-        raise FileNotFoundError(f"No extraction plan at {plan_path}: materialize hidden_state_plan first.")
-    plan = read_json(plan_path)["this_run"]
-    if places is None or "disk_items" not in plan:  # a plan.json written before the items: the budget alone
-        if disk_budget_gb is not None and int(plan["bytes_on_disk"]) > disk_budget_gb * 1e9:
-            raise DiskBudgetExceeded(int(plan["bytes_on_disk"]), disk_budget_gb, plan)
-        return []
-    return check_disk(plan, disk_budget_gb, places=places, done_shards=done_shards, free_space=free_space)
