@@ -82,7 +82,8 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
     `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
     `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
     speculators` and the connector's storage on the export folder's filesystem those files are renamed to
-    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
+    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states; with `quantize: fp8` they are not (the client
+    writes the FP8 `hs_{i}` beside them), so they count."""
     import pyarrow.parquet as pq
 
     from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import rows_ahead
@@ -105,7 +106,7 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
         k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
         out["scratch_rows"] = sorted(lengths, reverse=True)[:k]
         same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
-        if settings.layout == "speculators" and same_fs:
+        if settings.layout == "speculators" and same_fs and settings.quantize == "none":
             out["scratch_counted"] = False
             out["scratch_note"] = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
     return out

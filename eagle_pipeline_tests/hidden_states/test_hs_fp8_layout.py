@@ -164,7 +164,7 @@ _CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
     from pathlib import Path
-    from eagle_pipeline.hidden_states import extract_shard
+    from eagle_pipeline.hidden_states.run import extract_shard
     from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
     from eagle_pipeline_tests.hidden_states.conftest import VOCAB, with_norm_weights
     from eagle_pipeline.hidden_states.models.model import build_tiny_model

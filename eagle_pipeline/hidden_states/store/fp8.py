@@ -71,9 +71,25 @@ def quantize(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> Quanti
     scales = scales_for(states, granularity)
     if not bool(torch.isfinite(scales).all()):  # amax carries any NaN or inf of its row
         raise ValueError("FP8 quantization refused: the hidden states hold NaN or inf values")
-    # The clamp only catches fp32 rounding of amax / (amax / 448) a hair above 448 (e4m3fn has no inf).
-    scaled = (states.to(SCALE_DTYPE) / scales).clamp_(-E4M3_MAX, E4M3_MAX)  # a new tensor: fp32 input untouched
-    return Quantized(states=scaled.to(FP8_DTYPE), scales=scales)
+    out = torch.empty(states.shape, dtype=FP8_DTYPE)
+    # In blocks of tokens: the fp32 quotient of a whole long row would be 4 B per value (30 GB for one of Kimi's
+    # 262k-token rows); each token's values depend only on its own scales, so the result is the same.
+    for start in range(0, states.shape[0], _QUANTIZE_BLOCK_TOKENS):
+        block = slice(start, start + _QUANTIZE_BLOCK_TOKENS)
+        # The clamp only catches fp32 rounding of amax / (amax / 448) a hair above 448 (e4m3fn has no inf).
+        out[block] = (states[block].to(SCALE_DTYPE) / scales[block]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return Quantized(states=out, scales=scales)
+
+
+_QUANTIZE_BLOCK_TOKENS = 1024  # [1024, 4, 7168] fp32 is 117 MB
+
+
+def sample_file(states: torch.Tensor, token_ids: torch.Tensor) -> bytes:
+    """speculators' FP8 `hs_{i}.safetensors` of [T, L, H] states: e4m3 `hidden_states`, fp32
+    `hidden_states_scales` [T, L, 1] and int64 `token_ids`, what its fp8 backend loads. Every engine writes it."""
+    from safetensors.torch import save
+
+    return save({**quantize(states).tensors(), "token_ids": token_ids.to(torch.int64).contiguous()})
 
 
 def dequantize(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
