@@ -29,7 +29,8 @@ state vector):
   validate bf16                              the check of a bf16 connector file (vllm_files.validate_states_file)
   validate + quantize + write fp8 (client)   what `engine: vllm` with `quantize: fp8` does (vllm_layouts.VllmLayoutRows):
                                              the one read and check of the bf16 file, fp8.sample_file on its mapped
-                                             states, the FP8 hs_{i} written atomically and its XXH3-128
+                                             states with the scales from the checks' amax, the FP8 hs_{i} written
+                                             atomically and its XXH3-128
   validate fp8 (server connector)            speculators' FP8HiddenStatesConnector quantized on the server: the
                                              client checks the e4m3 file (scales finite > 0, no NaN byte, no zero
                                              vector: check_fp8_file here, an estimate) and renames it
@@ -169,7 +170,8 @@ def cost_table(x: torch.Tensor, repeat: int) -> None:
 
         def client_quantizes() -> None:  # read the bf16 connector file once, check it, write the FP8 hs_{i}
             file = validate_states_file(bf16_path, ids.tolist(), layer_ids)
-            data = fp8.sample_file(file.states, file.tensors["token_ids"])
+            scales = fp8.scales_from_amax(file.amax.unsqueeze(-1))  # from the checks' reduction, as the engine does
+            data = fp8.sample_file(file.states, file.tensors["token_ids"], scales=scales)
             file.close()
             write_bytes_atomic(data, fp8_path)
             sample_file_digest(data)

@@ -50,6 +50,9 @@ def test_one_read_gives_the_same_verdicts_and_the_file_hash(dtype, tmp_path):
     assert handed.facts == plain.facts and plain.digest is None
     assert handed.size == src.stat().st_size == len(handed.buf)
     assert torch.equal(handed.states, load_file(str(src))["hidden_states"])  # views of the one mapping
+    # the checks' reduction is each state vector's amax, exactly: FP8 quantization takes its scales from it
+    assert torch.equal(handed.amax, handed.states.abs().amax(-1).float())
+    assert torch.equal(fp8.scales_from_amax(handed.amax.unsqueeze(-1)), fp8.scales_for(handed.states))
     handed.close()  # no tensor still views it
     plain.close()
     assert handed.digest == xxhash.xxh3_128_hexdigest(src.read_bytes())

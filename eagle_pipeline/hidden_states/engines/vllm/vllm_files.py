@@ -79,6 +79,7 @@ class ConnectorFile:
     facts: FileFacts
     tensors: dict[str, torch.Tensor]
     buf: mmap.mmap
+    amax: torch.Tensor  # fp32 [T, n_ids]: the largest |x| of each state vector, from the checks' own reduction
     digest: str | None = None
 
     @property
@@ -120,8 +121,8 @@ def validate_states_file(
         raise RequestFailure(
             INVALID_STATES, f"{path}: token_ids are {t['token_ids'].dtype}, speculators reads int64", False
         )
-    facts = check_states(path, t["hidden_states"], t["token_ids"], ids, layer_ids, hidden_size=hidden_size)
-    return ConnectorFile(path, facts, t, buf, digest_hex)
+    facts, top = _checked(path, t["hidden_states"], t["token_ids"], ids, layer_ids, hidden_size)
+    return ConnectorFile(path, facts, t, buf, _magnitudes(top, facts.dtype), digest_hex)
 
 
 def map_file(path: str | os.PathLike) -> mmap.mmap:
@@ -197,6 +198,18 @@ def check_states(
     refused: they come from speculators' `FP8HiddenStatesConnector`, whose scales are per token over all layers
     ([T, 1, 1]); this client quantizes stock vLLM's bf16 files itself, per token per layer (docs/hidden_states.md
     §15)."""
+    return _checked(path, hs, tok, ids, layer_ids, hidden_size)[0]
+
+
+def _checked(
+    path: str | os.PathLike,
+    hs: torch.Tensor,
+    tok: torch.Tensor,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    hidden_size: int | None,
+) -> tuple[FileFacts, np.ndarray]:
+    """`check_states`, and the [T, n] largest magnitudes its one reduction found (`_max_magnitude_bits`)."""
     n_ids, t_want = len(layer_ids), len(ids)
 
     def bad(cls: str, msg: str) -> RequestFailure:
@@ -246,7 +259,7 @@ def check_states(
     if bool(zero.any()):
         layers = [int(layer_ids[int(j)]) for j in np.flatnonzero(zero.any(0))]
         raise bad(INVALID_STATES, f"{int(zero.sum())} all-zero state vectors (layer ids {layers})")
-    return FileFacts(t, h, hs.dtype)
+    return FileFacts(t, h, hs.dtype), top
 
 
 # dtype -> (unsigned view, magnitude mask, bits of +Inf): one integer reduction checks finiteness and zeros together
@@ -256,6 +269,14 @@ _FLOAT_BITS = {
     torch.float16: (np.uint16, 0x7FFF, 0x7C00),
     torch.float32: (np.uint32, 0x7FFFFFFF, 0x7F800000),
 }
+
+
+def _magnitudes(top: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`_max_magnitude_bits`' result as fp32 values (exact: each is one of the states' own values)."""
+    if dtype not in _FLOAT_BITS:
+        return torch.from_numpy(np.ascontiguousarray(top)).to(torch.float32)
+    signed = np.int16 if top.dtype == np.uint16 else np.int32
+    return torch.from_numpy(np.ascontiguousarray(top).view(signed)).view(dtype).to(torch.float32)
 
 
 def _max_magnitude_bits(hs: torch.Tensor) -> np.ndarray:

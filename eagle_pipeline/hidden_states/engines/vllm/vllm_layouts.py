@@ -93,7 +93,9 @@ class VllmLayoutRows:
         as_is = self.target.name == SPECULATORS and not self._fp8  # the file becomes hs_{i}: its digest is the record
         file = validate_states_file(path, ids, layer_ids, hidden_size=hidden_size, digest=as_is)
         if self._fp8:  # here, in the request worker, so rows quantize side by side while the writer places others
-            self._quantized[file.path] = fp8.sample_file(file.states, file.tensors["token_ids"])
+            # the scales from the validator's own reduction: the mapped states are read once more, to quantize
+            scales = fp8.scales_from_amax(file.amax.unsqueeze(-1))
+            self._quantized[file.path] = fp8.sample_file(file.states, file.tensors["token_ids"], scales=scales)
         return file
 
     def place(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
