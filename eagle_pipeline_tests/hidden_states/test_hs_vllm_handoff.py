@@ -79,8 +79,13 @@ def test_one_read_gives_the_same_verdicts_and_the_file_hash(dtype, tmp_path):
     with pytest.raises(RequestFailure, match="int32, speculators reads int64"):
         validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
     src.write_bytes(src.read_bytes()[:-40])  # truncated: offsets run past the end
-    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file"):
+    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file") as short:
         validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
+    assert short.value.retryable  # a file still being written (or torn) is asked for again
+    src.write_bytes(b"\x10" + bytes(7) + b'{"x": 1}' + bytes(8))  # a header that is no safetensors header
+    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file") as malformed:
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
+    assert not malformed.value.retryable
     # what speculators' FP8HiddenStatesConnector writes (e4m3 states, per-token scales [T, 1, 1]) is refused, naming
     # the connector this client quantizes after
     q = fp8.quantize(states.float(), fp8.PER_TOKEN)

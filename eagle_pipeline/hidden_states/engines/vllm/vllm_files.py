@@ -130,8 +130,8 @@ def map_file(path: str | os.PathLike) -> mmap.mmap:
     server's write left them in), never copied into a fresh buffer (a `readinto` costs ~4x the checks, page faults
     on new memory and a memcpy: docs/hidden_states.md §12). Writable copy-on-write so torch can view it."""
     with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            raise RequestFailure(INVALID_STATES, f"{path}: empty file", False)
+        if os.fstat(fh.fileno()).st_size == 0:  # still being written, or torn: ask again (retryable)
+            raise RequestFailure(INVALID_STATES, f"{path}: empty file", True)
         return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
@@ -149,33 +149,40 @@ _ST_DTYPES = {
 
 def safetensors_views(path: str | os.PathLike, buf: mmap.mmap) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in `buf`, as views of it (no copy); a malformed file raises a
-    non-retryable RequestFailure naming it."""
+    RequestFailure naming it: retryable when the file is shorter than its header says (what a file still being
+    written, or torn by a crash, looks like: the request is sent again), else not."""
 
-    def bad(msg: str) -> RequestFailure:
-        return RequestFailure(INVALID_STATES, f"{path}: not a safetensors file ({msg})", False)
+    def bad(msg: str, short: bool = False) -> RequestFailure:
+        return RequestFailure(INVALID_STATES, f"{path}: not a safetensors file ({msg})", short)
 
     if len(buf) < 8:
-        raise bad(f"{len(buf)} bytes")
+        raise bad(f"{len(buf)} bytes", short=True)
     n = int.from_bytes(buf[:8], "little")
     if n > len(buf) - 8:
-        raise bad(f"header of {n} bytes in a file of {len(buf)}")
+        raise bad(f"header of {n} bytes in a file of {len(buf)}", short=True)
     try:
         header = json.loads(bytes(buf[8 : 8 + n]))
     except ValueError as exc:
         raise bad(f"header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise bad(f"header {header!r}")
     base, out = 8 + n, {}
     for name, d in header.items():
         if name == "__metadata__":
             continue
-        dtype = _ST_DTYPES.get(d.get("dtype"))
+        if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
+            raise bad(f"tensor {name}: entry {d!r}")
+        dtype = _ST_DTYPES.get(d["dtype"])
         if dtype is None:
             raise bad(f"tensor {name} has dtype {d.get('dtype')}")
         start, stop = d["data_offsets"]
         numel = 1
         for s in d["shape"]:
             numel *= int(s)
-        if stop - start != numel * dtype.itemsize or base + stop > len(buf):
+        if stop - start != numel * dtype.itemsize:
             raise bad(f"tensor {name}: offsets {start}..{stop} for shape {d['shape']} {d['dtype']}")
+        if base + stop > len(buf):
+            raise bad(f"tensor {name}: offsets {start}..{stop} past the end of {len(buf)} bytes", short=True)
         flat = (
             torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start)
             if numel
