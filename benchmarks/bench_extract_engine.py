@@ -107,7 +107,7 @@ def copy_write_cost(storage: Path, n_files: int, tokens: int) -> tuple[float, fl
     gb = n_files * tokens * n_ids * h * 2 / 1e9
     t = time.perf_counter()
     for p in paths:
-        validate_states_file(p, ids, layer_ids, hidden_size=h)
+        validate_states_file(p, ids, layer_ids, hidden_size=h).close()
     validate_s = time.perf_counter() - t
     sids = [f"s{i}" for i in range(n_files)]
     layout = shard_layout(

@@ -26,8 +26,11 @@ Cost per GB of bf16 states (the same states, best of --repeat, this process's CP
   quantize    fp8.quantize alone
 The vLLM engine's two ways to FP8, per GB of bf16 states, at equal checking (shape, token ids, finite, no all-zero
 state vector):
-  validate bf16                              today's check of a bf16 connector file (vllm_files.validate_states_file)
-  validate + quantize + write fp8 (client)   the client reads the bf16 file once, checks it, quantizes, writes hs_{i}
+  validate bf16                              the check of a bf16 connector file (vllm_files.validate_states_file)
+  validate + quantize + write fp8 (client)   what `engine: vllm` with `quantize: fp8` does (vllm_layouts.VllmLayoutRows):
+                                             the one read and check of the bf16 file, fp8.sample_file on its mapped
+                                             states with the scales from the checks' amax, the FP8 hs_{i} written
+                                             atomically and its XXH3-128
   validate fp8 (server connector)            speculators' FP8HiddenStatesConnector quantized on the server: the
                                              client checks the e4m3 file (scales finite > 0, no NaN byte, no zero
                                              vector: check_fp8_file here, an estimate) and renames it
@@ -52,8 +55,10 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_pipeline.hidden_states.engines.vllm.vllm_files import check_states, validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import validate_states_file
 from eagle_pipeline.hidden_states.store import fp8
+from eagle_pipeline.hidden_states.store.format import sample_file_digest
+from eagle_pipeline.shared.storage import write_bytes_atomic
 
 SCHEMES = {"per-token": fp8.PER_TOKEN, "per-token-layer": fp8.PER_TOKEN_LAYER}
 
@@ -160,13 +165,19 @@ def cost_table(x: torch.Tensor, repeat: int) -> None:
         save_file({**q_token.tensors(), "token_ids": ids}, str(server_fp8))
         write_bf16()
 
+        def validate_bf16() -> None:
+            validate_states_file(bf16_path, ids.tolist(), layer_ids).close()
+
         def client_quantizes() -> None:  # read the bf16 connector file once, check it, write the FP8 hs_{i}
-            raw = load_file(str(bf16_path))
-            check_states(bf16_path, raw["hidden_states"], raw["token_ids"], ids.tolist(), layer_ids)
-            save_file({**fp8.quantize(raw["hidden_states"]).tensors(), "token_ids": raw["token_ids"]}, str(fp8_path))
+            file = validate_states_file(bf16_path, ids.tolist(), layer_ids)
+            scales = fp8.scales_from_amax(file.amax.unsqueeze(-1))  # from the checks' reduction, as the engine does
+            data = fp8.sample_file(file.states, file.tensors["token_ids"], scales=scales)
+            file.close()
+            write_bytes_atomic(data, fp8_path)
+            sample_file_digest(data)
 
         rows = {
-            "validate bf16": cpu_seconds(lambda: validate_states_file(bf16_path, ids.tolist(), layer_ids), repeat),
+            "validate bf16": cpu_seconds(validate_bf16, repeat),
             "validate + quantize + write fp8 (client)": cpu_seconds(client_quantizes, repeat),
             "validate fp8 (server connector)": cpu_seconds(lambda: check_fp8_file(server_fp8, ids), repeat),
             "write bf16": cpu_seconds(write_bf16, repeat),

@@ -10,14 +10,15 @@ own fresh copies of the same connector files (made outside the timing) and is ti
 (`time.process_time`, user + system, every thread; torch runs on one thread), per GB of states, best of --repeat:
 
   validate      vllm_files.validate_states_file alone (the check every path must do)
-  shards        today's `engine: vllm` path: validate, then copy into the project's shard (read, slice, sha256, write,
-                fsync)
+  shards        `engine: vllm` + `layout: shards`: validate, then copy the validated mapping's states into the
+                project's shard (slice, sha256, write, fsync; the file is read once)
   speculators   `engine: vllm` + `layout: speculators` (vllm_handoff.hand_off): one mapping of the file, its
                 XXH3-128 and the same checks over those pages, rename to hs_{i}.safetensors (one filesystem); the
                 same with a sha256 instead (the integrity record before) and with no digest (what one costs); and the
                 connector's storage on --other-fs (default /dev/shm, when it is another filesystem), the exports on
                 --storage: one streaming copy
-  specforge     `layout: specforge`: validate, the post-norm final state from the recorded head's norm, the .ckpt
+  specforge     `layout: specforge`: validate, the post-norm final state (from the validated mapping) with the
+                recorded head's norm, the .ckpt
                 (torch.save) written atomically and its XXH3-128 (trainer_layouts.SampleFilesWriter's work)
 
 The goal (issue 24): speculators on one filesystem at most 1.2x validate. Prints figures only; not a test.
@@ -42,8 +43,13 @@ import numpy as np
 import torch
 
 from eagle_pipeline.hidden_states.engines.extract import IDS_DTYPE, MASK_DTYPE
-from eagle_pipeline.hidden_states.engines.vllm.vllm_files import check_states, validate_states_file
-from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, map_file, place_file, safetensors_views
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
+    check_states,
+    map_file,
+    safetensors_views,
+    validate_states_file,
+)
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, place_file
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import SPECFORGE, serialise
 from eagle_pipeline.hidden_states.store.format import (
     StreamingSafetensorsWriter,
@@ -94,12 +100,10 @@ def cpu_seconds(fn: Callable[[list[tuple[Path, list[int]]]], None], files: list[
 
 def validate_only(files: list[tuple[Path, list[int]]]) -> None:
     for p, ids in files:
-        validate_states_file(p, ids, LAYER_IDS, hidden_size=H)
+        validate_states_file(p, ids, LAYER_IDS, hidden_size=H).close()
 
 
 def into_shard(files: list[tuple[Path, list[int]]], out: Path) -> None:
-    from safetensors import safe_open
-
     sids = [f"s{i}" for i in range(len(files))]
     lengths = [len(ids) for _, ids in files]
     layout = shard_layout(
@@ -115,12 +119,13 @@ def into_shard(files: list[tuple[Path, list[int]]], out: Path) -> None:
     with open(out, "wb") as fh:
         w = StreamingSafetensorsWriter(fh, layout, {})
         for sid, (p, ids) in zip(sids, files):
-            facts = validate_states_file(p, ids, LAYER_IDS, hidden_size=H)
-            with safe_open(str(p), framework="pt") as f:
-                hs = f.get_tensor("hidden_states")
-            w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :N_AUX].reshape(facts.tokens, N_AUX * H))
+            file = validate_states_file(p, ids, LAYER_IDS, hidden_size=H)
+            hs = file.states
+            w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :N_AUX].reshape(file.facts.tokens, N_AUX * H))
             w.write(tensor_key(sid, "final_hidden_state"), hs[:, N_AUX])
             w.write(tensor_key(sid, "input_ids"), torch.tensor(ids, dtype=IDS_DTYPE))
+            del hs
+            file.close()
         for sid, n in zip(sids, lengths):
             w.write(tensor_key(sid, "loss_mask"), torch.ones(n, dtype=MASK_DTYPE))
         w.finish()
@@ -153,12 +158,9 @@ def _sha256(buf: mmap.mmap) -> str:
 
 
 def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHead) -> None:
-    from safetensors import safe_open
-
     for i, (p, ids) in enumerate(files):
-        validate_states_file(p, ids, LAYER_IDS, hidden_size=H)
-        with safe_open(str(p), framework="pt") as f:
-            hs = f.get_tensor("hidden_states")
+        file = validate_states_file(p, ids, LAYER_IDS, hidden_size=H)
+        hs = file.states
         t = len(ids)
         tensors = {
             "input_ids": torch.tensor(ids, dtype=torch.int64),
@@ -169,6 +171,8 @@ def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHea
         data = serialise(SPECFORGE, tensors, N_AUX, H)
         write_bytes_atomic(data, export / "train" / f"s{i}.ckpt")
         sample_file_digest(data)
+        del hs, tensors
+        file.close()
         p.unlink()
 
 

@@ -143,7 +143,8 @@ class HiddenStatesConfig(SpecBase):
     # scale), so none unless listed.
     trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
     # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/store/fp8.py,
-    # docs/hidden_states.md §15). For now with layout: speculators and the in_process or torchrun engine.
+    # docs/hidden_states.md §15). For now with layout: speculators, under every engine (vllm: quantized on the client
+    # from the servers' bf16 files).
     quantize: Literal["none", "fp8"] = "none"
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
     # `trainer_exports` check holds against the captured layers.
@@ -185,15 +186,6 @@ def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
                 ("quantize",),
                 "fp8 needs layout: speculators (its hs_{i}.safetensors are what speculators' fp8 backend loads); "
                 "the project's shards and SpecForge's .ckpt hold bf16/fp32 states only",
-            )
-        )
-    if data.get("engine") == "vllm":
-        problems.append(
-            (
-                ("quantize",),
-                "fp8 with engine: vllm is not built: the servers' ExampleHiddenStatesConnector writes bf16 "
-                "(docs/hidden_states.md §15 measures quantizing on the client against speculators' "
-                "FP8HiddenStatesConnector)",
             )
         )
     if "specforge" in (data.get("trainer_layouts") or ()):

@@ -58,6 +58,7 @@ def vllm_shard(
         aux_layers=tuple(aux_layers) if isinstance(aux_layers, Sequence) else aux_layers,
         on_settings_change=on_mismatch,  # type: ignore[arg-type]
         layout=layout,  # type: ignore[arg-type]
+        quantize=layout_target.quantize if layout_target is not None else "none",  # type: ignore[arg-type]
         vllm=VLLMEngineConfig(
             endpoints=tuple(endpoints),
             storage_path=str(storage_path),

@@ -218,6 +218,27 @@ def test_plan_at_a_scale_from_the_models_config(tmp_path, capsys, kimi_dir):
     assert "within budget" in out and "vllm: 1 x 8 GPUs" in out
 
 
+def test_the_kimi_plan_with_fp8_prints_the_fp8_total(tmp_path, capsys, kimi_dir):
+    """`quantize: fp8` with `engine: vllm` (Kimi fits only vLLM) in `layout: speculators`: the plan counts 1 B per
+    value and one fp32 scale per token per layer: about half the bf16 total (docs/kimi.md §6)."""
+    model_dir = _kimi_config_dir(tmp_path, kimi_dir)
+    vllm = {"endpoints": ["http://gpu-node-0:8000"], "storage_path": str(tmp_path / "connector")}
+    common = dict(model=str(model_dir), engine="vllm", disk_budget_gb=9000, layout="speculators", trainer_layouts=[])
+    common["vllm"] = vllm
+    totals = {}
+    for quantize in ("none", "fp8"):
+        cfg = _config(tmp_path / quantize, quantize=quantize, **common)
+        assert main(["plan", "--config", str(cfg), "--tokens", "138400000", "--samples", "40000"]) == 0
+        out = capsys.readouterr().out
+        total = next(line for line in out.splitlines() if line.startswith("| **total**"))
+        totals[quantize] = int(total.split("**")[3].split(" ")[0].replace(",", ""))
+    # (3 aux + final) x 7168 x 1 B + 4 fp32 scales + 5 B of id and mask
+    assert "| bytes per token | 28,693 |" in out and "within budget" in out
+    states = 138_400_000 * (4 * 7168 + 4 * 4 + 8) + 40_000 * 272  # speculators' FP8 hs_{i}, int64 token_ids
+    assert f"| states: speculators hs_{{i}}.safetensors | exports | {states:,}" in out
+    assert totals["fp8"] < 0.51 * totals["none"]
+
+
 def test_plan_refusals(tmp_path, capsys, kimi_dir):
     """Over the disk budget: exit 1; Kimi in process: refused (exit 1, naming the engine); nothing merged and no
     scale given: exit 2 naming the merged folder; --tokens without --samples: exit 2."""

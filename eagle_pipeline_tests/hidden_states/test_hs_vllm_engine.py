@@ -284,7 +284,9 @@ def test_file_validation_finds_nan_inf_and_zero_vectors_in_every_dtype(dtype, tm
 
     def check(states):
         save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(path))
-        return validate_states_file(path, ids, IDS, hidden_size=16)
+        file = validate_states_file(path, ids, IDS, hidden_size=16)
+        file.close()
+        return file.facts
 
     assert check(good).dtype == dtype and check(good).tokens == 8
     for value, message in ((float("nan"), "NaN/Inf"), (float("inf"), "NaN/Inf"), (float("-inf"), "NaN/Inf")):

@@ -1,4 +1,5 @@
-"""vllm_handoff: a connector file validated and hashed in one read, then renamed (or copied once) to hs_{i}."""
+"""vllm_handoff: a connector file validated and hashed in one read (`vllm_files.validate_states_file`, the one
+validator), then renamed (or copied once) to hs_{i}."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import clean_journal, validate_states_file
-from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import COPIED, RENAMED, hand_off, read_validated
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import COPIED, RENAMED, hand_off
+from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline.shared.failures import RequestFailure
 
 LAYER_IDS = (2, 4, 6, 8)
@@ -43,10 +45,16 @@ def _inode_count(root: Path) -> dict[tuple[int, int], list[Path]]:
 def test_one_read_gives_the_same_verdicts_and_the_file_hash(dtype, tmp_path):
     ids = list(range(5, 17))
     src = _connector_file(tmp_path / "req.safetensors", ids, dtype=dtype)
-    handed, buf = read_validated(src, ids, LAYER_IDS, hidden_size=H)
-    assert handed.facts == validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
-    assert handed.size == src.stat().st_size == len(buf)
-    buf.close()  # no tensor still views it
+    handed = validate_states_file(src, ids, LAYER_IDS, hidden_size=H, digest=True)
+    plain = validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
+    assert handed.facts == plain.facts and plain.digest is None
+    assert handed.size == src.stat().st_size == len(handed.buf)
+    assert torch.equal(handed.states, load_file(str(src))["hidden_states"])  # views of the one mapping
+    # the checks' reduction is each state vector's amax, exactly: FP8 quantization takes its scales from it
+    assert torch.equal(handed.amax, handed.states.abs().amax(-1).float())
+    assert torch.equal(fp8.scales_from_amax(handed.amax.unsqueeze(-1)), fp8.scales_for(handed.states))
+    handed.close()  # no tensor still views it
+    plain.close()
     assert handed.digest == xxhash.xxh3_128_hexdigest(src.read_bytes())
 
     states = load_file(str(src))["hidden_states"]
@@ -59,20 +67,31 @@ def test_one_read_gives_the_same_verdicts_and_the_file_hash(dtype, tmp_path):
     for message, bad in cases.items():
         save_file({"hidden_states": bad, "token_ids": torch.tensor(ids)}, str(src))
         with pytest.raises(RequestFailure, match=message):
-            read_validated(src, ids, LAYER_IDS, hidden_size=H)
+            validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
     save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(src))
     with pytest.raises(RequestFailure, match="token_ids in the file differ"):
-        read_validated(src, [*ids[:-1], 99], LAYER_IDS, hidden_size=H)
+        validate_states_file(src, [*ids[:-1], 99], LAYER_IDS, hidden_size=H)
     with pytest.raises(RequestFailure, match="hidden size 16, expected 32"):
-        read_validated(src, ids, LAYER_IDS, hidden_size=32)
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=32)
     with pytest.raises(RequestFailure, match="final id 8 is missing"):
-        read_validated(src, ids, (*LAYER_IDS[:3], 7, 8), hidden_size=H)
+        validate_states_file(src, ids, (*LAYER_IDS[:3], 7, 8), hidden_size=H)
     save_file({"hidden_states": states, "token_ids": torch.tensor(ids, dtype=torch.int32)}, str(src))
     with pytest.raises(RequestFailure, match="int32, speculators reads int64"):
-        read_validated(src, ids, LAYER_IDS, hidden_size=H)
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
     src.write_bytes(src.read_bytes()[:-40])  # truncated: offsets run past the end
-    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file"):
-        read_validated(src, ids, LAYER_IDS, hidden_size=H)
+    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file") as short:
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
+    assert short.value.retryable  # a file still being written (or torn) is asked for again
+    src.write_bytes(b"\x10" + bytes(7) + b'{"x": 1}' + bytes(8))  # a header that is no safetensors header
+    with pytest.raises(RequestFailure, match=f"{src}: not a safetensors file") as malformed:
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
+    assert not malformed.value.retryable
+    # what speculators' FP8HiddenStatesConnector writes (e4m3 states, per-token scales [T, 1, 1]) is refused, naming
+    # the connector this client quantizes after
+    q = fp8.quantize(states.float(), fp8.PER_TOKEN)
+    save_file({**q.tensors(), "token_ids": torch.tensor(ids)}, str(src))
+    with pytest.raises(RequestFailure, match="float8_e4m3fn: the server runs speculators' FP8HiddenStatesConnector"):
+        validate_states_file(src, ids, LAYER_IDS, hidden_size=H)
 
 
 def test_on_one_filesystem_the_file_is_renamed_not_copied(tmp_path):
@@ -123,11 +142,12 @@ def test_across_filesystems_one_copy_then_the_connector_file_goes(tmp_path):
 _CHILD = """
 import os, signal, sys
 from pathlib import Path
-from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, place_file, read_validated
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import validate_states_file
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off
 src, dst, ids = Path(sys.argv[1]), Path(sys.argv[2]), list(range(3, 40))
 layer_ids = (2, 4, 6, 8)
 if sys.argv[3] == "after-validation":
-    read_validated(src, ids, layer_ids, hidden_size=16)
+    validate_states_file(src, ids, layer_ids, hidden_size=16)
     os.kill(os.getpid(), signal.SIGKILL)  # the process dies between the validation and the rename
 hand_off(src, dst, ids, layer_ids, hidden_size=16)
 if sys.argv[3] == "after-rename":
@@ -219,8 +239,8 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
             max_retries=0,
             backoff_base_s=0.01,
             journal=io.StringIO(),
-            write_row=lambda i, path, facts: placed.place(
-                rows.sample_ids[i], path, torch.from_numpy(rows.input_ids[i]).to(torch.int64)
+            write_row=lambda i, file: placed.place(
+                rows.sample_ids[i], file, torch.from_numpy(rows.input_ids[i]).to(torch.int64)
             ),
             log=None,
             progress=None,
@@ -345,19 +365,21 @@ _ENGINE_CHILD = """
 import sys
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
-merged, out, url, storage, exports, layout, ckpt = sys.argv[1:8]
+merged, out, url, storage, exports, layout, ckpt, quantize = sys.argv[1:9]
 vllm_shard(merged, shard_index=0, shard_size=8, out_dir=out, endpoints=[url], storage_path=storage,
            num_layers=8, aux_layers=(1, 3, 4), hidden_size=64, concurrency=1, head_checkpoint=ckpt,
-           layout_target=plan_layout_target(layout, exports, merged))
+           layout_target=plan_layout_target(layout, exports, merged, quantize=quantize))
 """
 
 
-@pytest.mark.parametrize("layout", ["speculators", "specforge"])
-def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layout, tiny_ds, merged_factory, tmp_path):
+@pytest.mark.parametrize("layout, quantize", [("speculators", "none"), ("speculators", "fp8"), ("specforge", "none")])
+def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(
+    layout, quantize, tiny_ds, merged_factory, tmp_path
+):
     """A real kill -9 of a vLLM shard run after some rows were placed in the trainer's layout (speculators: renamed
-    connector files; SpecForge: `.ckpt` files written): the shard is partial, the rerun completes it, and the
-    trainer's folder then holds exactly the bytes of an uninterrupted run, with no stray file and no state file
-    twice on disk."""
+    connector files, or with `quantize: fp8` the FP8 hs_{i} the client wrote; SpecForge: `.ckpt` files written):
+    the shard is partial, the rerun completes it, and the trainer's folder then holds exactly the bytes of an
+    uninterrupted run, with no stray file and no state file twice on disk."""
     from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
     from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
     from eagle_pipeline.hidden_states.store.format import shard_status
@@ -372,7 +394,7 @@ def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layou
     files = "hidden_states/hs_*.safetensors" if layout == "speculators" else "*/*.ckpt"
 
     def engine(out, storage, exports, url):
-        target = plan_layout_target(layout, exports, merged)
+        target = plan_layout_target(layout, exports, merged, quantize=quantize)
         return _vllm_shard(merged, out, storage, url, target, 8, (1, 3, 4), 64, head_checkpoint=ckpt)
 
     def contents(exports):
@@ -383,12 +405,14 @@ def test_kill_9_mid_shard_in_a_trainer_layout_resumes_with_identical_bytes(layou
         engine(clean / "hs", clean / "s", clean / "exports" / layout, srv.url)
     want = contents(clean / "exports" / layout)
     assert len(want) == 8
+    # with fp8 the hs_{i} are the client's FP8 files (their headers name the scales), not the connector's
+    assert all((b"hidden_states_scales" in data[:512]) == (quantize == "fp8") for data in want.values())
 
     storage, out, exports = tmp_path / "s", tmp_path / "hs", tmp_path / "exports" / layout
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with VLLMHiddenStatesDouble(tiny_ds, layer_ids=ids, storage_path=storage, latency_s=0.3) as srv:
         argv = [sys.executable, "-c", _ENGINE_CHILD, str(merged), str(out), srv.url, str(storage), str(exports)]
-        child = subprocess.Popen([*argv, layout, str(ckpt)], env=env)
+        child = subprocess.Popen([*argv, layout, str(ckpt), quantize], env=env)
         kill_after_requests(srv, child, 4)
         assert shard_status(out, 0) == "partial"
         placed_before = sorted(p.name for p in exports.glob(files))

@@ -179,7 +179,7 @@ def serialise(
         )
         ids = t["input_ids"].to(torch.int64).contiguous()
         if quantize == QUANTIZE_FP8:
-            return save({**fp8.quantize(states).tensors(), "token_ids": ids})
+            return fp8.sample_file(states, ids)
         return save({"hidden_states": states.contiguous(), "token_ids": ids})
     record = {
         "input_ids": _own_storage(t["input_ids"].to(torch.int64)),

@@ -38,6 +38,7 @@ SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the 
 SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
 SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
 FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
+SERVED_FP8_SOURCE_BYTES = 2  # the bf16 a vLLM server writes, which the client quantizes to FP8
 SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
 ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
 ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
@@ -87,8 +88,10 @@ def _speculators_file_bytes(shape: StateShape) -> int:
 
 
 def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:
-    """One connector file: `hidden_states` [T, n_states, H] in the model dtype, `token_ids` [T] int64, its header."""
-    return n_tokens * (shape.token_bytes + 8) + SPECULATORS_FILE_BYTES
+    """One connector file: `hidden_states` [T, n_states, H] in the model dtype, `token_ids` [T] int64, its header.
+    FP8 states (`scale_bytes`) are quantized on the client from the servers' bf16 files: those are 2 B a value."""
+    served = StateShape(shape.n_states, shape.hidden_size, SERVED_FP8_SOURCE_BYTES) if shape.scale_bytes else shape
+    return n_tokens * (served.token_bytes + 8) + SPECULATORS_FILE_BYTES
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,8 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
     `trainer_layouts`, and for `engine: vllm` the connector files at their peak: `shard_runs` runs, each with
     `vllm_requests.rows_ahead` rows fetched ahead of its copy, taken as the longest rows. With `layout:
     speculators` and the connector's storage on the export folder's filesystem those files are renamed to
-    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states."""
+    `hs_{i}` (`vllm_handoff`), so they are no bytes beyond the states; with `quantize: fp8` they are not (the client
+    writes the FP8 `hs_{i}` beside them), so they count."""
     import pyarrow.parquet as pq
 
     from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import rows_ahead
@@ -309,7 +313,7 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
     k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
     inputs = replace(inputs, scratch_rows=sorted(lengths, reverse=True)[:k])
     same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
-    if settings.layout == "speculators" and same_fs:
+    if settings.layout == "speculators" and same_fs and settings.quantize == "none":
         note = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
         inputs = replace(inputs, scratch_counted=False, scratch_note=note)
     return inputs

@@ -61,19 +61,61 @@ def scales_for(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> torc
     if granularity not in GRANULARITIES:
         raise ValueError(f"FP8 scale granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
     dims = (-1,) if granularity == PER_TOKEN_LAYER else (-2, -1)
-    # amax in the states' own dtype is exact (and NaN if any value is), then fp32 for the scale
-    amax = states.detach().abs().amax(dim=dims, keepdim=True).to(SCALE_DTYPE)
+    amax = torch.empty((states.shape[0], *((states.shape[1], 1) if granularity == PER_TOKEN_LAYER else (1, 1))))
+    for block in _token_blocks(states):
+        # amax in the states' own dtype is exact (and NaN if any value is), then fp32 for the scale
+        amax[block] = states[block].detach().abs().amax(dim=dims, keepdim=True)
+    return scales_from_amax(amax)
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """`scales_for`'s scales from the largest |x| of each row (any shape: [T, L, 1] per token per layer)."""
+    amax = amax.to(SCALE_DTYPE)
     return torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
 
 
-def quantize(states: torch.Tensor, granularity: str = PER_TOKEN_LAYER) -> Quantized:
-    """[T, L, H] states (any float dtype) as e4m3 with fp32 scales; NaN or inf states are refused."""
-    scales = scales_for(states, granularity)
+def quantize(
+    states: torch.Tensor, granularity: str = PER_TOKEN_LAYER, *, scales: torch.Tensor | None = None
+) -> Quantized:
+    """[T, L, H] states (any float dtype) as e4m3 with fp32 scales; NaN or inf states are refused. `scales`: the
+    ones `scales_for` would give, when a check already reduced every row (`scales_from_amax`; the vLLM engine's
+    validator does), so the states are read once more only to quantize."""
+    if scales is None:
+        scales = scales_for(states, granularity)
     if not bool(torch.isfinite(scales).all()):  # amax carries any NaN or inf of its row
         raise ValueError("FP8 quantization refused: the hidden states hold NaN or inf values")
-    # The clamp only catches fp32 rounding of amax / (amax / 448) a hair above 448 (e4m3fn has no inf).
-    scaled = (states.to(SCALE_DTYPE) / scales).clamp_(-E4M3_MAX, E4M3_MAX)  # a new tensor: fp32 input untouched
-    return Quantized(states=scaled.to(FP8_DTYPE), scales=scales)
+    out = torch.empty(states.shape, dtype=FP8_DTYPE)
+    # In blocks of a few tokens through one fp32 buffer that stays in the CPU's cache: a whole row's fp32 quotient
+    # would be 4 B a value (30 GB for one of Kimi's 262k-token rows) and 2.5x slower (docs/hidden_states.md §15).
+    # Each token's values depend only on its own scales, so the result is the same.
+    buf = torch.empty((_block_tokens(states), *states.shape[1:]), dtype=SCALE_DTYPE)
+    for block in _token_blocks(states):
+        part = buf[: block.stop - block.start]
+        torch.div(states[block], scales[block], out=part)
+        # The clamp only catches fp32 rounding of amax / (amax / 448) a hair above 448 (e4m3fn has no inf).
+        out[block] = part.clamp_(-E4M3_MAX, E4M3_MAX)
+    return Quantized(states=out, scales=scales)
+
+
+_BLOCK_VALUES = 1 << 19  # 2 MB of fp32 per block: 18 tokens of Kimi's [4, 7168]
+
+
+def _block_tokens(states: torch.Tensor) -> int:
+    return max(1, _BLOCK_VALUES // max(1, states[0].numel())) if states.shape[0] else 1
+
+
+def _token_blocks(states: torch.Tensor) -> list[slice]:
+    n, step = states.shape[0], _block_tokens(states)
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def sample_file(states: torch.Tensor, token_ids: torch.Tensor, *, scales: torch.Tensor | None = None) -> bytes:
+    """speculators' FP8 `hs_{i}.safetensors` of [T, L, H] states: e4m3 `hidden_states`, fp32
+    `hidden_states_scales` [T, L, 1] and int64 `token_ids`, what its fp8 backend loads. Every engine writes it."""
+    from safetensors.torch import save
+
+    q = quantize(states, scales=scales)
+    return save({**q.tensors(), "token_ids": token_ids.to(torch.int64).contiguous()})
 
 
 def dequantize(states: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

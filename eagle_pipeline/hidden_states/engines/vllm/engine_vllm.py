@@ -100,7 +100,7 @@ def extract_shard_vllm(
     left out and recorded (`dropped_rows`; the fingerprint's `left_out`).
     """
     h, v, paths, out_dir = job.settings, job.settings.vllm, job.paths, Path(job.paths.out_dir)
-    layout_target = plan_layout_target(h.layout, paths.exports_dir / h.layout, paths.merged_dir)
+    layout_target = plan_layout_target(h.layout, paths.exports_dir / h.layout, paths.merged_dir, quantize=h.quantize)
     found_head, final_state = _checked_settings(endpoints, layout_target, model.checkpoint, model.hidden_size)
     if job.wanted.final_state != final_state:
         raise ValueError(f"the vLLM servers give the {final_state} state; the job asks for {job.wanted.final_state}")
@@ -402,8 +402,9 @@ def smoke_request(
     async def one() -> FileFacts:
         async with HttpClient(concurrency=1, timeout_s=timeout_s) as client:
             result = await run._one(client, endpoint.rstrip("/"), 0)
-        assert result.facts is not None
-        return result.facts
+        assert result.file is not None
+        result.file.close()
+        return result.file.facts
 
     try:
         return run_coroutine(one)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
+import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id, validate_aux_layers
-from eagle_pipeline.hidden_states.store.format import shard_stem
+from eagle_pipeline.hidden_states.store.format import sample_file_digest, shard_stem
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import RequestFailure
 
@@ -66,22 +68,128 @@ class FileFacts:
     dtype: torch.dtype
 
 
-def validate_states_file(
-    path: str | os.PathLike, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
-) -> FileFacts:
-    """Check one connector file against what was asked: `hidden_states` [len(ids), len(layer_ids), H], finite, no
-    all-zero position or layer, `token_ids == ids`. Raises a non-retryable RequestFailure saying what is wrong."""
-    from safetensors import safe_open
+@dataclass
+class ConnectorFile:
+    """One validated connector file, read once: its tensors are views of one private mapping of it (`map_file`), so
+    whatever follows (the copy into a shard, SpecForge's `.ckpt`, FP8 quantization, speculators' hand-off) reads
+    those pages, never the file again. `digest`: XXH3-128 of its bytes (`format.sample_file_digest`) when asked for,
+    computed in the same read. `close` once no tensor of it is held any more."""
 
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        if not {"hidden_states", "token_ids"} <= keys:
-            raise RequestFailure(
-                INVALID_STATES, f"{path}: tensors {sorted(keys)}, need hidden_states and token_ids", False
-            )
-        hs = f.get_tensor("hidden_states")
-        tok = f.get_tensor("token_ids")
-    return check_states(path, hs, tok, ids, layer_ids, hidden_size=hidden_size)
+    path: Path
+    facts: FileFacts
+    tensors: dict[str, torch.Tensor]
+    buf: mmap.mmap
+    amax: torch.Tensor  # fp32 [T, n_ids]: the largest |x| of each state vector, from the checks' own reduction
+    digest: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    @property
+    def states(self) -> torch.Tensor:
+        return self.tensors["hidden_states"]
+
+    def close(self) -> None:
+        self.tensors = {}
+        self.buf.close()
+
+
+def validate_states_file(
+    path: str | os.PathLike,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    *,
+    hidden_size: int | None = None,
+    digest: bool = False,
+) -> ConnectorFile:
+    """The one check of a connector file, for every layout: map it once, parse its safetensors header
+    (`safetensors_views`), then `hidden_states` [len(ids), len(layer_ids), H] in a float dtype the connector writes
+    (not e4m3: see `check_states`), finite, no all-zero position or layer, `token_ids` int64 (what the connector
+    writes and speculators reads) equal to `ids`. With `digest` the file's XXH3-128 comes from the same mapping
+    (speculators' `hs_{i}` is the file as it is). Raises a non-retryable RequestFailure saying what is wrong; a file
+    that cannot be mapped yet (still being written) raises OSError, which the caller retries."""
+    path = Path(path)
+    # On a refusal the mapping is left to go with the last view of it (the traceback's frames hold some).
+    buf = map_file(path)
+    # the digest first: one pass faults the pages in, and the checks below find them mapped
+    digest_hex = sample_file_digest(buf) if digest else None
+    t = safetensors_views(path, buf)
+    if not {"hidden_states", "token_ids"} <= set(t):
+        raise RequestFailure(INVALID_STATES, f"{path}: tensors {sorted(t)}, need hidden_states and token_ids", False)
+    if t["token_ids"].dtype != torch.int64:
+        raise RequestFailure(
+            INVALID_STATES, f"{path}: token_ids are {t['token_ids'].dtype}, speculators reads int64", False
+        )
+    facts, top = _checked(path, t["hidden_states"], t["token_ids"], ids, layer_ids, hidden_size)
+    return ConnectorFile(path, facts, t, buf, _magnitudes(top, facts.dtype), digest_hex)
+
+
+def map_file(path: str | os.PathLike) -> mmap.mmap:
+    """The whole file as a private mapping: its pages are read once from storage (or taken from the page cache the
+    server's write left them in), never copied into a fresh buffer (a `readinto` costs ~4x the checks, page faults
+    on new memory and a memcpy: docs/hidden_states.md §12). Writable copy-on-write so torch can view it."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:  # still being written, or torn: ask again (retryable)
+            raise RequestFailure(INVALID_STATES, f"{path}: empty file", True)
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+# safetensors dtype names of the tensors a connector file may hold (F8_E4M3: speculators' FP8 connector's).
+_ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+def safetensors_views(path: str | os.PathLike, buf: mmap.mmap) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf`, as views of it (no copy); a malformed file raises a
+    RequestFailure naming it: retryable when the file is shorter than its header says (what a file still being
+    written, or torn by a crash, looks like: the request is sent again), else not."""
+
+    def bad(msg: str, short: bool = False) -> RequestFailure:
+        return RequestFailure(INVALID_STATES, f"{path}: not a safetensors file ({msg})", short)
+
+    if len(buf) < 8:
+        raise bad(f"{len(buf)} bytes", short=True)
+    n = int.from_bytes(buf[:8], "little")
+    if n > len(buf) - 8:
+        raise bad(f"header of {n} bytes in a file of {len(buf)}", short=True)
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n]))
+    except ValueError as exc:
+        raise bad(f"header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise bad(f"header {header!r}")
+    base, out = 8 + n, {}
+    for name, d in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
+            raise bad(f"tensor {name}: entry {d!r}")
+        dtype = _ST_DTYPES.get(d["dtype"])
+        if dtype is None:
+            raise bad(f"tensor {name} has dtype {d.get('dtype')}")
+        start, stop = d["data_offsets"]
+        numel = 1
+        for s in d["shape"]:
+            numel *= int(s)
+        if stop - start != numel * dtype.itemsize:
+            raise bad(f"tensor {name}: offsets {start}..{stop} for shape {d['shape']} {d['dtype']}")
+        if base + stop > len(buf):
+            raise bad(f"tensor {name}: offsets {start}..{stop} past the end of {len(buf)} bytes", short=True)
+        flat = (
+            torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start)
+            if numel
+            else torch.empty(0, dtype=dtype)
+        )
+        out[name] = flat.view([int(s) for s in d["shape"]])
+    return out
 
 
 def check_states(
@@ -93,12 +201,34 @@ def check_states(
     *,
     hidden_size: int | None = None,
 ) -> FileFacts:
-    """`validate_states_file`'s checks on tensors already read from `path` (named in the errors)."""
+    """`validate_states_file`'s checks on tensors already read from `path` (named in the errors). e4m3 states are
+    refused: they come from speculators' `FP8HiddenStatesConnector`, whose scales are per token over all layers
+    ([T, 1, 1]); this client quantizes stock vLLM's bf16 files itself, per token per layer (docs/hidden_states.md
+    §15)."""
+    return _checked(path, hs, tok, ids, layer_ids, hidden_size)[0]
+
+
+def _checked(
+    path: str | os.PathLike,
+    hs: torch.Tensor,
+    tok: torch.Tensor,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    hidden_size: int | None,
+) -> tuple[FileFacts, np.ndarray]:
+    """`check_states`, and the [T, n] largest magnitudes its one reduction found (`_max_magnitude_bits`)."""
     n_ids, t_want = len(layer_ids), len(ids)
 
     def bad(cls: str, msg: str) -> RequestFailure:
         return RequestFailure(cls, f"{path}: {msg}", False)
 
+    if hs.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise bad(
+            INVALID_STATES,
+            f"hidden_states are {hs.dtype}: the server runs speculators' FP8HiddenStatesConnector; with "
+            "quantize: fp8 this client quantizes the bf16 files of vLLM's ExampleHiddenStatesConnector itself (one "
+            "scale per token per layer): restart the server with the command `eagle-pipeline vllm-command` prints",
+        )
     if hs.ndim != 3 or not hs.is_floating_point():
         raise bad(INVALID_STATES, f"hidden_states {hs.dtype} {tuple(hs.shape)}, expected a float [T, {n_ids}, H]")
     t, n, h = hs.shape
@@ -136,7 +266,7 @@ def check_states(
     if bool(zero.any()):
         layers = [int(layer_ids[int(j)]) for j in np.flatnonzero(zero.any(0))]
         raise bad(INVALID_STATES, f"{int(zero.sum())} all-zero state vectors (layer ids {layers})")
-    return FileFacts(t, h, hs.dtype)
+    return FileFacts(t, h, hs.dtype), top
 
 
 # dtype -> (unsigned view, magnitude mask, bits of +Inf): one integer reduction checks finiteness and zeros together
@@ -146,6 +276,14 @@ _FLOAT_BITS = {
     torch.float16: (np.uint16, 0x7FFF, 0x7C00),
     torch.float32: (np.uint32, 0x7FFFFFFF, 0x7F800000),
 }
+
+
+def _magnitudes(top: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`_max_magnitude_bits`' result as fp32 values (exact: each is one of the states' own values)."""
+    if dtype not in _FLOAT_BITS:
+        return torch.from_numpy(np.ascontiguousarray(top)).to(torch.float32)
+    signed = np.int16 if top.dtype == np.uint16 else np.int32
+    return torch.from_numpy(np.ascontiguousarray(top).view(signed)).view(dtype).to(torch.float32)
 
 
 def _max_magnitude_bits(hs: torch.Tensor) -> np.ndarray:

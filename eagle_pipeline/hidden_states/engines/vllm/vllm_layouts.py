@@ -5,17 +5,21 @@ The shard file keeps only ids and masks, as the in-process layouts do (`trainer_
 row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
 for the shard index's `sample_files`, which `shard_status`, `open_shard` and every check read.
 
+Every path reads each connector file once: `vllm_files.validate_states_file` maps it in the request worker, and the
+writer gets that mapping (`ConnectorFile`), never the file again.
+
 * speculators: the connector's file already is `hs_{i}.safetensors` (pre-norm final state, vLLM's layer order), so
-  `validate` reads it once (`vllm_handoff.read_validated`: the checks and the digest over one mapping) and `place`
-  renames it (one filesystem) or writes the mapped bytes once (`vllm_handoff.place_file`).
-* specforge: its final state is post-norm and its file a `torch.save` record, so `place` reads the validated file,
-  applies the target's final norm (`final_norm`, from the recorded head) and writes the `.ckpt` (a full rewrite:
+  `validate` adds the digest to the one read and `place` renames it (one filesystem) or writes the mapped bytes once
+  (`vllm_handoff.place_file`). With `quantize: fp8` `validate` also quantizes the mapped bf16 states in the worker
+  (`fp8.sample_file`: e4m3 with fp32 scales per token per layer) and `place` writes that FP8 `hs_{i}` (atomic); the
+  bf16 file is then deleted like any copied one.
+* specforge: its final state is post-norm and its file a `torch.save` record, so `place` applies the target's final
+  norm (`final_norm`, from the recorded head) to the mapped states and writes the `.ckpt` (a full rewrite:
   docs/hidden_states.md §12 measures it).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,8 +28,13 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError, FileFacts, validate_states_file
-from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import HandedFile, place_file, read_validated
+from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
+    ConnectorFile,
+    EngineShardError,
+    FileFacts,
+    validate_states_file,
+)
+from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import place_file
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
     SPECFORGE,
     SPECULATORS,
@@ -34,22 +43,26 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
     remove_stale_tmp,
     without_states,
 )
+from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline.hidden_states.store.format import (
     StreamingSafetensorsWriter,
+    sample_file_digest,
     sample_file_entry,
     shard_layout,
     tensor_key,
 )
 from eagle_pipeline.hidden_states.store.merged import MergedRows
 from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
+from eagle_pipeline.shared.storage import write_bytes_atomic
 
 
 class VllmLayoutRows:
     """Validates and places each connector file of one vLLM shard run in `target`'s layout.
 
-    `validate` stands in for `vllm_files.validate_states_file` in the request workers (`ShardRequests(validate=...)`);
-    `place` is called by the shard's writer in row order; `files` are the shard index's `sample_files`; `close`
-    releases what a failed run validated but never placed (its files stay for the journal to delete)."""
+    `validate` is `vllm_files.validate_states_file` as the request workers call it for this layout
+    (`ShardRequests(validate=...)`); `place` is called by the shard's writer in row order; `files` are the shard
+    index's `sample_files`; `close` drops what a failed run validated but never placed (its files stay for the
+    journal to delete)."""
 
     def __init__(
         self,
@@ -66,49 +79,52 @@ class VllmLayoutRows:
             raise ValueError("the specforge layout holds the post-norm final state: the target's final norm is needed")
         self.target, self.out_dir, self.masks, self.n_aux, self.final_norm = target, out_dir, masks, n_aux, final_norm
         remove_stale_tmp(target, list(masks))  # a copy a killed run of this shard left half written
-        self._validated: dict[Path, tuple[HandedFile, mmap.mmap]] = {}
+        self._quantized: dict[Path, bytes] = {}  # validated rows' FP8 hs_{i}, until placed
         self.files: list[dict[str, Any]] = []
         self._specforge: SampleFilesWriter | None = None
 
+    @property
+    def _fp8(self) -> bool:
+        return self.target.quantize == fp8.QUANTIZE_FP8
+
     def validate(
         self, path: Path, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
-    ) -> FileFacts:
-        if self.target.name == SPECFORGE:
-            return validate_states_file(path, ids, layer_ids, hidden_size=hidden_size)
-        handed, buf = read_validated(path, ids, layer_ids, hidden_size=hidden_size)
-        old = self._validated.pop(Path(path), None)
-        if old is not None:
-            old[1].close()
-        self._validated[Path(path)] = (handed, buf)
-        return handed.facts
+    ) -> ConnectorFile:
+        as_is = self.target.name == SPECULATORS and not self._fp8  # the file becomes hs_{i}: its digest is the record
+        file = validate_states_file(path, ids, layer_ids, hidden_size=hidden_size, digest=as_is)
+        if self._fp8:  # here, in the request worker, so rows quantize side by side while the writer places others
+            # the scales from the validator's own reduction: the mapped states are read once more, to quantize
+            scales = fp8.scales_from_amax(file.amax.unsqueeze(-1))
+            self._quantized[file.path] = fp8.sample_file(file.states, file.tensors["token_ids"], scales=scales)
+        return file
 
-    def place(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
-        """Put row `sample_id`'s validated connector file `path` into the trainer's layout, and record it."""
+    def place(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
+        """Put row `sample_id`'s validated connector file into the trainer's layout, and record it."""
         rel = self.target.file_of.get(sample_id)
         if rel is None:
             raise ValueError(
                 f"sample {sample_id!r} has no file in the {self.target.name} layout: the merged table changed"
             )
         if self.target.name == SPECFORGE:
-            self._place_specforge(sample_id, path, input_ids)
+            self._place_specforge(sample_id, file, input_ids)
             return
-        handed, buf = self._validated.pop(Path(path))
         dst = self.target.root / rel
-        try:
-            place_file(path, dst, buf)
-        finally:
-            buf.close()
-        self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), handed.size, handed.digest))
+        if self._fp8:
+            data = self._quantized.pop(file.path)
+            write_bytes_atomic(data, dst)
+            size, digest = len(data), sample_file_digest(data)
+        else:
+            place_file(file.path, dst, file.buf)
+            assert file.digest is not None
+            size, digest = file.size, file.digest
+        self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), size, digest))
 
-    def _place_specforge(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
-        from safetensors import safe_open
-
+    def _place_specforge(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
         assert self.final_norm is not None
         if self._specforge is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
             self._specforge = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
             self.files = self._specforge.files
-        with safe_open(str(path), framework="pt") as f:
-            hs = f.get_tensor("hidden_states")
+        hs = file.states
         t, h = int(hs.shape[0]), int(hs.shape[2])
         tensors = {
             "aux_hidden_states": hs[:, : self.n_aux].reshape(t, self.n_aux * h),
@@ -118,9 +134,7 @@ class VllmLayoutRows:
         self._specforge.write_sample(sample_id, tensors)
 
     def close(self) -> None:
-        for _, buf in self._validated.values():
-            buf.close()
-        self._validated.clear()
+        self._quantized.clear()
 
 
 class VllmShardFile:
@@ -159,9 +173,8 @@ class VllmShardFile:
         self.facts = facts
         return StreamingSafetensorsWriter(self.fh, layout, self.header(facts))
 
-    def __call__(self, i: int, path: Path, facts: FileFacts) -> None:
-        from safetensors import safe_open
-
+    def __call__(self, i: int, file: ConnectorFile) -> None:
+        facts, path = file.facts, file.path
         if self.writer is None:
             self.writer = self._open(facts)
         first, rows, n_aux = self.facts, self.rows, self.n_aux
@@ -175,10 +188,9 @@ class VllmShardFile:
         t, sid, w = facts.tokens, rows.sample_ids[i], self.writer
         if self.placed is not None:
             w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
-            self.placed.place(sid, path, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
+            self.placed.place(sid, file, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
             return
-        with safe_open(str(path), framework="pt") as f:
-            hs = f.get_tensor("hidden_states")
+        hs = file.states
         w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :n_aux].reshape(t, n_aux * facts.hidden_size))
         w.write(tensor_key(sid, "final_hidden_state"), hs[:, n_aux])
         w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))

@@ -18,8 +18,8 @@ from typing import Any
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     NO_KV_TRANSFER,
     PROMPT_IDS_MISMATCH,
+    ConnectorFile,
     EngineShardError,
-    FileFacts,
     delete_request_files,
     server_file_path,
     validate_states_file,
@@ -40,7 +40,7 @@ def rows_ahead(concurrency: int, n_endpoints: int) -> int:
 @dataclass
 class RowFile:
     path: Path | None = None
-    facts: FileFacts | None = None
+    file: ConnectorFile | None = None  # validated, its mapping held until the writer has copied it
 
 
 class ShardRequests:
@@ -61,10 +61,10 @@ class ShardRequests:
         max_retries: int,
         backoff_base_s: float,
         journal: Any,
-        write_row: Callable[[int, Path, FileFacts], None],
+        write_row: Callable[[int, ConnectorFile], None],
         log: Callable[[str], None] | None,
         progress: ProgressCallback | None,
-        validate: Callable[..., FileFacts] = validate_states_file,
+        validate: Callable[..., ConnectorFile] = validate_states_file,
     ) -> None:
         self.rows, self.shard_index = rows, shard_index
         self.endpoints = [e.rstrip("/") for e in endpoints]
@@ -72,8 +72,9 @@ class ShardRequests:
         self.concurrency, self.timeout_s, self.max_retries = concurrency, timeout_s, max_retries
         self.backoff_base_s = backoff_base_s
         self.journal, self.write_row, self.log, self.progress = journal, write_row, log, progress
-        # `validate(path, ids, layer_ids, hidden_size=)`: a trainer layout's own reads the file once for its hand-off
-        # (vllm_layouts.VllmLayoutRows.validate); its failures are the same RequestFailures.
+        # `validate(path, ids, layer_ids, hidden_size=)`: `vllm_files.validate_states_file`, or a trainer layout's
+        # use of it (vllm_layouts.VllmLayoutRows.validate: the digest, FP8 quantization); the same RequestFailures.
+        # Either way the file is read once: the writer gets the validated mapping.
         self.validate = validate
         self.results: list[RowFile] = [RowFile() for _ in range(len(rows))]
         self.attempts = [0] * len(rows)
@@ -119,11 +120,13 @@ class ShardRequests:
                         self.fatal.result()
                     self.compute_seconds = time.perf_counter() - t0
                     row = self.results[i]
-                    assert row.path is not None and row.facts is not None
+                    assert row.path is not None and row.file is not None
                     tw = time.perf_counter()
-                    await asyncio.to_thread(self.write_row, i, row.path, row.facts)
+                    await asyncio.to_thread(self.write_row, i, row.file)
                     # Copied into the shard's temporary file: no run ever reads it again (a shard that does not
                     # commit is redone from its first request), so it leaves the connector's storage now.
+                    row.file.close()
+                    row.file = None
                     delete_request_files([row.path])
                     self.write_seconds += time.perf_counter() - tw
                     async with self._advanced:
@@ -136,6 +139,10 @@ class ShardRequests:
                 for w in workers:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
+                for row in self.results:  # validated, never written: the run failed
+                    if row.file is not None:
+                        row.file.close()
+                        row.file = None
 
     def _may_retry_on(self, i: int, endpoint: str) -> bool:
         """A row goes back to an endpoint that failed it only once every endpoint has (or there is one)."""
@@ -245,10 +252,9 @@ class ShardRequests:
             )
         deadline = time.monotonic() + self.timeout_s
         await wait_for_lock(path, deadline, self.timeout_s)
-        facts = await self._validated(path, ids, deadline)
-        return RowFile(path, facts)
+        return RowFile(path, await self._validated(path, ids, deadline))
 
-    async def _validated(self, path: Path, ids: list[int], deadline: float) -> FileFacts:
+    async def _validated(self, path: Path, ids: list[int], deadline: float) -> ConnectorFile:
         """Wait for the file to exist and be readable (it may appear late or still be growing), then validate."""
         while True:
             if path.exists():

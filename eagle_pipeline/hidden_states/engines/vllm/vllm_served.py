@@ -180,7 +180,9 @@ def target_without_too_long(target: Any, merged_dir: str | Path, max_model_len: 
         gone.update(
             s for s, n in zip(t["sample_id"].to_pylist(), t["n_tokens"].to_pylist()) if too_long(n, max_model_len)
         )
-    return plan_layout_target(target.name, target.root, merged_dir, left_out=gone) if gone else target
+    if not gone:
+        return target
+    return plan_layout_target(target.name, target.root, merged_dir, left_out=gone, quantize=target.quantize)
 
 
 def apply_length_limit(
