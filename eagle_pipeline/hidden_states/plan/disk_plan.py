@@ -6,7 +6,8 @@ ids and masks a shard keeps beside a trainer's files, speculators' Arrow dataset
 their peak (the rows fetched ahead of the copy), and each trainer copy listed in `hidden_states.trainer_layouts`.
 `check_disk` compares them, before a shard run sends its first request, with `hidden_states.disk_budget_gb` (the
 whole plan) and with the free space of each filesystem they land on (only what is still to be written: done shards
-are already on disk). Torch-free: the plan runs before any model is near.
+are already on disk). Each layout's bytes per token and per sample are its object's
+(`trainer_layouts.Layout.disk_rates`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHARDS, SPECFORGE, SPECULATORS = "shards", "specforge", "speculators"
-IDS_BYTES = 4  # int32 input_ids in a shard
-MASK_BYTES = 1  # int8 loss_mask in a shard
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+    HIDDEN_STATES,
+    SPECULATORS_FILE_BYTES,
+    layout_of,
+)
+from eagle_pipeline.hidden_states.settings import SHARDS
+
 # Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
-PROJECT_SHARD_SAMPLE_BYTES = 640  # four safetensors header entries (~90 B each) + the index row (~380 B measured)
-IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B)
 SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the index's Parquet footer (~8.3 KB)
-SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
-SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
 FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
-SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
-ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
-ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
-# Places items land on, resolved to paths by the caller (`run.disk_places`).
-HIDDEN_STATES, EXPORTS, CONNECTOR = "hidden_states", "exports", "connector"
+CONNECTOR = "connector"  # where the vLLM connector's files land; a layout's own places: `trainer_layouts`
 
 
 @dataclass(frozen=True)
@@ -51,28 +48,9 @@ class StateShape:
 
 
 def layout_rates(layout: str, shape: StateShape, *, direct: bool = True) -> list[tuple[str, str, int, int]]:
-    """(what, place, bytes per token, bytes per sample) of each part `layout` writes (the shard files add
-    SHARD_FILE_BYTES each). `direct`: extraction writes the layout (the shards keep ids and masks); otherwise a
-    copy converted from the shards (the files alone)."""
-    state = shape.token_bytes
-    if layout == SHARDS:
-        return [("states: project shards", HIDDEN_STATES, state + IDS_BYTES + MASK_BYTES, PROJECT_SHARD_SAMPLE_BYTES)]
-    if layout == SPECULATORS:
-        parts = [
-            ("states: speculators hs_{i}.safetensors", EXPORTS, state + 8, _speculators_file_bytes(shape)),
-            ("speculators Arrow dataset (ids, masks)", EXPORTS, ARROW_TOKEN_BYTES, ARROW_SAMPLE_BYTES),
-        ]
-    elif layout == SPECFORGE:
-        parts = [("states: SpecForge {sample_id}.ckpt", EXPORTS, state + 16, SPECFORGE_FILE_BYTES)]
-    else:
-        raise ValueError(f"unknown layout {layout!r}")
-    if not direct:
-        return [(f"copy for trainer_layouts: {what}", place, t, s) for what, place, t, s in parts]
-    return [("ids and masks in the shards", HIDDEN_STATES, IDS_BYTES + MASK_BYTES, IDS_SHARD_SAMPLE_BYTES), *parts]
-
-
-def _speculators_file_bytes(shape: StateShape) -> int:
-    return SPECULATORS_FP8_FILE_BYTES if shape.scale_bytes else SPECULATORS_FILE_BYTES
+    """(what, place, bytes per token, bytes per sample) of each part `layout` writes: its object's
+    `Layout.disk_rates` (the shard files add SHARD_FILE_BYTES each)."""
+    return layout_of(layout).disk_rates(shape.token_bytes, quantized=bool(shape.scale_bytes), direct=direct)
 
 
 def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:

@@ -11,10 +11,6 @@ from typing import Any
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
 from eagle_pipeline.hidden_states.plan.disk_plan import (
     FP8_SCALE_BYTES,
-    IDS_BYTES,
-    MASK_BYTES,
-    PROJECT_SHARD_SAMPLE_BYTES,
-    SHARDS,
     DiskBudgetExceeded,
     FilesystemNeed,
     StateShape,
@@ -22,7 +18,9 @@ from eagle_pipeline.hidden_states.plan.disk_plan import (
     disk_items,
     free_bytes,
 )
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8, QUANTIZE_NONE
+from eagle_pipeline.hidden_states.store.shard_index import IDS_BYTES, MASK_BYTES, PROJECT_SHARD_SAMPLE_BYTES
 from eagle_pipeline.shared.storage import read_json
 
 __all__ = ["DiskBudgetExceeded", "ExtractionPlan", "check_disk_budget", "plan_extraction", "plan_for_model"]

@@ -17,6 +17,7 @@ from eagle_pipeline.hidden_states.models.model import (
 )
 from eagle_pipeline.hidden_states.models.world_split import ExpertsReplicated, rank_share, world_ep_size
 from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan, plan_for_model
+from eagle_pipeline.hidden_states.settings import SHARDS
 
 if TYPE_CHECKING:
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
@@ -99,7 +100,7 @@ def plan_for_run(
     gpus_per_server: int = 8,
     tp_size: int = 2,
     ep_size: int | None = None,
-    layout: str = "shards",
+    layout: str = SHARDS,
     disk: Mapping[str, Any] | None = None,
     quantize: str = "none",
 ) -> dict[str, ExtractionPlan]:

@@ -5,12 +5,13 @@ The shard file keeps only ids and masks, as the in-process layouts do (`trainer_
 row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
 for the shard index's `sample_files`, which `shard_status`, `open_shard` and every check read.
 
-* speculators: the connector's file already is `hs_{i}.safetensors` (pre-norm final state, vLLM's layer order), so
-  `validate` reads it once (`vllm_handoff.read_validated`: the checks and the digest over one mapping) and `place`
-  renames it (one filesystem) or writes the mapped bytes once (`vllm_handoff.place_file`).
-* specforge: its final state is post-norm and its file a `torch.save` record, so `place` reads the validated file,
-  applies the target's final norm (`final_norm`, from the recorded head) and writes the `.ckpt` (a full rewrite:
-  docs/hidden_states.md §12 measures it).
+* A layout whose file the connector's already is (`Layout.takes_connector_file`: speculators' `hs_{i}.safetensors`,
+  pre-norm final state, vLLM's layer order): `validate` reads it once (`vllm_handoff.read_validated`: the checks and
+  the digest over one mapping) and `place` renames it (one filesystem) or writes the mapped bytes once
+  (`vllm_handoff.place_file`).
+* Any other (SpecForge's `torch.save` record): `place` reads the validated file, brings the final state to the
+  layout's convention (a post-norm one applies the target's final norm, `final_norm`, from the recorded head) and
+  writes the layout's file (`TrainerLayout.serialise`; a full rewrite: docs/hidden_states.md §12 measures it).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError, FileFacts, validate_states_file
 from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import HandedFile, place_file, read_validated
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    SPECFORGE,
-    SPECULATORS,
     LayoutTarget,
     SampleFilesWriter,
     remove_stale_tmp,
+    trainer_layout,
     without_states,
 )
 from eagle_pipeline.hidden_states.store.format import (
@@ -60,20 +61,21 @@ class VllmLayoutRows:
         *,
         final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        if target.name not in (SPECULATORS, SPECFORGE):
-            raise ValueError(f"{target.name!r} is not a trainer layout")
-        if target.name == SPECFORGE and final_norm is None:
-            raise ValueError("the specforge layout holds the post-norm final state: the target's final norm is needed")
+        layout = trainer_layout(target.name)
+        if layout.final_state == POST_NORM and final_norm is None:
+            raise ValueError(
+                f"the {layout.name} layout holds the post-norm final state: the target's final norm is needed"
+            )
         self.target, self.out_dir, self.masks, self.n_aux, self.final_norm = target, out_dir, masks, n_aux, final_norm
         remove_stale_tmp(target, list(masks))  # a copy a killed run of this shard left half written
         self._validated: dict[Path, tuple[HandedFile, mmap.mmap]] = {}
         self.files: list[dict[str, Any]] = []
-        self._specforge: SampleFilesWriter | None = None
+        self._rewrite: SampleFilesWriter | None = None  # a layout whose file is not the connector's
 
     def validate(
         self, path: Path, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
     ) -> FileFacts:
-        if self.target.name == SPECFORGE:
+        if not self.target.layout.takes_connector_file:
             return validate_states_file(path, ids, layer_ids, hidden_size=hidden_size)
         handed, buf = read_validated(path, ids, layer_ids, hidden_size=hidden_size)
         old = self._validated.pop(Path(path), None)
@@ -89,8 +91,8 @@ class VllmLayoutRows:
             raise ValueError(
                 f"sample {sample_id!r} has no file in the {self.target.name} layout: the merged table changed"
             )
-        if self.target.name == SPECFORGE:
-            self._place_specforge(sample_id, path, input_ids)
+        if not self.target.layout.takes_connector_file:
+            self._rewrite_file(sample_id, path, input_ids)
             return
         handed, buf = self._validated.pop(Path(path))
         dst = self.target.root / rel
@@ -100,22 +102,25 @@ class VllmLayoutRows:
             buf.close()
         self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), handed.size, handed.digest))
 
-    def _place_specforge(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
+    def _rewrite_file(self, sample_id: str, path: Path, input_ids: torch.Tensor) -> None:
         from safetensors import safe_open
 
-        assert self.final_norm is not None
-        if self._specforge is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
-            self._specforge = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
-            self.files = self._specforge.files
+        if self._rewrite is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
+            self._rewrite = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
+            self.files = self._rewrite.files
         with safe_open(str(path), framework="pt") as f:
             hs = f.get_tensor("hidden_states")
         t, h = int(hs.shape[0]), int(hs.shape[2])
+        final = hs[:, self.n_aux]  # the servers' state, pre-norm
+        if self.target.layout.final_state == POST_NORM:
+            assert self.final_norm is not None  # checked when made
+            final = self.final_norm(final)
         tensors = {
             "aux_hidden_states": hs[:, : self.n_aux].reshape(t, self.n_aux * h),
-            "final_hidden_state": self.final_norm(hs[:, self.n_aux]),
+            "final_hidden_state": final,
             "input_ids": input_ids,
         }
-        self._specforge.write_sample(sample_id, tensors)
+        self._rewrite.write_sample(sample_id, tensors)
 
     def close(self) -> None:
         for _, buf in self._validated.values():
