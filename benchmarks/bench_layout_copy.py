@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import SPECFORGE
 from eagle_pipeline.hidden_states.engines.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     check_states,
@@ -50,7 +51,7 @@ from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     validate_states_file,
 )
 from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import hand_off, place_file
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import SPECFORGE, serialise
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import trainer_layout
 from eagle_pipeline.hidden_states.store.format import (
     StreamingSafetensorsWriter,
     sample_file_digest,
@@ -168,7 +169,7 @@ def specforge(files: list[tuple[Path, list[int]]], export: Path, head: TargetHea
             "aux_hidden_states": hs[:, :N_AUX].reshape(t, N_AUX * H),
             "final_hidden_state": head.final_norm(hs[:, N_AUX]),
         }
-        data = serialise(SPECFORGE, tensors, N_AUX, H)
+        data = trainer_layout(SPECFORGE).serialise(tensors, N_AUX, H)
         write_bytes_atomic(data, export / "train" / f"s{i}.ckpt")
         sample_file_digest(data)
         del hs, tensors

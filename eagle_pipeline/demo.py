@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
+from eagle_pipeline.drafter_types import TRAINERS
 from eagle_pipeline.shared.storage import DataRoot, read_json
 
 # The event stream goes to the instance (and the UI); the console gets progress lines and problems only.
@@ -131,7 +132,7 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str],
         print(
             f"  stale = built from audits that are no longer current: {describe_stale(merged_stale or exports_stale)}"
         )
-    for name in ("specforge", "speculators"):
+    for name in TRAINERS:  # each trainer layout exports into the folder of its name
         export = root.exports_dir / name / "export.json"
         if export.exists():
             e = read_json(export)

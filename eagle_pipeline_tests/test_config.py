@@ -537,11 +537,11 @@ def test_hidden_states_layout_and_audit_keys(tmp_path):
 def test_settings_defaults_are_the_cores():
     """A setting's default is the core's own where the core has one: the file and the Python API agree."""
     from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
-    from eagle_pipeline.hidden_states.engines.batching import DEFAULT_MAX_TOKENS_PER_BATCH
     from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunShard
     from eagle_pipeline.hidden_states.run import extract_shard
+    from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
 
-    assert HiddenStatesConfig().max_tokens_per_batch == DEFAULT_MAX_TOKENS_PER_BATCH
+    assert HiddenStatesConfig().max_tokens_per_batch == DEFAULT_MAX_TOKENS_PER_BATCH == 8192
     assert extract_shard.__kwdefaults__["max_tokens_per_batch"] == DEFAULT_MAX_TOKENS_PER_BATCH
     assert TorchrunShard.__dataclass_fields__["max_tokens_per_batch"].default == DEFAULT_MAX_TOKENS_PER_BATCH
     assert GenerationSettings().progress_every_s == DEFAULT_PROGRESS_EVERY_S == 30.0

@@ -15,27 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from eagle_pipeline.drafter_types import PRE_NORM, SPECFORGE
 from eagle_pipeline.hidden_states.engines.engine import EngineResult, ExtractionPaths, Log, ShardEngine, ShardJob
 from eagle_pipeline.hidden_states.engines.engine_in_process import InProcessEngine, PreloadedModel
 from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunEngine
 from eagle_pipeline.hidden_states.engines.runtime import fingerprint_for_config
 from eagle_pipeline.hidden_states.engines.vllm.vllm_command import VLLMEngine
-from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    SHARDS,
-    SPECFORGE,
-    SPECULATORS,
-    LayoutTarget,
-    StatesExportSummary,
-)
+from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST, StatesExportSummary
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, LayoutTarget, TrainerLayout
 from eagle_pipeline.hidden_states.models.layers import get_backbone, token_embedding
 from eagle_pipeline.hidden_states.models.model import TINY_RANDOM
 from eagle_pipeline.hidden_states.plan.disk_plan import PLAN_FILE, check_disk_for_run, check_export_room, disk_inputs
 from eagle_pipeline.hidden_states.plan.estimate import ExtractionPlan, Workload
 from eagle_pipeline.hidden_states.plan.run_plan import plan_for_run
-from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
+from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH, SHARDS
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
-from eagle_pipeline.hidden_states.store.head import PRE_NORM
 from eagle_pipeline.hidden_states.store.shards import ShardSummary, prepare_shard, shard_state
 from eagle_pipeline.shared.progress import ProgressCallback
 from eagle_pipeline.shared.storage import write_json_atomic
@@ -161,7 +155,7 @@ def extract_shard(
         max_tokens_per_batch=max_tokens_per_batch,
         device=device,
         on_settings_change=on_mismatch,  # type: ignore[arg-type]
-        layout=layout,  # type: ignore[arg-type]
+        layout=layout,
         quantize=quantize,  # type: ignore[arg-type]
     )
     run = run_shard(
@@ -199,40 +193,33 @@ def export_for_trainers(
     extraction (a CPU pod after GPU pods)."""
     from eagle_pipeline.audit.records import audit_stamps
     from eagle_pipeline.hidden_states.checks.stored_audits import summarize_audits
-    from eagle_pipeline.hidden_states.layouts.trainer_exports import export_specforge_states, export_speculators_states
     from eagle_pipeline.hidden_states.store.shards import require_shards_ready
     from eagle_pipeline.merge import export_hf_parquet, export_specforge_jsonl
+    from eagle_pipeline.merge.vocab import DRAFT_VOCAB_PT
     from eagle_pipeline.shared.storage import read_json
 
     out = root.exports_dir
     wanted = fingerprint_for_config(settings, merged_dir=root.merged_dir, vocab_size=vocab_size, pin_dtype=False)
     states = require_shards_ready(root.hidden_states_dir, root.merged_dir, wanted)
     shard_keys = [f"{s.shard_index:05d}" for s in states]
-    spec = export_specforge_jsonl(root.merged_dir, out / "specforge" / "train.jsonl", split="train")
+    spec = export_specforge_jsonl(root.merged_dir, out / SPECFORGE / "train.jsonl", split="train")
     hf = export_hf_parquet(root.merged_dir, out / "hf_parquet")
-    # The layout extraction wrote directly is always completed (its small files); others are converted copies.
-    layouts = set(settings.trainer_layouts) | ({settings.layout} - {"shards"})
+    # The layout extraction wrote directly is always completed (its small files); others are converted copies. In
+    # the registry's order, which is the manifest's.
+    chosen = {*settings.trainer_layouts, settings.layout}
+    layouts = [o for n, o in LAYOUTS.items() if n in chosen and isinstance(o, TrainerLayout)]
     exported: dict[str, StatesExportSummary] = {}
     # Copied beside the states when built (the draft_vocab asset); the export's summary records where it is, or None.
-    vocab_pt = root.draft_vocab_dir / "draft_vocab.pt"
-    if "specforge" in layouts:
-        check_export_room(root.hidden_states_dir, out / "specforge", SPECFORGE)
-        exported["specforge_offline"] = export_specforge_states(
+    vocab_built = (root.draft_vocab_dir / DRAFT_VOCAB_PT).exists()
+    for layout in layouts:
+        check_export_room(root.hidden_states_dir, out / layout.name, layout.name)
+        exported[layout.export_format] = layout.export(
             root.hidden_states_dir,
             root.merged_dir,
-            out / "specforge",
-            draft_vocab_pt=vocab_pt if vocab_pt.exists() else None,
+            out / layout.name,
+            draft_vocab_dir=root.draft_vocab_dir if vocab_built else None,
             drafters=settings.drafters,
-            layout=settings.layout,
-        )
-    if "speculators" in layouts:
-        check_export_room(root.hidden_states_dir, out / "speculators", SPECULATORS)
-        exported["speculators_offline"] = export_speculators_states(
-            root.hidden_states_dir,
-            root.merged_dir,
-            out / "speculators",
-            draft_vocab_dir=root.draft_vocab_dir if vocab_pt.exists() else None,
-            drafters=settings.drafters,
+            extraction_layout=settings.layout,
             verifier=settings.model if settings.model != TINY_RANDOM else None,
         )
     manifest = {

@@ -16,7 +16,15 @@ from pydantic import BeforeValidator, Field, ValidationInfo
 from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
-from eagle_pipeline.drafter_types import DEFAULT_DRAFTERS, DRAFTER_TYPES, drafter_problems, model_depth
+from eagle_pipeline.drafter_types import (
+    DEFAULT_DRAFTERS,
+    DRAFTER_TYPES,
+    SPECFORGE,
+    SPECULATORS,
+    TRAINERS,
+    drafter_problems,
+    model_depth,
+)
 from eagle_pipeline.shared.spec_model import (
     SPEC_CONFIG,
     Bool,
@@ -89,6 +97,12 @@ class TorchrunConfig(SpecBase):
 
 
 DrafterType = Literal[DRAFTER_TYPES]  # type: ignore[valid-type]
+# `hidden_states.layout`: the project's own shard files, or a trainer's own files (named by the trainer). The names
+# are defined here once, where the configuration takes them; each names one object of `trainer_layouts.LAYOUTS`.
+SHARDS = "shards"
+LAYOUT_NAMES = (SHARDS, *TRAINERS)
+LayoutName = Literal[LAYOUT_NAMES]  # type: ignore[valid-type]
+TrainerName = Literal[TRAINERS]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True, config=SPEC_CONFIG)
@@ -100,7 +114,7 @@ class DrafterSpec(SpecBase):
 
     type: DrafterType
     layers: Annotated[Int, Field(ge=1)] | None = None  # target layers the draft reads (e.g. a 5-layer DFlash)
-    trainers: tuple[Literal["specforge", "speculators"], ...] | None = None  # None: every exported one that can
+    trainers: tuple[TrainerName, ...] | None = None  # None: every exported one that can
 
 
 # Padded tokens per forward when none is given: the Python API's, torchrun's and `max_tokens_per_batch`'s default.
@@ -138,10 +152,10 @@ class HiddenStatesConfig(SpecBase):
     texts_by_extraction_model: Bool | None = None
     teacher_min_top1: Annotated[Float, Field(ge=0, le=1)] | None = None
     # Where the states live: the project's shards, or a trainer's own files written by extraction (no copy).
-    layout: Literal["shards", "specforge", "speculators"] = "shards"
+    layout: LayoutName = SHARDS
     # Trainer layouts derived from the shards by trainer_exports: each is a full copy of the states (7.94 TB at Kimi
     # scale), so none unless listed.
-    trainer_layouts: tuple[Literal["specforge", "speculators"], ...] = ()
+    trainer_layouts: tuple[TrainerName, ...] = ()
     # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/store/fp8.py,
     # docs/hidden_states.md §15). For now with layout: speculators, under every engine (vllm: quantized on the client
     # from the servers' bf16 files).
@@ -180,7 +194,7 @@ def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
     if data.get("quantize") != "fp8":
         return []
     problems: list[Problem] = []
-    if data.get("layout", "shards") != "speculators":
+    if data.get("layout", SHARDS) != SPECULATORS:
         problems.append(
             (
                 ("quantize",),
@@ -188,7 +202,7 @@ def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
                 "the project's shards and SpecForge's .ckpt hold bf16/fp32 states only",
             )
         )
-    if "specforge" in (data.get("trainer_layouts") or ()):
+    if SPECFORGE in (data.get("trainer_layouts") or ()):
         problems.append(
             (
                 ("trainer_layouts",),
@@ -209,8 +223,8 @@ def _drafters_problems(data: Mapping[str, Any]) -> list[Problem]:
     aux = data.get("aux_layers")
     n_aux = aux if isinstance(aux, int) else len(aux) if isinstance(aux, (list, tuple)) and aux else 3
     layouts = data.get("trainer_layouts", ())
-    layout = data.get("layout", "shards")
-    trainers = sorted(set(layouts if isinstance(layouts, (list, tuple)) else ()) | ({layout} - {"shards"}))
+    layout = data.get("layout", SHARDS)
+    trainers = sorted(set(layouts if isinstance(layouts, (list, tuple)) else ()) | ({layout} & set(TRAINERS)))
     model = data.get("model")
     return drafter_problems(
         [

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import EXPORTS, HIDDEN_STATES
 from eagle_pipeline.hidden_states.plan.disk_plan import (
     CONNECTOR,
-    EXPORTS,
-    HIDDEN_STATES,
     DiskBudgetExceeded,
     DiskInputs,
     StateShape,
@@ -34,7 +33,7 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
     files on disk, and no file is left out of the plan."""
     import pyarrow.parquet as pq
 
-    from eagle_pipeline.hidden_states.layouts.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import layout_of, plan_layout_target
     from eagle_pipeline.hidden_states.run import extract_shard
 
     rows = make_rows(12, seed=2, min_len=20, max_len=60)
@@ -48,7 +47,7 @@ def test_the_plan_s_bytes_are_the_bytes_extraction_writes(layout, tiny_ds, merge
             shard_index=shard,
             shard_size=6,
             out_dir=hs,
-            final_state=final_state_for_layout(layout),
+            final_state=layout_of(layout).final_state,
             layout_target=target,
         )
     cfg = tiny_ds.config

@@ -10,12 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_pipeline.hidden_states.layouts.trainer_exports import (
-    export_specforge_states,
-    export_speculators_states,
-    train_data_ratio,
+from eagle_pipeline.drafter_types import SPECFORGE, SPECULATORS
+from eagle_pipeline.hidden_states.layouts.trainer_exports import train_data_ratio
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+    LAYOUTS,
+    load_sample,
+    trainer_layout,
+    trainer_layout_names,
 )
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.run import extract_shard
 
@@ -52,7 +54,7 @@ def test_specforge_offline_files_follow_its_contract(extracted, normed_model, tm
     out = tmp_path / "exports" / "specforge"
     (out / "train").mkdir(parents=True)
     torch.save({}, out / "train" / "stale.ckpt")
-    s = export_specforge_states(hs, merged, out, draft_vocab_pt=vocab / "draft_vocab.pt")
+    s = LAYOUTS[SPECFORGE].export(hs, merged, out, draft_vocab_dir=vocab)
     assert s.rows == {"train": 11, "eval": 3} and s.final_state == "post_norm"
     # SpecForge's reader: every *.ckpt under the folder (recursively), torch.load(mmap=True), one sample per file.
     found = {}
@@ -90,7 +92,7 @@ def test_speculators_offline_files_follow_its_contract(extracted, normed_model, 
     out = tmp_path / "exports" / "speculators"
     (out / "hidden_states").mkdir(parents=True)
     (out / "hidden_states" / "hs_99.safetensors").write_bytes(b"stale")
-    s = export_speculators_states(hs, merged, out, draft_vocab_dir=vocab)
+    s = LAYOUTS[SPECULATORS].export(hs, merged, out, draft_vocab_dir=vocab)
     # speculators' ArrowDataset: load_from_disk(data_path), torch format, seq_len, then split by the ratio.
     data = datasets.load_from_disk(str(out))
     assert data.format["type"] == "torch"
@@ -129,7 +131,7 @@ def test_speculators_refuses_post_norm_shards(normed_model, merged_factory, tmp_
     hs = tmp_path / "hs"
     extract_shard(normed_model, merged, shard_index=0, shard_size=4, out_dir=hs, final_state="post_norm")
     with pytest.raises(ValueError, match="shard 0 stores the final state post-norm"):
-        export_speculators_states(hs, merged, tmp_path / "spec")
+        LAYOUTS[SPECULATORS].export(hs, merged, tmp_path / "spec")
 
 
 def test_export_refuses_missing_shards(extracted, tmp_path):
@@ -137,7 +139,7 @@ def test_export_refuses_missing_shards(extracted, tmp_path):
     for p in hs.glob("shard-00001.*"):
         p.unlink()
     with pytest.raises(ValueError, match="6 merged rows have no hidden states"):
-        export_specforge_states(hs, merged, tmp_path / "sf")
+        LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "sf")
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
@@ -182,21 +184,21 @@ def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merge
         got, want = load_sample(hs, r["sample_id"]), load_sample(ref, r["sample_id"])
         assert all(torch.equal(got[n], want[n]) for n in want)
     if layout == "speculators":
-        s = export_speculators_states(hs, merged, out)
+        s = LAYOUTS[SPECULATORS].export(hs, merged, out)
         assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
         order = [r for r in rows if r["split"] == "train"] + [r for r in rows if r["split"] == "eval"]
         for i, r in enumerate(order):
             states = load_file(out / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
             assert torch.equal(states[:, -1], load_sample(ref, r["sample_id"])["final_hidden_state"])
-        derived = export_specforge_states(hs, merged, tmp_path / "exports" / "specforge")  # the other trainer: a copy
+        derived = LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "exports" / "specforge")  # the other trainer: a copy
         assert derived.bytes_written > 0
     else:
-        s = export_specforge_states(hs, merged, out)
+        s = LAYOUTS[SPECFORGE].export(hs, merged, out)
         assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
         rec = torch.load(out / rows[0]["split"] / f"{rows[0]['sample_id']}.ckpt", mmap=True)
         assert torch.equal(rec["hidden_state"][0], load_sample(ref, rows[0]["sample_id"])["final_hidden_state"])
         with pytest.raises(ValueError, match="post-norm"):
-            export_speculators_states(hs, merged, tmp_path / "exports" / "speculators")
+            LAYOUTS[SPECULATORS].export(hs, merged, tmp_path / "exports" / "speculators")
     # A damaged trainer file makes its shard partial; extraction then redoes it.
     victim = next(out.rglob("*.ckpt" if layout == "specforge" else "hs_*.safetensors"))
     victim.write_bytes(b"damaged")
@@ -279,3 +281,53 @@ def test_the_train_data_ratio_is_short_and_splits_exactly_at_every_size():
         for n_train in range(1, n):
             r = train_data_ratio(n_train, n - n_train)
             assert int(n * r) == n_train and len(repr(r)) <= len(str(n)) + 2, (n_train, n, r)
+
+
+def test_a_layout_is_one_object_found_by_name():
+    """Adding a layout is adding an object: the registry's names are exactly the values the configuration takes for
+    `hidden_states.layout` (the trainer layouts exactly those of `trainer_layouts`), and the configuration's load-time
+    FP8 rule agrees with the quantize modes each object declares."""
+    import typing
+
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import TrainerLayout, layout_of
+    from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
+    from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8
+
+    hints = typing.get_type_hints(HiddenStatesConfig)
+    assert tuple(LAYOUTS) == typing.get_args(hints["layout"])
+    assert trainer_layout_names() == typing.get_args(typing.get_args(hints["trainer_layouts"])[0])
+    for name, layout in LAYOUTS.items():
+        assert layout.name == name and layout_of(name) is layout
+        assert layout.states_in_shards == (not isinstance(layout, TrainerLayout))
+        fp8_refused = any(
+            where == ("quantize",) and "layout" in why
+            for where, why in HiddenStatesConfig.rule_problems({"quantize": QUANTIZE_FP8, "layout": name})
+        )
+        assert fp8_refused == (QUANTIZE_FP8 not in layout.quantize_modes), name
+    with pytest.raises(ValueError, match="unknown hidden-states layout"):
+        layout_of("parquet")
+
+
+@pytest.mark.parametrize("name", trainer_layout_names())
+def test_every_trainer_layout_reads_back_what_it_writes(name, tmp_path):
+    """Each trainer layout in the registry, its own writer and reader: a sample serialised into the file its naming
+    gives, then deserialised, is the same aux and final state, bit for bit; the file names are distinct per sample."""
+    assert {SPECFORGE, SPECULATORS} <= set(trainer_layout_names())  # the parametrisation is not empty
+    layout = trainer_layout(name)
+    n_aux, hidden, n_tok = 3, 8, 5
+    g = torch.Generator().manual_seed(3)
+    t = {
+        "aux_hidden_states": torch.randn(n_tok, n_aux * hidden, generator=g),
+        "final_hidden_state": torch.randn(n_tok, hidden, generator=g),
+        "input_ids": torch.arange(n_tok, dtype=torch.int32),
+        "loss_mask": torch.ones(n_tok, dtype=torch.int8),
+    }
+    files = layout.file_names({"a": "train", "b": "eval", "c": "train"})
+    assert len(set(files.values())) == 3
+    path = tmp_path / files["b"]
+    path.parent.mkdir(parents=True)
+    path.write_bytes(layout.serialise(t, n_aux, hidden))
+    back = layout.deserialise(path, n_aux)
+    assert torch.equal(back["aux_hidden_states"], t["aux_hidden_states"])
+    assert torch.equal(back["final_hidden_state"], t["final_hidden_state"])
+    assert list(tmp_path.glob(layout.file_glob)) == [path]  # the glob the export prunes stale files with

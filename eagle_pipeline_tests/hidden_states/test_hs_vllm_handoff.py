@@ -190,7 +190,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
     from eagle_pipeline.hidden_states.engines.vllm.vllm_layouts import VllmLayoutRows
     from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import ShardRequests
-    from eagle_pipeline.hidden_states.layouts.trainer_layouts import final_state_for_layout, plan_layout_target
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import layout_of, plan_layout_target
     from eagle_pipeline.hidden_states.models.layers import default_aux_layers
     from eagle_pipeline.hidden_states.run import extract_shard
     from eagle_pipeline.hidden_states.store.head import TargetHead
@@ -213,7 +213,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
         shard_size=6,
         out_dir=tmp_path / "ref-hs",
         aux_layers=aux,
-        final_state=final_state_for_layout(layout),
+        final_state=layout_of(layout).final_state,
         layout_target=plan_layout_target(layout, ref_root, merged),
     )
     data = tmp_path / "data"
@@ -280,11 +280,7 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
     extraction's; a rerun reuses the shard; no state file exists twice."""
     from eagle_pipeline.hidden_states.checks.verify import verify_shard
     from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
-    from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-        final_state_for_layout,
-        load_sample,
-        plan_layout_target,
-    )
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import layout_of, load_sample, plan_layout_target
     from eagle_pipeline.hidden_states.models.layers import default_aux_layers
     from eagle_pipeline.hidden_states.run import extract_shard
     from eagle_pipeline.hidden_states.store.format import shard_status
@@ -304,7 +300,7 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
         shard_size=6,
         out_dir=ref,
         aux_layers=aux,
-        final_state=final_state_for_layout(layout),
+        final_state=layout_of(layout).final_state,
         layout_target=plan_layout_target(layout, tmp_path / "ref-exports" / layout, merged),
     )
     ckpt = tmp_path / "ckpt"
@@ -320,7 +316,7 @@ def test_the_vllm_engine_writes_a_trainer_layout_and_every_check_reads_it(
         assert srv.total_requests == 6
         again = run(srv.url)  # done under the same fingerprint: reused, no request
         assert srv.total_requests == 6 and again.sha256 == s.sha256
-    assert s.fingerprint["layout"] == layout and s.fingerprint["final_state"] == final_state_for_layout(layout)
+    assert s.fingerprint["layout"] == layout and s.fingerprint["final_state"] == layout_of(layout).final_state
     assert shard_status(hs, 0, check_hash=True) == "done"
     assert all(r.passed for r in verify_shard(hs, 0, merged).values())
     assert list(storage.iterdir()) == []

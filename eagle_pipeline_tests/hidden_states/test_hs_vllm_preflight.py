@@ -162,8 +162,8 @@ def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_
     import datasets
     from safetensors.torch import load_file
 
-    from eagle_pipeline.hidden_states.layouts.trainer_exports import export_speculators_states
-    from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
+    from eagle_pipeline.drafter_types import SPECULATORS
+    from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, plan_layout_target
     from eagle_pipeline.shared.storage import read_json
 
     merged = merged_factory(rows, [3, 5])
@@ -175,7 +175,7 @@ def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_
                 merged, out, srv, storage, shard_index=shard, shard_size=4, too_long_rows="drop", layout_target=target
             )
     assert sorted(p.name for p in (exports / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(6)]
-    summary = export_speculators_states(out, merged, exports)
+    summary = LAYOUTS[SPECULATORS].export(out, merged, exports)
     ds = datasets.load_from_disk(str(exports)).with_format("torch")
     dropped = {rows[2]["sample_id"], rows[5]["sample_id"]}
     assert len(ds) == 6 and dropped.isdisjoint(ds["sample_id"])

@@ -31,16 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
 from eagle_pipeline.hidden_states.checks.verify import MAX_FAILING_IDS
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import open_shard, shard_final_state
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import open_shard
 from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta, shard_paths
-from eagle_pipeline.hidden_states.store.head import (
-    POST_NORM,
-    PRE_NORM,
-    TargetHead,
-    load_target_head,
-)
+from eagle_pipeline.hidden_states.store.head import TargetHead, load_target_head
 from eagle_pipeline.hidden_states.store.merged import read_rows
+from eagle_pipeline.hidden_states.store.shard_index import shard_final_state
 from eagle_pipeline.shared.checks import CheckResult
 
 # docs/hidden_states.md §7: tiny targets on their own greedy text agree at 1.0, every injected corruption at <= 0.16;

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter_types import SPECFORGE, SPECULATORS, eagle3_default_layers
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import EXPORT_JSON
+from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_JSON
 from eagle_pipeline.shared.storage import read_json
 
 

@@ -30,8 +30,7 @@ import torch
 
 from eagle_pipeline.hidden_states.engines.engine import EngineResult, ExtractionPaths, RunFacts, ShardJob
 from eagle_pipeline.hidden_states.engines.extract import default_state_dtype, extract_with_model
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import SHARDS as LAYOUT_SHARDS
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import plan_layout_target
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import layout_of, plan_layout_target
 from eagle_pipeline.hidden_states.models.model import load_text_config
 from eagle_pipeline.hidden_states.models.world_split import is_routed_expert, world_ep_size
 from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
@@ -74,7 +73,7 @@ class TorchrunShard:
             object.__setattr__(self, name, Path(getattr(self, name)))
         if self.exports_dir is not None:
             object.__setattr__(self, "exports_dir", Path(self.exports_dir))
-        if self.wanted.layout != LAYOUT_SHARDS and self.exports_dir is None:
+        if not layout_of(self.wanted.layout).states_in_shards and self.exports_dir is None:
             raise ValueError(f"the {self.wanted.layout} layout needs exports_dir (where its files go)")
 
     @property

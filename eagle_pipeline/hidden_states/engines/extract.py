@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.engines.batching import padding_of, plan_batches
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    LAYOUT_FINAL_STATE,
     LayoutTarget,
     SampleFilesWriter,
     without_states,
@@ -38,7 +38,7 @@ from eagle_pipeline.hidden_states.store.format import (
     state_dtype,
     tensor_key,
 )
-from eagle_pipeline.hidden_states.store.head import POST_NORM, final_norm_eps, save_target_head_from_model
+from eagle_pipeline.hidden_states.store.head import final_norm_eps, save_target_head_from_model
 from eagle_pipeline.hidden_states.store.merged import MergedRows, count_rows, read_rows, shard_row_range
 from eagle_pipeline.hidden_states.store.shard_index import (
     IDS_DTYPE,
@@ -166,9 +166,9 @@ def _place_model(model: torch.nn.Module, dev: torch.device) -> None:
 def _check_final_state(final_state: str, layout_target: LayoutTarget | None) -> None:
     if final_state not in FINAL_STATES:
         raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
-    if layout_target is not None and final_state != LAYOUT_FINAL_STATE[layout_target.name]:
+    if layout_target is not None and final_state != layout_target.layout.final_state:
         raise ValueError(
-            f"the {layout_target.name} layout holds the final state {LAYOUT_FINAL_STATE[layout_target.name]}; "
+            f"the {layout_target.name} layout holds the final state {layout_target.layout.final_state}; "
             f"got final_state={final_state!r}"
         )
 

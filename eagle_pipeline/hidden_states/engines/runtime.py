@@ -16,7 +16,7 @@ import torch
 
 from eagle_pipeline.hidden_states.engines.engine import RunFacts
 from eagle_pipeline.hidden_states.engines.extract import default_state_dtype
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import final_state_for_layout
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import layout_of
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
 from eagle_pipeline.hidden_states.models.model import (
     TINY_RANDOM,
@@ -202,7 +202,7 @@ def fingerprint_for_config(
     `facts` (`engine.RunFacts`): what the engine knows beyond the settings (a model in memory, a stored dtype, rows
     it leaves out); without them (a check or an export on another host) the settings alone decide and the rows
     left out are not compared. `final_state` defaults to the convention `h.layout` stores
-    (`trainer_layouts.final_state_for_layout`). `pin_dtype=False` leaves the dtype open, for a check that runs on a
+    (its `trainer_layouts.Layout.final_state`). `pin_dtype=False` leaves the dtype open, for a check that runs on a
     host other than the extraction's (a CPU step checking shards written on a GPU host); otherwise it is the dtype
     this host's device would store, or the engine's."""
     facts = facts or RunFacts()
@@ -228,7 +228,7 @@ def fingerprint_for_config(
 def _engine_final_state(h: HiddenStatesConfig) -> str:
     """The convention every engine stores: the one `h.layout` needs (pre-norm for shards and speculators, the vLLM
     servers' own; post-norm for SpecForge)."""
-    return final_state_for_layout(h.layout)
+    return layout_of(h.layout).final_state
 
 
 def _device_type(device: str) -> str:

@@ -1,8 +1,8 @@
 """The drafter hand-off of a trainer export: what the shards captured (the layer guard's record, both layer
 conventions) and, per listed drafter type, the draft-config fragment or flags and the training command.
 
-Written into each trainer export's `export.json` (`capture`, `drafters`) and README.md by `trainer_exports`; read
-back by `drafter_check` (`eagle-pipeline check-drafter`). Which types each trainer trains offline, and why not:
+Written into each trainer export's `export.json` (`capture`, `drafters`) and README.md by the trainer layout's
+export (`trainer_layouts`); read back by `drafter_check` (`eagle-pipeline check-drafter`). Which types each trainer trains offline, and why not:
 `eagle_pipeline.drafter_types`; the guide: docs/drafters.md.
 """
 
@@ -23,8 +23,9 @@ from eagle_pipeline.drafter_types import (
     to_trainer_ids,
     why_not_served,
 )
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import shard_indexes
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8, QUANTIZE_NONE
+from eagle_pipeline.hidden_states.store.shard_index import shard_indexes
 from eagle_pipeline.hidden_states.store.shards import FINGERPRINT_META_KEY
 
 CONVENTIONS = {
@@ -115,7 +116,7 @@ def handoff(
     drafters: Sequence[Any] = DEFAULT_DRAFTERS,
     *,
     paths: Mapping[str, Any],
-    layout: str = "shards",
+    layout: str = SHARDS,
 ) -> list[dict[str, Any]]:
     """Per listed drafter type, what `record['trainer']` needs to train it from this export: the layer ids in its
     convention, the count, H, the vocabulary mapping, a draft-config fragment (SpecForge) or flags (speculators) and

@@ -1,97 +1,143 @@
-"""The hidden states in each trainer's own offline layout: written directly by extraction, or derived from shards.
+"""One object per layout the states can live in, found by name in `LAYOUTS` (the names: `settings.LAYOUT_NAMES`).
 
-* SpecForge (`data.hidden_states_path`, `data.eval_hidden_states_path`): `{out}/train/` and `{out}/eval/`, one
-  `torch.save` file `{sample_id}.ckpt` per sample with `input_ids` int64 [T], `loss_mask` int64 [T],
-  `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] **after** the final norm; `draft_vocab.pt` beside.
-* speculators (`--data-path`): an Arrow dataset (`save_to_disk`, torch format: `input_ids`, `loss_mask`, `seq_len`,
-  `sample_id`; train rows in merged order, then eval rows), `hidden_states/hs_{i}.safetensors` for row i with
-  `hidden_states` [T, n_aux + 1, H] (the n_aux aux layers, [T, 4, H] for the default 3, then the final state
-  **before** the final norm) and `token_ids` [T] int64, `d2t.npy` / `t2d.npy` when a draft vocabulary was built, and
-  `--train-data-ratio` = (n_train + 0.5) / n in `export.json` and README.md.
+* `shards` (`ShardsLayout`): the project's own `shard-NNNNN.safetensors`, the states beside the ids and masks, the
+  final state pre-norm plus the target's final norm recorded beside the shards (`head.py`).
+* SpecForge (`SpecForgeLayout`; `data.hidden_states_path`, `data.eval_hidden_states_path`): `{out}/train/` and
+  `{out}/eval/`, one `torch.save` file `{sample_id}.ckpt` per sample with `input_ids` int64 [T], `loss_mask` int64
+  [T], `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] **after** the final norm; `draft_vocab.pt` beside.
+* speculators (`SpeculatorsLayout`; `--data-path`): an Arrow dataset (`save_to_disk`, torch format: `input_ids`,
+  `loss_mask`, `seq_len`, `sample_id`; train rows in merged order, then eval rows), `hidden_states/hs_{i}.safetensors`
+  for row i with `hidden_states` [T, n_aux + 1, H] (the n_aux aux layers, [T, 4, H] for the default 3, then the final
+  state **before** the final norm) and `token_ids` [T] int64, `d2t.npy` / `t2d.npy` when a draft vocabulary was
+  built, and `--train-data-ratio` = (n_train + 0.5) / n in `export.json` and README.md.
 
-With `hidden_states.layout: specforge | speculators` extraction writes each sample's states straight into that
-trainer's files (`plan_layout_target`, `SampleFilesWriter`); the shard file keeps only ids and masks, and every
-check reads the trainer's files through `open_shard`. Otherwise `write_layout` converts the shards: they hold the
-final state pre-norm plus the target's final norm (`head.py`), so SpecForge's post-norm state is `final_norm(pre)`,
-bit-equal to the model's own norm. Every file is written atomically; files of rows no longer merged are removed.
-Disk and time of each choice at scale: docs/hidden_states.md §14.
+Each object owns its final-state convention, its file naming (`target`), serialise and deserialise, its disk rate
+(`disk_rates`, which `plan.disk_plan` sums) and its export with its README. With `hidden_states.layout: specforge |
+speculators` extraction writes each sample's states straight into that trainer's files (`plan_layout_target`,
+`SampleFilesWriter`; the vLLM engine's `vllm_layouts.VllmLayoutRows`); the shard file keeps only ids and masks, and
+every check reads the trainer's files through `open_shard`. Otherwise the export converts the shards
+(`TrainerLayout.write_from_shards`): SpecForge's post-norm state is `final_norm(pre)`, bit-equal to the model's own
+norm. Every file is written atomically; files of rows no longer merged are removed. Disk and time of each choice at
+scale: docs/hidden_states.md §14.
+
+Why this module is long: the three layout objects read one another's files (an export converts shards written in
+any layout, `open_shard` reads a shard whichever layout it names), so they and the reader that looks them up by
+name share one module; what they share without a layout (summaries, splits, disk room, README writing) is in
+`trainer_exports`.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Collection, Iterator, Mapping
+import shutil
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from eagle_pipeline.drafter_types import (
+    DEFAULT_DRAFTERS,
+    POST_NORM,
+    PRE_NORM,
+    SF_EAGLE3_KEYS,
+    SPECFORGE,
+    SPECULATORS,
+    specforge_aliases,
+)
+from eagle_pipeline.hidden_states.layouts.drafters import capture_of_shards, capture_record, handoff, handoff_markdown
+from eagle_pipeline.hidden_states.layouts.trainer_exports import (
+    EXPORT_JSON,
+    SPLITS,
+    StatesExportSummary,
+    check_complete,
+    dropped_ids,
+    merged_splits,
+    merged_tables,
+    place_draft_vocab,
+    split_counts,
+    train_data_ratio,
+    write_readme,
+)
+from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store import fp8
-from eagle_pipeline.hidden_states.store.fingerprint import LAYOUT_SHARDS
 from eagle_pipeline.hidden_states.store.format import (
     TENSOR_NAMES,
     SampleLocation,
     build_sample_index,
-    read_index,
     read_index_meta,
     sample_file_digest,
     sample_file_entry,
     shard_paths,
     tensor_key,
 )
-from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_FP8, QUANTIZE_NONE
-from eagle_pipeline.hidden_states.store.head import POST_NORM, PRE_NORM
-from eagle_pipeline.shared.storage import TMP_SUFFIX, write_bytes_atomic
+from eagle_pipeline.hidden_states.store.fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8, QUANTIZE_NONE
+from eagle_pipeline.hidden_states.store.head import load_target_head
+from eagle_pipeline.hidden_states.store.shard_index import (
+    IDS_BYTES,
+    IDS_SHARD_SAMPLE_BYTES,
+    MASK_BYTES,
+    PROJECT_SHARD_SAMPLE_BYTES,
+    recorded_drops,
+    recorded_layout,
+    shard_final_state,
+    shard_indexes,
+)
+from eagle_pipeline.merge.vocab import D2T_NPY, DRAFT_VOCAB_PT, T2D_NPY
+from eagle_pipeline.shared.storage import (
+    TMP_SUFFIX,
+    clean_stale_tmp,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
-SPLITS = ("train", "eval")
-SHARDS, SPECFORGE, SPECULATORS = LAYOUT_SHARDS, "specforge", "speculators"
-LAYOUTS = (SHARDS, SPECFORGE, SPECULATORS)
 STATE_NAMES = ("aux_hidden_states", "final_hidden_state")
-# The final-state convention each trainer's files must hold.
-LAYOUT_FINAL_STATE = {SPECFORGE: POST_NORM, SPECULATORS: PRE_NORM}
-EXPORT_JSON = "export.json"
-
-
-def without_states(
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """A shard's tensor layout (`format.shard_layout`) less the states, which live in the trainer's files: the ids
-    and masks a shard in a trainer layout keeps (every engine)."""
-    return [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
-
-
-def final_state_for_layout(layout: str) -> str:
-    """The final-state convention extraction stores under `hidden_states.layout`: a trainer's own, else pre-norm."""
-    return LAYOUT_FINAL_STATE.get(layout, PRE_NORM)
-
-
 SPECULATORS_HS_DIR = "hidden_states"
+# Where a layout's files land (`disk_plan` places, resolved to folders by `run.disk_places`).
+HIDDEN_STATES, EXPORTS = "hidden_states", "exports"
+# Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
+SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
+SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
+SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
+ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
+ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
+
+DiskRate = tuple[str, str, int, int]  # (what, place, bytes per token, bytes per sample)
 
 
-@dataclass
-class StatesExportSummary:
-    format: str
-    path: str
-    rows: dict[str, int]
-    tokens: dict[str, int]
-    bytes_written: int
-    final_state: str  # the convention of the final state in the files written
-    extra: dict[str, Any] = field(default_factory=dict)
+class Layout:
+    """Where the states of every sample live, and in which final-state convention. The project's shards are the
+    base: the states in the shard file, nothing outside it (`target` None)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    name: ClassVar[str] = SHARDS
+    final_state: ClassVar[str] = PRE_NORM  # the convention extraction stores
+    states_in_shards: ClassVar[bool] = True  # the shard file holds the states (else only ids and masks)
+    quantize_modes: ClassVar[tuple[str, ...]] = (QUANTIZE_NONE,)  # `fp8.QUANTIZE_MODES` its files can hold
+    # The vLLM connector's file is already this layout's sample file (the vLLM engine renames it into place).
+    takes_connector_file: ClassVar[bool] = False
 
+    def target(
+        self,
+        export_root: str | Path,
+        merged_dir: str | Path,
+        *,
+        left_out: Collection[str] = (),
+        quantize: str = QUANTIZE_NONE,
+    ) -> LayoutTarget | None:
+        """Where extraction writes each sample's states outside the shard file: nowhere for the shards."""
+        return None
 
-def shard_final_state(meta: dict[str, Any]) -> str:
-    """The final-state convention a shard's index metadata records ('pre_norm' | 'post_norm')."""
-    if "final_state" in meta:
-        return str(meta["final_state"])
-    return POST_NORM if meta.get("final_state_is_post_norm", True) else PRE_NORM
+    def disk_rates(self, state_token_bytes: int, *, quantized: bool = False, direct: bool = True) -> list[DiskRate]:
+        """(what, place, bytes per token, bytes per sample) of each part this layout writes (`state_token_bytes`:
+        the states of one token; the shard files add `disk_plan.SHARD_FILE_BYTES` each)."""
+        per_token = state_token_bytes + IDS_BYTES + MASK_BYTES
+        return [("states: project shards", HIDDEN_STATES, per_token, PROJECT_SHARD_SAMPLE_BYTES)]
 
 
 @dataclass(frozen=True)
@@ -105,6 +151,380 @@ class LayoutTarget:
     file_of: dict[str, str]
     quantize: str = QUANTIZE_NONE
 
+    @property
+    def layout(self) -> TrainerLayout:
+        layout = layout_of(self.name)
+        assert isinstance(layout, TrainerLayout), self.name
+        return layout
+
+
+class TrainerLayout(Layout):
+    """A trainer's own files, one per sample: named by `file_names`, written by `serialise`, read by `deserialise`;
+    the shard file keeps the ids and masks. `export` completes the trainer's folder from the finished shards."""
+
+    states_in_shards = False
+    export_format: ClassVar[str]  # the summary's `format`, its key in the export manifest
+    file_glob: ClassVar[str]  # every sample file under the layout's root (stale ones are removed)
+    file_rates: ClassVar[tuple[tuple[str, int, int], ...]]  # (what, extra bytes per token, bytes per sample)
+
+    def file_names(self, splits: Mapping[str, str]) -> dict[str, str]:
+        """Each sample's file (relative to the layout's root) from its split, in merged order."""
+        raise NotImplementedError
+
+    def serialise(
+        self,
+        t: Mapping[str, torch.Tensor],
+        n_aux: int,
+        hidden: int,
+        aliases: Mapping[str, str] | None = None,
+        quantize: str = QUANTIZE_NONE,
+    ) -> bytes:
+        """One sample's file from the four canonical tensors (final state already in this layout's convention)."""
+        raise NotImplementedError
+
+    def deserialise(self, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
+        """aux [T, n_aux*H] and final [T, H] of one sample's file."""
+        raise NotImplementedError
+
+    def export(
+        self,
+        hs_dir: str | Path,
+        merged_dir: str | Path,
+        out_dir: str | Path,
+        *,
+        draft_vocab_dir: str | Path | None = None,
+        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
+        extraction_layout: str = SHARDS,
+        verifier: str | None = None,
+    ) -> StatesExportSummary:
+        """The trainer's folder at `out_dir` from the finished shards, with its `export.json` and README, and the
+        draft vocabulary under `draft_vocab_dir` copied beside it when given; the hand-off of each drafter type in
+        `drafters` (docs/drafters.md). `extraction_layout`: where extraction wrote the states
+        (`hidden_states.layout`); `verifier` names the target in the commands."""
+        raise NotImplementedError
+
+    def target(
+        self,
+        export_root: str | Path,
+        merged_dir: str | Path,
+        *,
+        left_out: Collection[str] = (),
+        quantize: str = QUANTIZE_NONE,
+    ) -> LayoutTarget:
+        """The file of every merged row. Rows in `left_out` (dropped by extraction: `too_long_rows: drop`) get no
+        file (and, where files are numbered, no number)."""
+        gone = set(left_out)
+        splits = {sid: split for sid, split in merged_splits(merged_dir).items() if sid not in gone}
+        if quantize not in self.quantize_modes:
+            able = [n for n, layout in LAYOUTS.items() if quantize in layout.quantize_modes]
+            raise ValueError(f"quantize {quantize!r} is built for layout {' | '.join(able)} only, not {self.name!r}")
+        return LayoutTarget(self.name, Path(export_root), self.file_names(splits), quantize)
+
+    def disk_rates(self, state_token_bytes: int, *, quantized: bool = False, direct: bool = True) -> list[DiskRate]:
+        """`direct`: extraction writes the layout (the shards keep ids and masks); otherwise a copy converted from
+        the shards (the files alone)."""
+        parts = [(what, EXPORTS, t, s) for what, t, s in self._file_rates(state_token_bytes, quantized)]
+        if not direct:
+            return [(f"copy for trainer_layouts: {what}", place, t, s) for what, place, t, s in parts]
+        return [("ids and masks in the shards", HIDDEN_STATES, IDS_BYTES + MASK_BYTES, IDS_SHARD_SAMPLE_BYTES), *parts]
+
+    def _file_rates(self, state_token_bytes: int, quantized: bool) -> list[tuple[str, int, int]]:
+        """(what, bytes per token, bytes per sample) of each part of the layout's files."""
+        raise NotImplementedError
+
+    def write_from_shards(
+        self,
+        hs_dir: str | Path,
+        merged_dir: str | Path,
+        out_dir: str | Path,
+        *,
+        aliases: Mapping[str, str] | None = None,
+    ) -> tuple[int, int]:
+        """Put every merged row's states in this layout under `out_dir`: samples extraction wrote there directly are
+        checked and left alone, every other shard's samples are converted (the final state brought to this layout's
+        convention; SpecForge's `aliases` added, see `serialise`); files of rows no longer merged are removed.
+        Rows the shards dropped (`shard_index.recorded_drops`) have no file and no number.
+        Returns (bytes written, samples written directly)."""
+        out_dir = Path(out_dir)
+        target = self.target(out_dir, merged_dir, left_out=dropped_ids(hs_dir))
+        direct = direct_samples(hs_dir, target)
+        for d in {(out_dir / rel).parent for rel in target.file_of.values()}:
+            d.mkdir(parents=True, exist_ok=True)
+            clean_stale_tmp(d)
+        head = None
+        found, nbytes = set(direct), 0
+        for sid, t, meta in iter_shard_samples(hs_dir, skip_layout=self.name):
+            rel = target.file_of.get(sid)
+            if rel is None:
+                raise ValueError(
+                    f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table"
+                )
+            have = shard_final_state(meta)
+            if have != self.final_state and self.final_state == PRE_NORM:
+                raise ValueError(
+                    f"{hs_dir}: shard {meta['shard_index']} stores the final state post-norm; {self.name} applies the "
+                    "final norm itself and would normalise it twice. Re-extract with final_state='pre_norm'."
+                )
+            if have != self.final_state:
+                head = head or load_target_head(hs_dir)
+                t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
+            data = self.serialise(t, len(meta["aux_layers"]), int(meta["hidden_size"]), aliases)
+            write_bytes_atomic(data, out_dir / rel)
+            nbytes += len(data)
+            found.add(sid)
+        check_complete(found, target.file_of, hs_dir)
+        keep = {(out_dir / rel).resolve() for rel in target.file_of.values()}
+        for p in out_dir.glob(self.file_glob):
+            if p.resolve() not in keep:
+                p.unlink()
+        return nbytes, len(direct)
+
+
+class SpecForgeLayout(TrainerLayout):
+    """SpecForge's offline features (see the module docstring)."""
+
+    name = SPECFORGE
+    final_state = POST_NORM
+    export_format = "specforge_offline"
+    file_glob = "*/*.ckpt"
+
+    def file_names(self, splits: Mapping[str, str]) -> dict[str, str]:
+        return {sid: f"{split}/{safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
+
+    def _file_rates(self, state_token_bytes: int, quantized: bool) -> list[tuple[str, int, int]]:
+        # input_ids and loss_mask as int64 beside the states
+        return [("states: SpecForge {sample_id}.ckpt", state_token_bytes + 16, SPECFORGE_FILE_BYTES)]
+
+    def serialise(
+        self,
+        t: Mapping[str, torch.Tensor],
+        n_aux: int,
+        hidden: int,
+        aliases: Mapping[str, str] | None = None,
+        quantize: str = QUANTIZE_NONE,
+    ) -> bytes:
+        """`aliases` (`drafter_types.specforge_aliases`) adds the DFlash family's key names for EAGLE-3's tensors;
+        torch.save writes a storage once however many keys name it."""
+        record = {
+            "input_ids": _own_storage(t["input_ids"].to(torch.int64)),
+            "loss_mask": _own_storage(t["loss_mask"].to(torch.int64)),
+            "aux_hidden_state": _own_storage(t["aux_hidden_states"]).unsqueeze(0),
+            "hidden_state": _own_storage(t["final_hidden_state"]).unsqueeze(0),
+        }
+        record.update({alias: record[src] for alias, src in (aliases or {}).items()})
+        buf = io.BytesIO()
+        torch.save(record, buf)
+        return buf.getvalue()
+
+    def deserialise(self, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
+        rec = torch.load(path, mmap=True, weights_only=True)
+        return {"aux_hidden_states": rec["aux_hidden_state"][0], "final_hidden_state": rec["hidden_state"][0]}
+
+    def export(
+        self,
+        hs_dir: str | Path,
+        merged_dir: str | Path,
+        out_dir: str | Path,
+        *,
+        draft_vocab_dir: str | Path | None = None,
+        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
+        extraction_layout: str = SHARDS,
+        verifier: str | None = None,
+    ) -> StatesExportSummary:
+        out_dir = Path(out_dir)
+        draft_vocab_pt = Path(draft_vocab_dir) / DRAFT_VOCAB_PT if draft_vocab_dir is not None else None
+        record = capture_record(capture_of_shards(hs_dir), SPECFORGE, POST_NORM)
+        dirs = {s: out_dir / s for s in SPLITS}
+        rows, tokens = split_counts(merged_dir, dropped_ids(hs_dir))
+        paths = {
+            "train": dirs["train"],
+            "eval": dirs["eval"] if rows["eval"] else None,
+            "vocab_mapping": out_dir / DRAFT_VOCAB_PT if draft_vocab_pt is not None else None,
+        }
+        entries = handoff(record, drafters, paths=paths, layout=extraction_layout)
+        aliases = specforge_aliases([e["type"] for e in entries if e["served"]])
+        nbytes, n_direct = self.write_from_shards(hs_dir, merged_dir, out_dir, aliases=aliases)
+        place_draft_vocab(out_dir, {DRAFT_VOCAB_PT: draft_vocab_pt})
+        summary = StatesExportSummary(
+            format=self.export_format,
+            path=str(out_dir),
+            rows=rows,
+            tokens=tokens,
+            bytes_written=nbytes,
+            final_state=POST_NORM,
+            extra={
+                "samples_written_by_extraction": n_direct,
+                "dropped_rows": recorded_drops(hs_dir),
+                "config": {
+                    "data.hidden_states_path": str(dirs["train"]),
+                    "data.eval_hidden_states_path": str(dirs["eval"]) if rows["eval"] else None,
+                    "model.vocab_mapping_path": str(out_dir / DRAFT_VOCAB_PT) if draft_vocab_pt is not None else None,
+                },
+                "note": "an offline config with an eval path also needs training.eval_interval",
+                "keys": [*SF_EAGLE3_KEYS, *aliases],
+                "key_aliases": aliases,
+                "capture": record,
+                "drafters": entries,
+            },
+        )
+        write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
+        write_readme(
+            out_dir,
+            [
+                "# SpecForge offline features (written by eagle-pipeline)",
+                "",
+                f"Rows: {rows['train']} train (`train/`), {rows['eval']} eval (`eval/`); one `{{sample_id}}.ckpt` "
+                f"each, keys {summary.extra['keys']} (aliases share one storage: {aliases or 'none'}).",
+                "",
+                *handoff_markdown(record, entries),
+            ],
+        )
+        return summary
+
+
+class SpeculatorsLayout(TrainerLayout):
+    """speculators' offline data directory (see the module docstring)."""
+
+    name = SPECULATORS
+    final_state = PRE_NORM
+    quantize_modes = fp8.QUANTIZE_MODES
+    takes_connector_file = True
+    export_format = "speculators_offline"
+    file_glob = f"{SPECULATORS_HS_DIR}/hs_*.safetensors"
+
+    def file_names(self, splits: Mapping[str, str]) -> dict[str, str]:
+        """`hs_{i}` numbers rows train first, then eval, each in merged order: speculators' loader reads row i of its
+        Arrow dataset from `hs_{i}` (`ArrowDataset._get_raw_data`), so the numbers are dense over the rows the
+        dataset holds, which are exactly the rows with states."""
+        ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
+        return {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
+
+    def _file_rates(self, state_token_bytes: int, quantized: bool) -> list[tuple[str, int, int]]:
+        header = SPECULATORS_FP8_FILE_BYTES if quantized else SPECULATORS_FILE_BYTES
+        return [
+            ("states: speculators hs_{i}.safetensors", state_token_bytes + 8, header),  # token_ids int64
+            ("speculators Arrow dataset (ids, masks)", ARROW_TOKEN_BYTES, ARROW_SAMPLE_BYTES),
+        ]
+
+    def serialise(
+        self,
+        t: Mapping[str, torch.Tensor],
+        n_aux: int,
+        hidden: int,
+        aliases: Mapping[str, str] | None = None,
+        quantize: str = QUANTIZE_NONE,
+    ) -> bytes:
+        """With `quantize: fp8`: e4m3 `hidden_states` and fp32 `hidden_states_scales` [T, n_aux + 1, 1], what its
+        fp8 backend loads."""
+        from safetensors.torch import save
+
+        n_tok = int(t["input_ids"].numel())
+        states = torch.cat(
+            [t["aux_hidden_states"].view(n_tok, n_aux, hidden), t["final_hidden_state"].view(n_tok, 1, hidden)], dim=1
+        )
+        ids = t["input_ids"].to(torch.int64).contiguous()
+        if quantize == QUANTIZE_FP8:
+            return fp8.sample_file(states, ids)
+        return save({"hidden_states": states.contiguous(), "token_ids": ids})
+
+    def deserialise(self, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
+        """FP8 states are dequantized to fp32 (`fp8.dequantize_checked`)."""
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+        states = raw[fp8.STATES_KEY]
+        if fp8.SCALES_KEY in raw:
+            states = fp8.dequantize_checked(path, states, raw[fp8.SCALES_KEY])
+        return {"aux_hidden_states": states[:, :n_aux].flatten(1), "final_hidden_state": states[:, n_aux]}
+
+    def export(
+        self,
+        hs_dir: str | Path,
+        merged_dir: str | Path,
+        out_dir: str | Path,
+        *,
+        draft_vocab_dir: str | Path | None = None,
+        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
+        extraction_layout: str = SHARDS,
+        verifier: str | None = None,
+    ) -> StatesExportSummary:
+        import datasets
+
+        out_dir = Path(out_dir)
+        record = capture_record(capture_of_shards(hs_dir), SPECULATORS, PRE_NORM)
+        nbytes, n_direct = self.write_from_shards(hs_dir, merged_dir, out_dir)
+        drops = recorded_drops(hs_dir)
+        table, n_train = _speculators_table(merged_dir, {d["sample_id"] for d in drops})
+        n_eval = table.num_rows - n_train
+        aux_layers = list(record["aux_layers"])
+        _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
+        place_draft_vocab(
+            out_dir,
+            {name: None if draft_vocab_dir is None else Path(draft_vocab_dir) / name for name in (D2T_NPY, T2D_NPY)},
+        )
+        ratio = train_data_ratio(n_train, n_eval)
+        fp8_states = record["quantize"] == QUANTIZE_FP8
+        vllm_ids = [aux_layer_to_vllm_id(x) for x in aux_layers or []]
+        paths = {
+            "data": out_dir,
+            "hidden_states": out_dir / SPECULATORS_HS_DIR,
+            "train_data_ratio": ratio,
+            "d2t": out_dir / D2T_NPY if draft_vocab_dir is not None else None,
+            "t2d": out_dir / T2D_NPY if draft_vocab_dir is not None else None,
+            "verifier": verifier,
+        }
+        summary = StatesExportSummary(
+            format=self.export_format,
+            path=str(out_dir),
+            rows={"train": n_train, "eval": n_eval},
+            tokens={"all": int(np.asarray(table.column("seq_len")).sum())},
+            bytes_written=nbytes,
+            final_state=PRE_NORM,
+            extra={
+                "samples_written_by_extraction": n_direct,
+                "dropped_rows": drops,  # merged rows without states, left out of the dataset and of the numbering
+                "train_data_ratio": ratio,
+                "aux_layers_0_based_outputs": aux_layers,
+                "aux_layer_ids_vllm": vllm_ids,
+                # speculators' reader of these files: its fp8 backend for FP8 states, its default file backend otherwise
+                "hidden_states_backend": FP8_BACKEND if fp8_states else "file",
+                "args": f"--data-path {out_dir}"
+                + (f" {FP8_BACKEND_FLAG} {FP8_BACKEND}" if fp8_states else "")
+                + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
+                "capture": record,
+                "drafters": handoff(record, drafters, paths=paths),
+            },
+        )
+        write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
+        vocab_args = f"--d2t-path {paths['d2t']} --t2d-path {paths['t2d']}" if draft_vocab_dir is not None else None
+        _write_speculators_readme(out_dir, summary, vocab_args)
+        return summary
+
+
+# The one registry: every layout the states can live in, by the name `hidden_states.layout` gives it, in the order
+# the exports are written (and listed in the manifest).
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (Layout(), SpecForgeLayout(), SpeculatorsLayout())}
+
+
+def layout_of(name: str) -> Layout:
+    """The layout object named `name` (`settings.LAYOUT_NAMES`)."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown hidden-states layout {name!r}; expected one of {tuple(LAYOUTS)}") from None
+
+
+def trainer_layout(name: str) -> TrainerLayout:
+    """The trainer layout named `name`; a ValueError for the shards, which are no trainer's."""
+    layout = layout_of(name)
+    if not isinstance(layout, TrainerLayout):
+        raise ValueError(f"{name!r} is not a trainer layout; expected one of {trainer_layout_names()}")
+    return layout
+
+
+def trainer_layout_names() -> tuple[str, ...]:
+    return tuple(n for n, layout in LAYOUTS.items() if isinstance(layout, TrainerLayout))
+
 
 def plan_layout_target(
     layout: str,
@@ -114,25 +534,17 @@ def plan_layout_target(
     left_out: Collection[str] = (),
     quantize: str = QUANTIZE_NONE,
 ) -> LayoutTarget | None:
-    """The per-sample file of every merged row in `layout` (None for 'shards'): speculators' `hs_{i}` numbers rows
-    train first, then eval, each in merged order; SpecForge's files are `{split}/{sample_id}.ckpt`. Rows in
-    `left_out` (dropped by extraction: `too_long_rows: drop`) get no file and no number: speculators' loader reads
-    row i of its Arrow dataset from `hs_{i}` (`ArrowDataset._get_raw_data`), so the numbers must be dense over the
-    rows the dataset holds, which are exactly the rows with states."""
-    if layout == SHARDS:
-        return None
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown hidden-states layout {layout!r}; expected one of {LAYOUTS}")
-    gone = set(left_out)
-    splits = {sid: split for sid, split in merged_splits(merged_dir).items() if sid not in gone}
-    if layout == SPECFORGE:
-        files = {sid: f"{split}/{safe_file_stem(sid)}.ckpt" for sid, split in splits.items()}
-    else:
-        ordered = [sid for split in SPLITS for sid, s in splits.items() if s == split]
-        files = {sid: f"{SPECULATORS_HS_DIR}/hs_{i}.safetensors" for i, sid in enumerate(ordered)}
-    if quantize != QUANTIZE_NONE and layout != SPECULATORS:
-        raise ValueError(f"quantize {quantize!r} is built for layout {SPECULATORS!r} only, not {layout!r}")
-    return LayoutTarget(layout, Path(export_root), files, quantize)
+    """The per-sample file of every merged row in `layout` (None for 'shards'): `Layout.target` of the object the
+    name gives."""
+    return layout_of(layout).target(export_root, merged_dir, left_out=left_out, quantize=quantize)
+
+
+def without_states(
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """A shard's tensor layout (`format.shard_layout`) less the states, which live in the trainer's files: the ids
+    and masks a shard in a trainer layout keeps (every engine)."""
+    return [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
 
 
 def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
@@ -157,42 +569,6 @@ def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
     return removed
 
 
-def serialise(
-    layout: str,
-    t: dict[str, torch.Tensor],
-    n_aux: int,
-    hidden: int,
-    aliases: Mapping[str, str] | None = None,
-    quantize: str = QUANTIZE_NONE,
-) -> bytes:
-    """One sample's file in a trainer's format, from the four canonical tensors (final state already in the
-    trainer's convention). SpecForge: `aliases` (`drafter_types.specforge_aliases`) adds the DFlash family's key
-    names for EAGLE-3's tensors; torch.save writes a storage once however many keys name it. speculators with
-    `quantize: fp8`: e4m3 `hidden_states` and fp32 `hidden_states_scales` [T, n_aux + 1, 1], what its fp8 backend
-    loads."""
-    n_tok = int(t["input_ids"].numel())
-    if layout == SPECULATORS:
-        from safetensors.torch import save
-
-        states = torch.cat(
-            [t["aux_hidden_states"].view(n_tok, n_aux, hidden), t["final_hidden_state"].view(n_tok, 1, hidden)], dim=1
-        )
-        ids = t["input_ids"].to(torch.int64).contiguous()
-        if quantize == QUANTIZE_FP8:
-            return fp8.sample_file(states, ids)
-        return save({"hidden_states": states.contiguous(), "token_ids": ids})
-    record = {
-        "input_ids": _own_storage(t["input_ids"].to(torch.int64)),
-        "loss_mask": _own_storage(t["loss_mask"].to(torch.int64)),
-        "aux_hidden_state": _own_storage(t["aux_hidden_states"]).unsqueeze(0),
-        "hidden_state": _own_storage(t["final_hidden_state"]).unsqueeze(0),
-    }
-    record.update({alias: record[src] for alias, src in (aliases or {}).items()})
-    buf = io.BytesIO()
-    torch.save(record, buf)
-    return buf.getvalue()
-
-
 def _own_storage(x: torch.Tensor) -> torch.Tensor:
     """`x` alone in its storage: torch.save writes a view's whole storage, so a sample sliced out of its batch
     would carry every other sample of the batch into its `.ckpt` (seen: 7.6x the sample's bytes)."""
@@ -202,24 +578,11 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _deserialise(layout: str, path: Path, n_aux: int) -> dict[str, torch.Tensor]:
-    """aux [T, n_aux*H] and final [T, H] of one trainer file (FP8 states dequantized to fp32: `fp8.dequantize`)."""
-    if layout == SPECULATORS:
-        from safetensors.torch import load_file
-
-        raw = load_file(str(path))
-        states = raw[fp8.STATES_KEY]
-        if fp8.SCALES_KEY in raw:
-            states = fp8.dequantize_checked(path, states, raw[fp8.SCALES_KEY])
-        return {"aux_hidden_states": states[:, :n_aux].flatten(1), "final_hidden_state": states[:, n_aux]}
-    rec = torch.load(path, mmap=True, weights_only=True)
-    return {"aux_hidden_states": rec["aux_hidden_state"][0], "final_hidden_state": rec["hidden_state"][0]}
-
-
 class SampleFilesWriter:
     """Stands in for the shard's `StreamingSafetensorsWriter` when the states go straight into a trainer's layout:
     ids and masks still go to the shard file (small: 5 B/token), each sample's aux and final states to its own
-    trainer file, written atomically as soon as both arrive, with its size and digest recorded for `shard_status`.
+    trainer file (`TrainerLayout.serialise`), written atomically as soon as both arrive, with its size and digest
+    recorded for `shard_status`.
     """
 
     def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
@@ -250,7 +613,7 @@ class SampleFilesWriter:
             raise ValueError(f"sample {sid!r} has no file in the {self._target.name} layout: the merged table changed")
         hidden = int(t["final_hidden_state"].shape[-1])
         t = {**t, "loss_mask": torch.from_numpy(self._masks[sid])}
-        data = serialise(self._target.name, t, self._n_aux, hidden, quantize=self._target.quantize)
+        data = self._target.layout.serialise(t, self._n_aux, hidden, quantize=self._target.quantize)
         path = self._target.root / rel
         write_bytes_atomic(data, path)
         self.files.append(
@@ -263,31 +626,29 @@ class SampleFilesWriter:
         return str(self._inner.finish())
 
 
-def shard_layout(meta: dict[str, Any]) -> str:
-    return str(meta.get("layout", SHARDS))
-
-
 class ShardReader:
     """The four canonical tensors of each sample of one shard, whatever its layout (`open_shard`)."""
 
     def __init__(self, f: Any, meta: dict[str, Any], out_dir: Path):
         self._f, self.meta, self._out_dir = f, meta, out_dir
-        self.layout = shard_layout(meta)
+        self.layout = recorded_layout(meta)
+        self._layout = layout_of(self.layout)
         self._keys = set(f.keys())
         self._files = {d["sample_id"]: out_dir / d["path"] for d in meta.get("sample_files", [])}
         self._n_aux = len(meta["aux_layers"])
 
     def has(self, sid: str) -> bool:
-        own = TENSOR_NAMES if self.layout == SHARDS else ("input_ids", "loss_mask")
+        own = TENSOR_NAMES if self._layout.states_in_shards else ("input_ids", "loss_mask")
         if not all(tensor_key(sid, n) in self._keys for n in own):
             return False
-        return self.layout == SHARDS or (sid in self._files and self._files[sid].exists())
+        return self._layout.states_in_shards or (sid in self._files and self._files[sid].exists())
 
     def get(self, sid: str) -> dict[str, torch.Tensor]:
-        if self.layout == SHARDS:
+        layout = self._layout
+        if not isinstance(layout, TrainerLayout):
             return {n: self._f.get_tensor(tensor_key(sid, n)) for n in TENSOR_NAMES}
         out = {n: self._f.get_tensor(tensor_key(sid, n)) for n in ("input_ids", "loss_mask")}
-        out.update(_deserialise(self.layout, self._files[sid], self._n_aux))
+        out.update(layout.deserialise(self._files[sid], self._n_aux))
         return {n: out[n] for n in TENSOR_NAMES}
 
 
@@ -302,31 +663,17 @@ def open_shard(out_dir: str | Path, shard_index: int) -> Iterator[ShardReader]:
         yield ShardReader(f, meta, Path(out_dir))
 
 
-def shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[str]]]:
-    out = []
-    for idx_path in sorted(Path(hs_dir).glob("shard-*.index.parquet")):
-        meta = read_index_meta(idx_path)
-        out.append((int(meta["shard_index"]), meta, read_index(idx_path).column("sample_id").to_pylist()))
-    return out
-
-
 def iter_shard_samples(
     hs_dir: str | Path, *, skip_layout: str | None = None
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]:
     """(sample_id, the four tensors, the shard's index metadata) for every sample of every shard, one at a time;
     shards already in `skip_layout` are passed over."""
     for shard, meta, sample_ids in shard_indexes(hs_dir):
-        if skip_layout is not None and shard_layout(meta) == skip_layout:
+        if skip_layout is not None and recorded_layout(meta) == skip_layout:
             continue
         with open_shard(hs_dir, shard) as reader:
             for sid in sample_ids:
                 yield sid, reader.get(sid), meta
-
-
-def recorded_drops(hs_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows the shards under `hs_dir` left out (`dropped_rows` of their indexes: `too_long_rows: drop`), in
-    shard order: they have no states, so the exports leave them out too."""
-    return [dict(d) for _shard, meta, _ids in shard_indexes(hs_dir) for d in meta.get("dropped_rows") or []]
 
 
 def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
@@ -334,7 +681,7 @@ def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
     table puts them."""
     found: set[str] = set()
     for _shard, meta, _ids in shard_indexes(hs_dir):
-        if shard_layout(meta) != target.name:
+        if recorded_layout(meta) != target.name:
             continue
         for d in meta.get("sample_files", []):
             want = target.file_of.get(d["sample_id"])
@@ -347,23 +694,6 @@ def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
     return found
 
 
-def merged_tables(merged_dir: str | Path, columns: list[str]) -> list[pa.Table]:
-    """The merged part files in global row order, as extraction reads them (`merged.merged_parts`), so the trainer
-    files are planned over exactly the rows the shards hold."""
-    import pyarrow.parquet as pq
-
-    from eagle_pipeline.hidden_states.store.merged import merged_parts
-
-    return [pq.read_table(p, columns=columns) for p in merged_parts(merged_dir)]
-
-
-def merged_splits(merged_dir: str | Path) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for t in merged_tables(merged_dir, ["sample_id", "split"]):
-        out.update(zip(t.column("sample_id").to_pylist(), t.column("split").to_pylist()))
-    return out
-
-
 def safe_file_stem(sample_id: str) -> str:
     if not sample_id or "/" in sample_id or "\\" in sample_id or sample_id.startswith(".") or "\x00" in sample_id:
         raise ValueError(f"sample_id {sample_id!r} cannot name a file: SpecForge features are one file per sample id")
@@ -373,10 +703,96 @@ def safe_file_stem(sample_id: str) -> str:
 def load_sample(
     out_dir: str | Path, sample_id: str, *, index: dict[str, SampleLocation] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The four tensors of one sample, from the shard file or the trainer layout the shard was written in (keys without the sample_id prefix). Pass a `build_sample_index` result
-    as `index` when loading many samples, to avoid rescanning the index files each time."""
+    """The four tensors of one sample, from the shard file or the trainer layout the shard was written in (keys
+    without the sample_id prefix). Pass a `build_sample_index` result as `index` when loading many samples, to avoid
+    rescanning the index files each time."""
     loc = (index if index is not None else build_sample_index(out_dir)).get(sample_id)
     if loc is None:
         raise KeyError(f"sample {sample_id!r} not in any shard index under {out_dir}")
     with open_shard(out_dir, loc.shard_index) as reader:
         return reader.get(sample_id)
+
+
+def _speculators_table(merged_dir: str | Path, left_out: set[str]) -> tuple[pa.Table, int]:
+    """The merged rows as speculators' dataset columns, train rows (merged order) then eval rows, less the rows
+    `left_out` (row i is read from hs_{i}: `SpeculatorsLayout.file_names`); and n_train."""
+    import pyarrow.compute as pc
+
+    merged = pa.concat_tables(merged_tables(merged_dir, ["sample_id", "input_ids", "loss_mask", "n_tokens", "split"]))
+    if left_out:
+        merged = merged.filter(pc.invert(pc.is_in(merged["sample_id"], pa.array(sorted(left_out), pa.string()))))
+    parts = []
+    for split in SPLITS:
+        t = merged.filter(pc.equal(merged["split"], split))
+        parts.append(
+            pa.table(
+                {
+                    "input_ids": t["input_ids"].cast(pa.list_(pa.int64())),
+                    "loss_mask": t["loss_mask"].cast(pa.list_(pa.int64())),
+                    "seq_len": t["n_tokens"].cast(pa.int64()),
+                    "sample_id": t["sample_id"],
+                }
+            )
+        )
+    return pa.concat_tables(parts), parts[0].num_rows
+
+
+def _save_arrow(ds: Any, out_dir: Path) -> None:
+    """`save_to_disk` into a temporary folder, then move its files into `out_dir`, state.json last (the files a
+    reader opens first are never half written)."""
+    tmp = out_dir / ".arrow.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    for old in out_dir.glob("data-*.arrow"):  # shards of a larger earlier dataset
+        if not (tmp / old.name).exists():
+            old.unlink()
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "state.json"):
+        os.replace(tmp / name, out_dir / name)
+    tmp.rmdir()
+
+
+def _write_speculators_readme(out_dir: Path, s: StatesExportSummary, vocab_args: str | None) -> None:
+    """`vocab_args`: the `--d2t-path`/`--t2d-path` flags of the files copied beside the states, None when none was
+    (the command must not name a file that is not there)."""
+    ratio = s.extra["train_data_ratio"]
+    # Each hs_{i} stacks the aux layers and then the final state (`SpeculatorsLayout.serialise`): n_aux + 1 slots.
+    slots = int(s.extra["capture"]["layer_count"]) + 1
+    train = f"python scripts/train.py {s.extra['args']}"
+    lines = [
+        "# speculators offline data (written by eagle-pipeline)",
+        "",
+        f"Rows: {s.rows['train']} train, then {s.rows['eval']} eval (eval rows last); row i's states are "
+        "`hidden_states/hs_{i}.safetensors`, its sample in the `sample_id` column"
+        + (
+            f"; {len(s.extra['dropped_rows'])} merged rows without states (too long for the servers) are left out "
+            "(export.json's dropped_rows)."
+            if s.extra["dropped_rows"]
+            else "."
+        ),
+        "",
+        "Train with:",
+        "",
+        "```",
+        *([f"{train} \\", f"    {vocab_args} ..."] if vocab_args else [f"{train} ..."]),
+        "```",
+        "",
+        f"`--train-data-ratio` = (n_train + 0.5) / n = {ratio!r}: int(n * ratio) = n_train exactly."
+        if ratio is not None
+        else "No eval rows: speculators needs --train-data-ratio strictly inside (0, 1); set merge.eval_fraction > 0.",
+        "",
+        f"`hidden_states/hs_{{i}}.safetensors`: `hidden_states` [T, {slots}, H] = aux layers "
+        f"{s.extra['aux_layers_0_based_outputs']} (0-based decoder-layer outputs; vLLM ids "
+        f"{s.extra['aux_layer_ids_vllm']}) then the final state BEFORE the final norm; `token_ids` [T] int64.",
+        *(
+            [
+                "",
+                f"FP8 states: `hidden_states` float8_e4m3fn with `hidden_states_scales` fp32 [T, {slots}, 1] (one scale "
+                f"per token per layer); speculators dequantizes them with `{FP8_BACKEND_FLAG} {FP8_BACKEND}`.",
+            ]
+            if s.extra["hidden_states_backend"] == FP8_BACKEND
+            else []
+        ),
+        "",
+        *handoff_markdown(s.extra["capture"], s.extra["drafters"]),
+    ]
+    write_readme(out_dir, lines)

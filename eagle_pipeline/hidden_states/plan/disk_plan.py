@@ -9,8 +9,8 @@ their peak (the rows fetched ahead of the copy), and each trainer copy listed in
 (spreading a workload sized before its data exists). `check_disk_for_run` (`check_disk` on plan.json) compares
 them, before a shard run sends its first request, with `hidden_states.disk_budget_gb` (the whole plan) and with the
 free space of each filesystem they land on (only what is still to be written: done shards are already on disk).
-`check_export_room` does the same for a trainer layout converted from the shards. Torch-free at import: the plan
-runs before any model is near (what reads shards, merged rows or the vLLM engine is imported where it is used).
+`check_export_room` does the same for a trainer layout converted from the shards.
+Each layout's bytes per token and per sample are its object's (`trainer_layouts.Layout.disk_rates`).
 """
 
 from __future__ import annotations
@@ -22,28 +22,26 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
+    EXPORTS,
+    HIDDEN_STATES,
+    SPECULATORS_FILE_BYTES,
+    layout_of,
+)
+from eagle_pipeline.hidden_states.settings import SHARDS
+from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
+from eagle_pipeline.hidden_states.store.shard_index import IDS_BYTES, MASK_BYTES, PROJECT_SHARD_SAMPLE_BYTES
 from eagle_pipeline.shared.storage import read_json
 
 if TYPE_CHECKING:
     from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 
-SHARDS, SPECFORGE, SPECULATORS = "shards", "specforge", "speculators"
-IDS_BYTES = 4  # int32 input_ids in a shard
-MASK_BYTES = 1  # int8 loss_mask in a shard
 # Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
-PROJECT_SHARD_SAMPLE_BYTES = 640  # four safetensors header entries (~90 B each) + the index row (~380 B measured)
-IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B)
 SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the index's Parquet footer (~8.3 KB)
-SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
-SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
 FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
 SERVED_FP8_SOURCE_BYTES = 2  # the bf16 a vLLM server writes, which the client quantizes to FP8
-SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
-ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
-ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
-# Places items land on, resolved to paths by `disk_places`.
-HIDDEN_STATES, EXPORTS, CONNECTOR = "hidden_states", "exports", "connector"
+CONNECTOR = "connector"  # where the vLLM connector's files land; a layout's own places: `trainer_layouts`
 PLAN_FILE = "plan.json"  # in the hidden-states folder: the plans `run.plan_run` writes, which a shard run checks
 
 
@@ -63,28 +61,9 @@ class StateShape:
 
 
 def layout_rates(layout: str, shape: StateShape, *, direct: bool = True) -> list[tuple[str, str, int, int]]:
-    """(what, place, bytes per token, bytes per sample) of each part `layout` writes (the shard files add
-    SHARD_FILE_BYTES each). `direct`: extraction writes the layout (the shards keep ids and masks); otherwise a
-    copy converted from the shards (the files alone)."""
-    state = shape.token_bytes
-    if layout == SHARDS:
-        return [("states: project shards", HIDDEN_STATES, state + IDS_BYTES + MASK_BYTES, PROJECT_SHARD_SAMPLE_BYTES)]
-    if layout == SPECULATORS:
-        parts = [
-            ("states: speculators hs_{i}.safetensors", EXPORTS, state + 8, _speculators_file_bytes(shape)),
-            ("speculators Arrow dataset (ids, masks)", EXPORTS, ARROW_TOKEN_BYTES, ARROW_SAMPLE_BYTES),
-        ]
-    elif layout == SPECFORGE:
-        parts = [("states: SpecForge {sample_id}.ckpt", EXPORTS, state + 16, SPECFORGE_FILE_BYTES)]
-    else:
-        raise ValueError(f"unknown layout {layout!r}")
-    if not direct:
-        return [(f"copy for trainer_layouts: {what}", place, t, s) for what, place, t, s in parts]
-    return [("ids and masks in the shards", HIDDEN_STATES, IDS_BYTES + MASK_BYTES, IDS_SHARD_SAMPLE_BYTES), *parts]
-
-
-def _speculators_file_bytes(shape: StateShape) -> int:
-    return SPECULATORS_FP8_FILE_BYTES if shape.scale_bytes else SPECULATORS_FILE_BYTES
+    """(what, place, bytes per token, bytes per sample) of each part `layout` writes: its object's
+    `Layout.disk_rates` (the shard files add SHARD_FILE_BYTES each)."""
+    return layout_of(layout).disk_rates(shape.token_bytes, quantized=bool(shape.scale_bytes), direct=direct)
 
 
 def connector_file_bytes(shape: StateShape, n_tokens: int) -> int:
@@ -313,7 +292,7 @@ def disk_inputs(settings: HiddenStatesConfig, paths: ExtractionPaths, *, shard_r
     k = min(len(lengths), shard_runs * rows_ahead(v.concurrency, max(len(v.endpoints), 1)))
     inputs = replace(inputs, scratch_rows=sorted(lengths, reverse=True)[:k])
     same_fs = os.stat(existing_parent(v.storage_path)).st_dev == os.stat(existing_parent(paths.exports_dir)).st_dev
-    if settings.layout == "speculators" and same_fs and settings.quantize == "none":
+    if layout_of(settings.layout).takes_connector_file and same_fs and settings.quantize == QUANTIZE_NONE:
         note = "renamed to hs_{i} on the exports' filesystem, so the states' item holds them"
         inputs = replace(inputs, scratch_counted=False, scratch_note=note)
     return inputs
@@ -380,12 +359,12 @@ def check_disk_for_run(
 def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
     """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
     converting them to a trainer layout writes again."""
-    from eagle_pipeline.hidden_states.layouts.trainer_layouts import shard_indexes, shard_layout
+    from eagle_pipeline.hidden_states.store.shard_index import recorded_layout, shard_indexes
 
     return sum(
         int(meta["size_bytes"])
         for _shard, meta, _ids in shard_indexes(hs_dir)
-        if skip_layout is None or shard_layout(meta) != skip_layout
+        if skip_layout is None or recorded_layout(meta) != skip_layout
     )
 
 

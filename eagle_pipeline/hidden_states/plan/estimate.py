@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.hidden_states.models.layers import resolve_aux_layers
 from eagle_pipeline.hidden_states.models.model import describe_model_config
-from eagle_pipeline.hidden_states.plan.disk_plan import SHARDS, DiskInputs, extraction_disk, state_shape
+from eagle_pipeline.hidden_states.plan.disk_plan import DiskInputs, extraction_disk, state_shape
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fp8 import QUANTIZE_NONE
 
 if TYPE_CHECKING:

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.format import FORMAT_VERSION
 from eagle_pipeline.hidden_states.store.merged import merged_parts
 from eagle_pipeline.merge.manifest import MANIFEST_NAME
 from eagle_pipeline.shared.storage import file_sha256, read_json
 
 ENGINE_IN_PROCESS = "in_process"  # transformers forward in this process; 'vllm' and 'torchrun' record their own
-LAYOUT_SHARDS = "shards"  # shard-NNNNN.safetensors + index; trainer-native layouts will record theirs
-FINAL_STATES = ("post_norm", "pre_norm")
+FINAL_STATES = (POST_NORM, PRE_NORM)
 # Keys of a transformers config that do not change what the model computes (or are recorded elsewhere: the stored
 # dtype is its own field), so that reloading the same checkpoint gives the same identity.
 _VOLATILE_CONFIG_KEYS = frozenset(
@@ -60,7 +61,7 @@ class ExtractionFingerprint:
     dtype: str | None
     merged_version: str
     engine: str = ENGINE_IN_PROCESS
-    layout: str = LAYOUT_SHARDS
+    layout: str = SHARDS
     quantize: str = "none"  # fp8.QUANTIZE_MODES: how the states are stored
     format_version: int = FORMAT_VERSION
     # Sample ids of the shard's rows it holds no states for (vLLM, `too_long_rows: drop`), sorted; None where the

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from eagle_pipeline.drafter_types import PRE_NORM
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.store.fingerprint import FINAL_STATES
 from eagle_pipeline.shared.storage import atomic_path, file_sha256
 
 TARGET_HEAD_FILE = "target_head.safetensors"
 NORM_TENSOR, HEAD_TENSOR = "final_norm.weight", "lm_head.weight"  # its two tensors
-POST_NORM, PRE_NORM = FINAL_STATES
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_hf_index, final_state_hf_index
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
 from eagle_pipeline.hidden_states.store.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     TENSOR_NAMES,
     dtype_name,
+    read_index,
+    read_index_meta,
     tensor_key,
     write_index,
 )
@@ -26,6 +30,11 @@ from eagle_pipeline.hidden_states.store.shards import FINGERPRINT_META_KEY, Shar
 
 IDS_DTYPE = torch.int32
 MASK_DTYPE = torch.int8
+IDS_BYTES = IDS_DTYPE.itemsize  # int32 input_ids in a shard
+MASK_BYTES = MASK_DTYPE.itemsize  # int8 loss_mask in a shard
+# Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
+PROJECT_SHARD_SAMPLE_BYTES = 640  # four safetensors header entries (~90 B each) + the index row (~380 B measured)
+IDS_SHARD_SAMPLE_BYTES = 600  # two header entries + the index row with the trainer file's path and digest (~575 B)
 
 
 def shard_header(
@@ -44,7 +53,7 @@ def shard_header(
     """The safetensors header of shard `shard_index` (the file format, docs/hidden_states.md): layer conventions,
     dtypes, the rows it holds, the model's description and the fingerprint; `extra`: what an engine adds of its own
     (the final norm's eps, vLLM's layer ids, a trainer layout)."""
-    post_norm = final_state == "post_norm"
+    post_norm = final_state == POST_NORM
     return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -108,7 +117,7 @@ def shard_summary(
         size_bytes=size_bytes,
         dtype=dtype_name(dtype),
         aux_layers=list(fingerprint.aux_layers),
-        final_state_is_post_norm=final_state == "post_norm",
+        final_state_is_post_norm=final_state == POST_NORM,
         n_nonfinite_samples=nonfinite_samples,
         compute_seconds=compute_seconds,
         write_wait_seconds=write_wait_seconds,
@@ -169,3 +178,30 @@ def transformers_version() -> str:
         return transformers.__version__
     except Exception:
         return "unknown"
+
+
+def shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[str]]]:
+    """(shard number, index metadata, sample ids) of every shard index under `hs_dir`, in shard order."""
+    out = []
+    for idx_path in sorted(Path(hs_dir).glob("shard-*.index.parquet")):
+        meta = read_index_meta(idx_path)
+        out.append((int(meta["shard_index"]), meta, read_index(idx_path).column("sample_id").to_pylist()))
+    return out
+
+
+def recorded_layout(meta: Mapping[str, Any]) -> str:
+    """The layout a shard's index metadata records its states in (`settings.LAYOUT_NAMES`)."""
+    return str(meta.get("layout", SHARDS))
+
+
+def shard_final_state(meta: Mapping[str, Any]) -> str:
+    """The final-state convention a shard's index metadata records ('pre_norm' | 'post_norm')."""
+    if "final_state" in meta:
+        return str(meta["final_state"])
+    return POST_NORM if meta.get("final_state_is_post_norm", True) else PRE_NORM
+
+
+def recorded_drops(hs_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows the shards under `hs_dir` left out (`dropped_rows` of their indexes: `too_long_rows: drop`), in
+    shard order: they have no states, so the exports leave them out too."""
+    return [dict(d) for _shard, meta, _ids in shard_indexes(hs_dir) for d in meta.get("dropped_rows") or []]

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import PRE_NORM
 from eagle_pipeline.hidden_states.engines.engine import ShardJob
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     FileFacts,
@@ -39,16 +40,11 @@ from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
 from eagle_pipeline.hidden_states.engines.vllm.vllm_layouts import VllmLayoutRows, VllmShardFile
 from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import ShardRequests
 from eagle_pipeline.hidden_states.engines.vllm.vllm_served import apply_length_limit, target_without_too_long, too_long
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    SHARDS,
-    LayoutTarget,
-    final_state_for_layout,
-    plan_layout_target,
-)
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import LayoutTarget, layout_of, plan_layout_target
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
 from eagle_pipeline.hidden_states.store.format import shard_paths
 from eagle_pipeline.hidden_states.store.head import (
-    PRE_NORM,
     CheckpointHead,
     TargetHead,
     checkpoint_head,
@@ -232,7 +228,7 @@ def _checked_settings(
     if found is not None and hidden_size is not None and found.hidden_size != hidden_size:
         raise ValueError(f"{head_checkpoint}: hidden_size {found.hidden_size}, the servers' model {hidden_size}")
     layout = layout_target.name if layout_target is not None else SHARDS
-    final_state = final_state_for_layout(layout)
+    final_state = layout_of(layout).final_state
     if final_state != PRE_NORM and found is None:
         raise ValueError(
             f"the {layout} layout holds the {final_state} final state: pass head_checkpoint (its final norm)"

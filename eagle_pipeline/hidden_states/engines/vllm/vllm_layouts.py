@@ -8,14 +8,14 @@ for the shard index's `sample_files`, which `shard_status`, `open_shard` and eve
 Every path reads each connector file once: `vllm_files.validate_states_file` maps it in the request worker, and the
 writer gets that mapping (`ConnectorFile`), never the file again.
 
-* speculators: the connector's file already is `hs_{i}.safetensors` (pre-norm final state, vLLM's layer order), so
-  `validate` adds the digest to the one read and `place` renames it (one filesystem) or writes the mapped bytes once
+* A layout whose file the connector's already is (`Layout.takes_connector_file`: speculators' `hs_{i}.safetensors`,
+  pre-norm final state, vLLM's layer order): `validate` adds the digest to the one read and `place` renames it (one filesystem) or writes the mapped bytes once
   (`vllm_handoff.place_file`). With `quantize: fp8` `validate` also quantizes the mapped bf16 states in the worker
   (`fp8.sample_file`: e4m3 with fp32 scales per token per layer) and `place` writes that FP8 `hs_{i}` (atomic); the
   bf16 file is then deleted like any copied one.
-* specforge: its final state is post-norm and its file a `torch.save` record, so `place` applies the target's final
-  norm (`final_norm`, from the recorded head) to the mapped states and writes the `.ckpt` (a full rewrite:
-  docs/hidden_states.md §12 measures it).
+* Any other (SpecForge's `torch.save` record): `place` brings the mapped states' final state to the layout's
+  convention (a post-norm one applies the target's final norm, `final_norm`, from the recorded head) and writes the
+  layout's file (`TrainerLayout.serialise`; a full rewrite: docs/hidden_states.md §12 measures it).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     ConnectorFile,
     EngineShardError,
@@ -36,11 +37,10 @@ from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
 )
 from eagle_pipeline.hidden_states.engines.vllm.vllm_handoff import place_file
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    SPECFORGE,
-    SPECULATORS,
     LayoutTarget,
     SampleFilesWriter,
     remove_stale_tmp,
+    trainer_layout,
     without_states,
 )
 from eagle_pipeline.hidden_states.store import fp8
@@ -73,15 +73,16 @@ class VllmLayoutRows:
         *,
         final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        if target.name not in (SPECULATORS, SPECFORGE):
-            raise ValueError(f"{target.name!r} is not a trainer layout")
-        if target.name == SPECFORGE and final_norm is None:
-            raise ValueError("the specforge layout holds the post-norm final state: the target's final norm is needed")
+        layout = trainer_layout(target.name)
+        if layout.final_state == POST_NORM and final_norm is None:
+            raise ValueError(
+                f"the {layout.name} layout holds the post-norm final state: the target's final norm is needed"
+            )
         self.target, self.out_dir, self.masks, self.n_aux, self.final_norm = target, out_dir, masks, n_aux, final_norm
         remove_stale_tmp(target, list(masks))  # a copy a killed run of this shard left half written
         self._quantized: dict[Path, bytes] = {}  # validated rows' FP8 hs_{i}, until placed
         self.files: list[dict[str, Any]] = []
-        self._specforge: SampleFilesWriter | None = None
+        self._rewrite: SampleFilesWriter | None = None  # a layout whose file is not the connector's
 
     @property
     def _fp8(self) -> bool:
@@ -90,7 +91,8 @@ class VllmLayoutRows:
     def validate(
         self, path: Path, ids: Sequence[int], layer_ids: Sequence[int], *, hidden_size: int | None = None
     ) -> ConnectorFile:
-        as_is = self.target.name == SPECULATORS and not self._fp8  # the file becomes hs_{i}: its digest is the record
+        # the file becomes hs_{i}: its digest is the record
+        as_is = self.target.layout.takes_connector_file and not self._fp8
         file = validate_states_file(path, ids, layer_ids, hidden_size=hidden_size, digest=as_is)
         if self._fp8:  # here, in the request worker, so rows quantize side by side while the writer places others
             # the scales from the validator's own reduction: the mapped states are read once more, to quantize
@@ -105,8 +107,8 @@ class VllmLayoutRows:
             raise ValueError(
                 f"sample {sample_id!r} has no file in the {self.target.name} layout: the merged table changed"
             )
-        if self.target.name == SPECFORGE:
-            self._place_specforge(sample_id, file, input_ids)
+        if not self.target.layout.takes_connector_file:
+            self._rewrite_file(sample_id, file, input_ids)
             return
         dst = self.target.root / rel
         if self._fp8:
@@ -119,19 +121,22 @@ class VllmLayoutRows:
             size, digest = file.size, file.digest
         self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), size, digest))
 
-    def _place_specforge(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
-        assert self.final_norm is not None
-        if self._specforge is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
-            self._specforge = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
-            self.files = self._specforge.files
+    def _rewrite_file(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
+        if self._rewrite is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
+            self._rewrite = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
+            self.files = self._rewrite.files
         hs = file.states
         t, h = int(hs.shape[0]), int(hs.shape[2])
+        final = hs[:, self.n_aux]  # the servers' state, pre-norm
+        if self.target.layout.final_state == POST_NORM:
+            assert self.final_norm is not None  # checked when made
+            final = self.final_norm(final)
         tensors = {
             "aux_hidden_states": hs[:, : self.n_aux].reshape(t, self.n_aux * h),
-            "final_hidden_state": self.final_norm(hs[:, self.n_aux]),
+            "final_hidden_state": final,
             "input_ids": input_ids,
         }
-        self._specforge.write_sample(sample_id, tensors)
+        self._rewrite.write_sample(sample_id, tensors)
 
     def close(self) -> None:
         self._quantized.clear()
