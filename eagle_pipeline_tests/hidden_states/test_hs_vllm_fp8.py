@@ -187,7 +187,7 @@ def test_with_fp8_the_connector_s_bf16_files_count_at_their_peak(merged_factory,
     vllm = {"endpoints": ["http://gpu-node-0:8000"], "storage_path": str(tmp_path / "connector")}
     for quantize, counted in (("none", False), ("fp8", True)):
         settings = HiddenStatesConfig(engine="vllm", layout="speculators", quantize=quantize, vllm=vllm)
-        assert disk_inputs(settings, paths).get("scratch_counted", True) is counted, quantize
+        assert disk_inputs(settings, paths).scratch_counted is counted, quantize
     bf16, fp8_shape = StateShape(4, 7168, 2), StateShape(4, 7168, 1, FP8_SCALE_BYTES)
     assert connector_file_bytes(fp8_shape, 1000) == connector_file_bytes(bf16, 1000)
 
