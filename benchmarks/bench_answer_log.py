@@ -35,7 +35,10 @@ def _cpu() -> float:
 
 
 def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) -> dict:
-    from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.generation.options import RunOptions
+    from eagle_pipeline.generation.runner import generate_dataset
+    from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+    from eagle_pipeline.generation.store import read_responses
 
     prompts = bg.bench_prompts(n)
     backend = BackendSpec(

@@ -188,7 +188,7 @@ def test_the_product_loads_the_simulation_only_when_the_configuration_names_it()
     probe = (
         "import sys, eagle_pipeline.generation.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('eagle_pipeline.simulation'))\n"
-        "from eagle_pipeline.generation import BackendSpec\n"
+        "from eagle_pipeline.generation.spec import BackendSpec\n"
         "with r.backend_endpoint(BackendSpec(name='sim', kind='simulated', model='m')) as spec:\n"
         "    started = spec.endpoint.startswith('http://127.0.0.1:') and 'eagle_pipeline.simulation' in sys.modules\n"
         "print(loaded, started)\n"

@@ -108,8 +108,8 @@ def _refuse_if_blocked(dataset: str, results: dict[str, dict], metadata: dict) -
 def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> tuple[dict, StoredAudit]:
     """Reconstruct, write and audit the dataset's token samples: the materialization's metadata and the stored
     audit of the file."""
-    from eagle_pipeline.generation import read_responses
     from eagle_pipeline.generation.coverage import current_responses, prompt_sample_ids
+    from eagle_pipeline.generation.store import read_responses
     from eagle_pipeline.tokens import reconstruct_table
 
     cfg = pipeline.config()

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, RunOptions, generate_dataset
 from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.options import RunOptions
+from eagle_pipeline.generation.runner import generate_dataset
+from eagle_pipeline.generation.spec import BackendSpec
 
 from .generation_helpers import SAMPLING
 

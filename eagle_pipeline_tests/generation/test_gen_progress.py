@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.generation import ProgressEvent, committed_totals, read_errors, read_responses
-from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.generation.store import committed_sample_ids, read_errors, read_responses
+from eagle_pipeline.generation.summary import ProgressEvent, committed_totals
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.generation import RESPONSES_SCHEMA, read_responses
 from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
+from eagle_pipeline.generation.rows import RESPONSES_SCHEMA
+from eagle_pipeline.generation.store import read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (

@@ -15,9 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import ERRORS_SCHEMA, RESPONSES_SCHEMA, pipeline_budget, read_errors, read_responses
+from eagle_pipeline.generation.budget import pipeline_budget
+from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
 from eagle_pipeline.generation.spec import REQUEST_SEED_SCHEME
-from eagle_pipeline.generation.store import DirLock, part_files
+from eagle_pipeline.generation.store import DirLock, part_files, read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sample_keys, sim_backend
@@ -254,7 +255,7 @@ def test_quality_outcomes_are_responses_not_errors(tmp_path):
 
 
 def test_small_max_tokens_gives_length_rows(tmp_path):
-    from eagle_pipeline.generation import SamplingSpec
+    from eagle_pipeline.generation.spec import SamplingSpec
 
     small = SamplingSpec(seed=7, max_tokens=20)
     prompts = make_prompts(4, sampling=small)

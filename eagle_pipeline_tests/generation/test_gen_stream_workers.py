@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store import read_errors, read_responses
 from eagle_pipeline.generation.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 

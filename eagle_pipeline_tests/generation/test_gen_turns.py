@@ -17,8 +17,7 @@ import jinja2.ext
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import read_responses
-from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.generation.store import part_files, read_responses
 from eagle_pipeline.generation.turns import (
     END_COMPLETE,
     END_FEWER_TOOL_CALLS,
@@ -437,8 +436,8 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
     """Live figures and the materialization's count the same things: conversations under `current_prompts*` and
     `already_done`, turn rows under `response_rows` and `completed_this_run`, earlier runs' turns included."""
     from eagle_pipeline.defs.generation import generation_metadata
-    from eagle_pipeline.generation import read_errors
     from eagle_pipeline.generation.coverage import current_responses
+    from eagle_pipeline.generation.store import read_errors
 
     prompts = prompts_table(
         "B5",
