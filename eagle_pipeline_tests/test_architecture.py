@@ -99,8 +99,15 @@ def _contracts() -> dict[str, dict]:
     import tomllib
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    # By type; of the two forbidden contracts, "forbidden" is the one that forbids Dagster (the other, the tests).
-    return {c["type"]: c for c in contracts if c["type"] != "forbidden" or "dagster" in c["forbidden_modules"]}
+    # By type; of the two forbidden contracts, "forbidden" is the one that forbids Dagster (the other, the tests); of
+    # the layers contracts, "layers" is the package's own and "layers:<package>" a package's layers inside.
+    by_key = {}
+    for c in contracts:
+        inside = c.get("containers", ["eagle_pipeline"])[0]
+        key = c["type"] if inside == "eagle_pipeline" else f"{c['type']}:{inside}"
+        if c["type"] != "forbidden" or "dagster" in c["forbidden_modules"]:
+            by_key[key] = c
+    return by_key
 
 
 def _layers() -> list[set[str]]:
@@ -129,6 +136,23 @@ def test_the_layers_contract_places_every_top_level_module():
     )
     shell_layers = _layers()[: len(SHELL)]
     assert set().union(*shell_layers) == {s.removesuffix(".py") for s in SHELL}
+
+
+def test_the_generation_layers_place_every_module_of_generation():
+    """generation's layers contract (its sub-packages in the order of the data) is exhaustive, and its layers are
+    exactly generation's sub-packages and modules on disk: a new one fails until it is given a layer."""
+    layers = _contracts()["layers:eagle_pipeline.generation"]
+    assert layers["exhaustive"] is True and "exhaustive_ignores" not in layers
+    placed = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
+    generation = PACKAGE / "generation"
+    on_disk = {
+        p.name.removesuffix(".py")
+        for p in generation.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
+    }
+    assert placed == on_disk, f"on disk, not in the layers: {sorted(on_disk - placed)}; " + (
+        f"in the layers, not on disk: {sorted(placed - on_disk)}"
+    )
 
 
 def test_the_core_contract_covers_every_core_module():
@@ -186,7 +210,7 @@ def test_the_product_loads_the_simulation_only_when_the_configuration_names_it()
     """The simulation seam (docs/architecture.md): importing the runner, the hidden-state engines and the code location
     loads no simulated server; starting a `simulated` backend does."""
     probe = (
-        "import sys, eagle_pipeline.generation.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
+        "import sys, eagle_pipeline.generation.run.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('eagle_pipeline.simulation'))\n"
         "from eagle_pipeline.generation.spec import BackendSpec\n"
         "with r.backend_endpoint(BackendSpec(name='sim', kind='simulated', model='m')) as spec:\n"

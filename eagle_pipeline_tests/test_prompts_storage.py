@@ -96,7 +96,7 @@ def test_atomic_parquet_write_never_leaves_a_partial_file(tmp_path):
 def test_atomic_writes_and_committed_shards_respect_the_umask(tmp_path, umask, mode):
     import pyarrow as pa
 
-    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.generation.store.shards import write_shard
     from eagle_pipeline.shared.storage import write_bytes_atomic, write_json_atomic
 
     old = os.umask(umask)

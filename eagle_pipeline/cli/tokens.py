@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.cli.common import EXIT_BLOCKED, EXIT_OK, CliError
-from eagle_pipeline.generation.response_lines import ResponseLinesError, read_response_lines, responses_table
+from eagle_pipeline.generation.importing.response_lines import ResponseLinesError, read_response_lines, responses_table
 
 
 def _read_responses(path: Path, dataset: str, skip_unusable: bool) -> tuple[list[dict[str, Any]], list[int], int]:

@@ -11,13 +11,13 @@ from eagle_pipeline.config import DatasetConfig, PipelineConfig
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.progress import report_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation.budget import pipeline_budget
-from eagle_pipeline.generation.coverage import current_responses
-from eagle_pipeline.generation.identity import tokenizer_label
-from eagle_pipeline.generation.options import RunOptions
-from eagle_pipeline.generation.runner import generate_dataset
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.run.runner import generate_dataset
 from eagle_pipeline.generation.spec import BackendSpec
-from eagle_pipeline.generation.store import committed_sample_ids, read_errors, read_responses
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store.coverage import current_responses
+from eagle_pipeline.generation.store.identity import tokenizer_label
+from eagle_pipeline.generation.store.shards import committed_sample_ids, read_errors, read_responses
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
 from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths

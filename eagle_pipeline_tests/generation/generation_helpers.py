@@ -20,11 +20,11 @@ from typing import Any, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation.answer_log import read_log
-from eagle_pipeline.generation.options import RunOptions
-from eagle_pipeline.generation.runner import generate_dataset
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.run.runner import generate_dataset
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
-from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.generation.store.answer_log import read_log
+from eagle_pipeline.generation.store.shards import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
 from eagle_pipeline.simulation import request_key
 from eagle_pipeline.simulation.server import LoopbackServer

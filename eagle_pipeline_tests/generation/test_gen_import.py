@@ -7,7 +7,7 @@ import json
 import pyarrow.parquet as pq
 
 from eagle_pipeline.generation.spec import BackendSpec
-from eagle_pipeline.generation.store import read_errors, read_responses
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.generation.store import committed_sample_ids, read_errors, read_responses
+from eagle_pipeline.generation.store.shards import committed_sample_ids, read_errors, read_responses
 from eagle_pipeline.generation.summary import ProgressEvent, committed_totals
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend

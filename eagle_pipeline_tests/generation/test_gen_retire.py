@@ -10,10 +10,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import retire
-from eagle_pipeline.generation.coverage import coverage_of, current_responses, dataset_coverage
-from eagle_pipeline.generation.retire import complete_pending_retirements, retire_responses
-from eagle_pipeline.generation.store import committed_sample_ids, part_files, read_responses, write_shard
+from eagle_pipeline.generation.store import retire
+from eagle_pipeline.generation.store.coverage import coverage_of, current_responses, dataset_coverage
+from eagle_pipeline.generation.store.retire import complete_pending_retirements, retire_responses
+from eagle_pipeline.generation.store.shards import committed_sample_ids, part_files, read_responses, write_shard
 from eagle_pipeline.shared.storage import file_sha256, read_json
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend

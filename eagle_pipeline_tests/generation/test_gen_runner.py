@@ -15,10 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation.budget import pipeline_budget
-from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
 from eagle_pipeline.generation.spec import REQUEST_SEED_SCHEME
-from eagle_pipeline.generation.store import DirLock, part_files, read_errors, read_responses
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
+from eagle_pipeline.generation.store.shards import DirLock, part_files, read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sample_keys, sim_backend
@@ -516,9 +516,9 @@ def test_api_key_never_reaches_outputs_or_logs(tmp_path, monkeypatch, caplog):
 
 
 def test_failed_shard_write_fails_the_run_and_rerun_recovers(tmp_path, monkeypatch):
-    from eagle_pipeline.generation import store
+    from eagle_pipeline.generation.store import shards
 
-    real = store.write_shard
+    real = shards.write_shard
     calls = {"n": 0}
 
     def flaky(table, directory, index):
@@ -527,12 +527,12 @@ def test_failed_shard_write_fails_the_run_and_rerun_recovers(tmp_path, monkeypat
             raise OSError(28, "No space left on device")
         return real(table, directory, index)
 
-    monkeypatch.setattr(store, "write_shard", flaky)
+    monkeypatch.setattr(shards, "write_shard", flaky)
     prompts = make_prompts(30)
     with SimulatedOpenRouterServer() as srv:
         with pytest.raises(RuntimeError, match="No space left on device"):
             run(prompts, sim_backend(srv.url, concurrency=1), tmp_path, commit_every_rows=5)
-        monkeypatch.setattr(store, "write_shard", real)
+        monkeypatch.setattr(shards, "write_shard", real)
         done = read_responses(out_dirs(tmp_path)[0]).num_rows
         assert 0 < done < 30  # the shards written before the failure are intact
         before = srv.total_requests

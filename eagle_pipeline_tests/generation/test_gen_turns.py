@@ -17,8 +17,7 @@ import jinja2.ext
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation.store import part_files, read_responses
-from eagle_pipeline.generation.turns import (
+from eagle_pipeline.generation.plan.turns import (
     END_COMPLETE,
     END_FEWER_TOOL_CALLS,
     END_LENGTH,
@@ -30,6 +29,7 @@ from eagle_pipeline.generation.turns import (
     split_conversation,
     turn_sample_id,
 )
+from eagle_pipeline.generation.store.shards import part_files, read_responses
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
@@ -411,8 +411,8 @@ def test_a_turn_that_fails_once_is_retried_and_the_conversation_goes_on(tmp_path
 def test_retiring_a_turn_retires_the_conversation_from_that_turn_on(tmp_path):
     import pyarrow as pa
 
-    from eagle_pipeline.generation.retire import retire_responses
-    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.generation.store.retire import retire_responses
+    from eagle_pipeline.generation.store.shards import write_shard
 
     prompts = _prompts(_source())
     out, _ = out_dirs(tmp_path, "B5")
@@ -436,8 +436,8 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
     """Live figures and the materialization's count the same things: conversations under `current_prompts*` and
     `already_done`, turn rows under `response_rows` and `completed_this_run`, earlier runs' turns included."""
     from eagle_pipeline.defs.generation import generation_metadata
-    from eagle_pipeline.generation.coverage import current_responses
-    from eagle_pipeline.generation.store import read_errors
+    from eagle_pipeline.generation.store.coverage import current_responses
+    from eagle_pipeline.generation.store.shards import read_errors
 
     prompts = prompts_table(
         "B5",

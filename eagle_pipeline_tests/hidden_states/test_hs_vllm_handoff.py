@@ -166,7 +166,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     storage ends empty, and no file of the states exists twice (inode walk)."""
     import io
 
-    from eagle_pipeline.generation.runner import run_coroutine
+    from eagle_pipeline.generation.run.runner import run_coroutine
     from eagle_pipeline.hidden_states import extract_shard, read_rows
     from eagle_pipeline.hidden_states.head import TargetHead
     from eagle_pipeline.hidden_states.layers import default_aux_layers

@@ -1,6 +1,6 @@
 """Responses from a JSONL file of chat-completion bodies (answers from earlier runs), as responses-table rows for
 reconstruction and the audit: the command line's `reconstruct` input. Every row is built by the one row builder
-(`generation.rows.response_values`); every body read from a file, here or by the import backend (`importer.py`), is
+(`generation.store.rows.response_values`); every body read from a file, here or by the import backend (`importer.py`), is
 parsed by `parse_completion_body`."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..shared.failures import RequestFailure
-from ..shared.storage import iter_jsonl_objects
-from ..tokens.samples import RECONSTRUCTION_COLUMNS
-from .backends import ParsedResponse, PromptItem, parse_chat_completion
-from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
-from .spec import BackendSpec
+from eagle_pipeline.generation.backends.wire import ParsedResponse, PromptItem, parse_chat_completion
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
+from eagle_pipeline.shared.failures import RequestFailure
+from eagle_pipeline.shared.storage import iter_jsonl_objects
+from eagle_pipeline.tokens.samples import RECONSTRUCTION_COLUMNS
 
 
 def parse_completion_body(body: Any, spec: BackendSpec | None = None) -> ParsedResponse:

@@ -22,12 +22,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation.backends import PromptItem
-from eagle_pipeline.generation.identity import BackendIdentity
-from eagle_pipeline.generation.response_lines import parse_completion_body
-from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
-from eagle_pipeline.generation.sink import ShardSink
+from eagle_pipeline.generation.backends.wire import PromptItem
+from eagle_pipeline.generation.importing.response_lines import parse_completion_body
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.identity import BackendIdentity
+from eagle_pipeline.generation.store.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
+from eagle_pipeline.generation.store.sink import ShardSink
 from eagle_pipeline.generation.summary import GenerationSummary
 from eagle_pipeline.prompts import canonical_json
 from eagle_pipeline.shared import failures as F

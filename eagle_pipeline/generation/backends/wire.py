@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from eagle_pipeline.generation.client import ChatClient
+from eagle_pipeline.generation.backends.client import ChatClient
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import RequestFailure
@@ -22,7 +22,7 @@ RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"]
 
 class PromptItem(NamedTuple):
     """One request: the prompts table's columns the backends need; a turn of a regenerated conversation
-    (`regenerate: all_turns`, generation/turns.py) also names its conversation and its index there."""
+    (`regenerate: all_turns`, generation/plan/turns.py) also names its conversation and its index there."""
 
     sample_id: str
     messages_json: str
