@@ -6,7 +6,7 @@ memory: one prompt per worker in flight), and commits rows in atomically written
 rows or T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the
 last ~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen
 by `pending`, the request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an 'import'
-backend is handed to `importer`.
+backend is handed to `importer.ImportRun`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import pyarrow as pa
 from eagle_pipeline.generation.backends.client import ChatClient
 from eagle_pipeline.generation.backends.stream_workers import stream_workers
 from eagle_pipeline.generation.backends.wire import RenderPromptIds, make_backend
-from eagle_pipeline.generation.importing.importer import import_responses
-from eagle_pipeline.generation.plan.pending import RequestPlan, plan_requests, prompt_items
+from eagle_pipeline.generation.importing.importer import ImportRun
+from eagle_pipeline.generation.plan.pending import RequestPlan, plan_requests
 from eagle_pipeline.generation.plan.turns import ALL_TURNS, NO_TURN_KINDS, REGENERATE_MODES
 from eagle_pipeline.generation.run.live import LiveRun, row_provenance
 from eagle_pipeline.generation.run.options import CommitCadence, RunOptions
@@ -154,35 +154,6 @@ async def _generate_live(
     return run.summary()
 
 
-async def _import(
-    *,
-    dataset: str,
-    plan: RequestPlan,
-    backend: BackendSpec,
-    sampling: SamplingSpec,
-    sink: ShardSink,
-    commit_every_rows: int,
-) -> GenerationSummary:
-    """Fill the plan's prompts from the backend's import files."""
-    all_items, source_ids = prompt_items(plan.prompts)
-    try:
-        summary = import_responses(
-            dataset=dataset,
-            all_items=all_items,
-            source_ids=source_ids,
-            pending={it.sample_id for it in plan.items},
-            backend=backend,
-            sampling=sampling,
-            sink=sink,
-            commit_every_rows=commit_every_rows,
-        )
-    finally:
-        await sink.close()
-    summary.total_prompts, summary.already_done = plan.total, plan.already_done
-    summary.skipped_duplicates += plan.duplicates
-    return summary
-
-
 async def agenerate_dataset(
     *,
     dataset: str,
@@ -215,7 +186,7 @@ async def agenerate_dataset(
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=opts.answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
-            summary = await _import(
+            importer = ImportRun(
                 dataset=dataset,
                 plan=plan,
                 backend=backend,
@@ -223,6 +194,7 @@ async def agenerate_dataset(
                 sink=sink,
                 commit_every_rows=opts.commit_every_rows,
             )
+            summary = await importer.run()
             label = "import"
         else:
             # A shared cap: this run takes its slot in the data root's spend ledger (refused there: nothing is
