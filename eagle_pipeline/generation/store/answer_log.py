@@ -56,11 +56,7 @@ def segment_path(directory: str | os.PathLike, seq: int) -> Path:
 
 def segment_files(directory: str | os.PathLike) -> list[Path]:
     """The log segments of a directory, oldest first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _SEGMENT.match(p.name)) and p.is_file()]
-    return [p for _, p in sorted(found)]
+    return storage.numbered_files(directory, _SEGMENT)
 
 
 def encode_frame(kind: bytes, row: dict[str, Any]) -> bytes:

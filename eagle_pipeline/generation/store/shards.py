@@ -33,11 +33,7 @@ RETIREMENT_MANIFEST = "retirement.json"
 
 def part_files(directory: str | os.PathLike) -> list[Path]:
     """Committed shards of a directory, in commit order (never temporary files, never subdirectories)."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _PART.match(p.name)) and p.is_file()]
-    return [p for _, p in sorted(found)]
+    return storage.numbered_files(directory, _PART)
 
 
 def next_part_index(directory: str | os.PathLike) -> int:
