@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_generation as bg  # noqa: E402  (the server, the prompts' shape and Little's law)
 
-from eagle_pipeline.generation import answer_log  # noqa: E402
+from eagle_pipeline.generation.store import answer_log  # noqa: E402
 
 
 def _cpu() -> float:
@@ -35,7 +35,10 @@ def _cpu() -> float:
 
 
 def one_run(url: str, in_flight: int, n: int, latency: float, with_log: bool) -> dict:
-    from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.generation.run.options import RunOptions
+    from eagle_pipeline.generation.run.runner import generate_dataset
+    from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+    from eagle_pipeline.generation.store.shards import read_responses
 
     prompts = bg.bench_prompts(n)
     backend = BackendSpec(

@@ -216,7 +216,10 @@ def steady_of_responses(table, in_flight: int, latency: float) -> dict:
 def client_pipeline(
     url: str, in_flight: int, n: int, latency: float, stream: bool = False, stream_processes: int | None = None
 ) -> dict:
-    from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset, read_responses
+    from eagle_pipeline.generation.run.options import RunOptions
+    from eagle_pipeline.generation.run.runner import generate_dataset
+    from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+    from eagle_pipeline.generation.store.shards import read_responses
 
     sampling = SamplingSpec(seed=1, max_tokens=4096)
     prompts = bench_prompts(n)

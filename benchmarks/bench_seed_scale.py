@@ -634,7 +634,7 @@ def minimal_client_baseline(work: Path, server: ServerProcess, data_root: Path, 
 def raw_encode(data_root: str, out_file: str) -> None:
     """The tokenizer's own encode of the texts reconstruction tokenizes: each distinct rendered prompt (with its
     special tokens) and every answer's reasoning, content and tool-call JSON. The render itself is not timed."""
-    from eagle_pipeline.generation import read_responses
+    from eagle_pipeline.generation.store.shards import read_responses
     from eagle_pipeline.shared.storage import DataRoot
     from eagle_pipeline.tokens import resolve_tokenizer
     from eagle_pipeline.tokens.render import render_prompt
@@ -837,7 +837,7 @@ def rehearse(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     manifest = json.loads((root.merged_dir / "manifest.json").read_text())
     import pyarrow.compute as pc
 
-    from eagle_pipeline.generation import read_responses
+    from eagle_pipeline.generation.store.shards import read_responses
 
     streamed = finish_length = answered = 0
     for name, *_ in DATASETS:

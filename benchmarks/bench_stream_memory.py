@@ -62,7 +62,7 @@ def _short_stream() -> bytes:
 
 
 def measure(mode: str, kind: str, in_flight: int, mb: float, rounds: int) -> dict:
-    from eagle_pipeline.generation.stream import BATCH_BYTES, ChatStreamAssembler
+    from eagle_pipeline.generation.backends.stream import BATCH_BYTES, ChatStreamAssembler
 
     raw = _long_stream(mb) if kind == "long" else _short_stream()
     batch = math.inf if mode == "one batch" else BATCH_BYTES

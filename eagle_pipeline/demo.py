@@ -89,8 +89,8 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str],
     import pyarrow.parquet as pq
 
     from eagle_pipeline.audit.records import audit_stamps, describe_stale, stale_audit_stamps
-    from eagle_pipeline.generation.coverage import dataset_coverage, prompt_sample_ids
-    from eagle_pipeline.generation.identity import dataset_identity
+    from eagle_pipeline.generation.store.coverage import dataset_coverage, prompt_sample_ids
+    from eagle_pipeline.generation.store.identity import dataset_identity
     from eagle_pipeline.tokens import resolve_tokenizer
 
     tok = resolve_tokenizer(cfg.target.tokenizer)
@@ -103,7 +103,7 @@ def print_summary(cfg, root: DataRoot, elapsed: float, failures: dict[str, str],
     print(f"{'dataset':<8}{'answered':>9}{'token_samples':>15}{'audit':>7}  findings")
     for ds in cfg.dataset_names:
         ids = prompt_sample_ids(root.prompts(ds)) if root.prompts(ds).exists() else []
-        # Responses to the current prompts, by the configured backend (generation/identity.py).
+        # Responses to the current prompts, by the configured backend (generation/store/identity.py).
         n_resp = dataset_coverage(ds, ids, root.responses_dir(ds), dataset_identity(cfg, ds, tok)).answered
         n_tok = pq.read_metadata(root.tokens(ds)).num_rows if root.tokens(ds).exists() else 0
         verdict, findings = "-", failures.get(f"EAGLE_dataset[{ds}]", "")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "eagle_pipeline"
 # The Dagster shell and the entry points that drive it; everything else is the functional core.
@@ -100,13 +102,14 @@ def _contracts() -> dict[str, dict]:
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     # By type; of the two forbidden contracts, "forbidden" is the one that forbids Dagster (the other, the tests); of
-    # the layers contracts, "layers" is the package's (the others order the insides of one stage).
-    return {
-        c["type"]: c
-        for c in contracts
-        if (c["type"] != "forbidden" or "dagster" in c["forbidden_modules"])
-        and (c["type"] != "layers" or c["containers"] == ["eagle_pipeline"])
-    }
+    # the layers contracts, "layers" is the package's own and "layers:<package>" a package's layers inside.
+    by_key = {}
+    for c in contracts:
+        inside = c.get("containers", ["eagle_pipeline"])[0]
+        key = c["type"] if inside == "eagle_pipeline" else f"{c['type']}:{inside}"
+        if c["type"] != "forbidden" or "dagster" in c["forbidden_modules"]:
+            by_key[key] = c
+    return by_key
 
 
 def _layers() -> list[set[str]]:
@@ -135,6 +138,24 @@ def test_the_layers_contract_places_every_top_level_module():
     )
     shell_layers = _layers()[: len(SHELL)]
     assert set().union(*shell_layers) == {s.removesuffix(".py") for s in SHELL}
+
+
+@pytest.mark.parametrize("package", ["generation", "hidden_states"])
+def test_a_stage_s_layers_place_every_module_of_the_stage(package):
+    """A stage's layers contract (its sub-packages in the order of the data) is exhaustive, and its layers are exactly
+    the stage's sub-packages and modules on disk: a new one fails until it is given a layer."""
+    layers = _contracts()[f"layers:eagle_pipeline.{package}"]
+    assert layers["exhaustive"] is True and "exhaustive_ignores" not in layers
+    placed = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
+    stage = PACKAGE / package
+    on_disk = {
+        p.name.removesuffix(".py")
+        for p in stage.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()
+    }
+    assert placed == on_disk, f"on disk, not in the layers: {sorted(on_disk - placed)}; " + (
+        f"in the layers, not on disk: {sorted(placed - on_disk)}"
+    )
 
 
 def test_the_core_contract_covers_every_core_module():
@@ -192,9 +213,9 @@ def test_the_product_loads_the_simulation_only_when_the_configuration_names_it()
     """The simulation seam (docs/architecture.md): importing the runner, the hidden-state engines and the code location
     loads no simulated server; starting a `simulated` backend does."""
     probe = (
-        "import sys, eagle_pipeline.generation.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
+        "import sys, eagle_pipeline.generation.run.runner as r, eagle_pipeline.hidden_states.run, eagle_pipeline.definitions\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('eagle_pipeline.simulation'))\n"
-        "from eagle_pipeline.generation import BackendSpec\n"
+        "from eagle_pipeline.generation.spec import BackendSpec\n"
         "with r.backend_endpoint(BackendSpec(name='sim', kind='simulated', model='m')) as spec:\n"
         "    started = spec.endpoint.startswith('http://127.0.0.1:') and 'eagle_pipeline.simulation' in sys.modules\n"
         "print(loaded, started)\n"

@@ -18,9 +18,9 @@ from eagle_pipeline.config import (
     TargetConfig,
     load_config,
 )
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
-from eagle_pipeline.generation.options import GenerationSettings
+from eagle_pipeline.generation.run.options import GenerationSettings
 from eagle_pipeline.generation.spec import BackendSpec, SamplingOptions, SamplingSpec
+from eagle_pipeline.generation.store.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.hidden_states.settings import DrafterSpec, HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 from eagle_pipeline.merge import MergeSettings
 from eagle_pipeline.prompts import dataset_prompts_table, load_prompt_file, prompts_table
@@ -295,7 +295,7 @@ def test_each_stage_owns_its_sections_and_the_configuration_uses_them():
     stage."""
     sections = _section_classes(PipelineConfig)
     for cls in (GenerationSettings, HiddenStatesConfig, VLLMEngineConfig, TorchrunConfig, DrafterSpec):
-        assert cls.__module__ in ("eagle_pipeline.generation.options", "eagle_pipeline.hidden_states.settings")
+        assert cls.__module__ in ("eagle_pipeline.generation.run.options", "eagle_pipeline.hidden_states.settings")
         assert cls in sections, cls
 
 

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 
 from eagle_pipeline.config import DEFAULT_CONFIG, load_config
 from eagle_pipeline.prompts import PromptFileError, load_prompt_file, make_sample_id, prompts_table
-from eagle_pipeline.shared.storage import clean_stale_tmp, write_parquet_atomic
+from eagle_pipeline.shared.storage import clean_stale_tmp, numbered_files, write_parquet_atomic
 
 
 def test_bundled_prompt_sets_are_valid_and_large_enough():
@@ -96,7 +97,7 @@ def test_atomic_parquet_write_never_leaves_a_partial_file(tmp_path):
 def test_atomic_writes_and_committed_shards_respect_the_umask(tmp_path, umask, mode):
     import pyarrow as pa
 
-    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.generation.store.shards import write_shard
     from eagle_pipeline.shared.storage import write_bytes_atomic, write_json_atomic
 
     old = os.umask(umask)
@@ -113,3 +114,18 @@ def test_atomic_writes_and_committed_shards_respect_the_umask(tmp_path, umask, m
     finally:
         os.umask(old)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {p.name: oct(mode) for p in written}
+
+
+def test_numbered_files_come_in_number_order_without_other_names_or_folders(tmp_path):
+    """The one lister of committed shards and answer-log segments: by number, not by name, and only the files the
+    pattern names (a temporary, a subdirectory and an unrelated file are left out)."""
+    pattern = re.compile(r"^part-(\d{5,})\.parquet$")
+    for name in ("part-00010.parquet", "part-00002.parquet", "part-100000.parquet", ".part-00003.parquet.tmp", "x.txt"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "part-00001.parquet").mkdir()
+    assert [p.name for p in numbered_files(tmp_path, pattern)] == [
+        "part-00002.parquet",
+        "part-00010.parquet",
+        "part-100000.parquet",
+    ]
+    assert numbered_files(tmp_path / "missing", pattern) == []

@@ -251,7 +251,7 @@ def dataset_overview(
     (the gates behind a verdict are in the audit view, audit_overview).
 
     Reads only Parquet columns it needs and the audit reports. `responses` maps a
-    dataset to its responses columns (generation.coverage.response_overview: rows answering the current prompts,
+    dataset to its responses columns (generation.store.coverage.response_overview: rows answering the current prompts,
     rows answering other prompts, the ledger's spend, the provider split).
     """
     rows = []

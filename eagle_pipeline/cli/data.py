@@ -12,8 +12,8 @@ from eagle_pipeline.cli.common import EXIT_BLOCKED, EXIT_OK, CliError, config_op
 
 def cmd_retire_responses(args: argparse.Namespace) -> int:
     from eagle_pipeline.config import ConfigError, load_config
-    from eagle_pipeline.generation import read_responses
-    from eagle_pipeline.generation.retire import retire_responses
+    from eagle_pipeline.generation.store.retire import retire_responses
+    from eagle_pipeline.generation.store.shards import read_responses
     from eagle_pipeline.shared.storage import DataRoot
 
     if args.data_root:

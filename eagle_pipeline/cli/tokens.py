@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.cli.common import EXIT_BLOCKED, EXIT_OK, CliError
-from eagle_pipeline.generation.response_lines import ResponseLinesError, read_response_lines, responses_table
+from eagle_pipeline.generation.importing.response_lines import ResponseLinesError, read_response_lines, responses_table
 
 
 def _read_responses(path: Path, dataset: str, skip_unusable: bool) -> tuple[list[dict[str, Any]], list[int], int]:
@@ -175,8 +175,8 @@ def add_token_commands(sub: Any) -> None:
     rec = sub.add_parser(
         "reconstruct",
         help="rebuild exact output ids from chat-completion responses (JSONL)",
-        description="Each input line: {sample_id, response (the chat-completion body as returned), "
-        "dataset?, tools? (list or true), thinking? (default true), messages?}.",
+        description="Each input line: {sample_id, response (the chat-completion body as returned, or the line is the "
+        "body itself), dataset?, tools? (list or true), thinking? (default true), messages?}.",
     )
     _target_options(rec)
     rec.add_argument("--in", dest="input", required=True, metavar="JSONL")

@@ -5,12 +5,12 @@ raises one `ConfigError` that lists every problem with its path in the file and 
 `datasets[2].backend: unknown backend 'nope'; ... (line 14)`). Relative paths resolve against the directory of the
 config file. API keys are never in the file: a backend names the environment variable that holds its key.
 
-Every section is a typed settings class (`eagle_pipeline.shared.spec_model`), defined by its stage (`generation.options`,
-`hidden_states.settings`, `audit.spec`, `merge.manifest`) or, for the sections no stage owns, in `config.sections`
-(importable from here); the backends and the sampling are the very classes of the Python API (`BackendSpec`,
-`SamplingSpec`), and the audit section is the audit's own `AuditSettings`, so each setting has one type, one check and
-one default whichever way it is given. This module holds the whole file (`PipelineConfig`, its rules across sections)
-and its loading.
+Every section is a typed settings class (`eagle_pipeline.shared.spec_model`), defined by its stage
+(`generation.run.options`, `hidden_states.settings`, `audit.spec`, `merge.manifest`) or, for the sections no stage owns,
+in `config.sections` (importable from here); the backends and the sampling are the very classes of the Python API
+(`BackendSpec`, `SamplingSpec`), and the audit section is the audit's own `AuditSettings`, so each setting has one type,
+one check and one default whichever way it is given. This module holds the whole file (`PipelineConfig`, its rules
+across sections) and its loading.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings
 from eagle_pipeline.config.sections import AuditSection, DatasetConfig, MergeSection, PoolsConfig, TargetConfig
-from eagle_pipeline.generation.options import GenerationSettings
+from eagle_pipeline.generation.plan.turns import ALL_TURNS, NO_TURN_KINDS
+from eagle_pipeline.generation.run.options import GenerationSettings
 from eagle_pipeline.generation.spec import BackendKind, BackendSpec
-from eagle_pipeline.generation.turns import ALL_TURNS, NO_TURN_KINDS
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 from eagle_pipeline.merge.manifest import MergeSettings
 from eagle_pipeline.shared.spec_model import (

@@ -1,6 +1,6 @@
 """The sections of the pipeline configuration, one typed settings class each (the tables of docs/configuration.md).
 
-A stage's own sections are defined by the stage, and imported from there: `generation` is `generation.options.
+A stage's own sections are defined by the stage, and imported from there: `generation` is `generation.run.options.
 GenerationSettings`, `hidden_states` (with `.vllm`, `.torchrun`, `.drafters[i]`) is `hidden_states.settings.
 HiddenStatesConfig`, `audit` and `merge` are the stages' `AuditSettings` and `MergeSettings`. The sections no stage owns
 (target, datasets[i], pools) are defined here. `eagle_pipeline.config` assembles them into `PipelineConfig` and loads
@@ -21,8 +21,8 @@ from pydantic import field_validator as _field_validator
 from pydantic.dataclasses import dataclass
 
 from eagle_pipeline.audit.spec import AuditSettings, audit_settings_problems
+from eagle_pipeline.generation.plan.turns import LAST_TURN, REGENERATE_MODES
 from eagle_pipeline.generation.spec import DEFAULT_MAX_TOKENS, SamplingOptions, SamplingSpec
-from eagle_pipeline.generation.turns import LAST_TURN, REGENERATE_MODES
 from eagle_pipeline.merge.manifest import MergeSettings, merge_settings_problems
 from eagle_pipeline.prompts.formats import PromptFormat
 from eagle_pipeline.shared.spec_model import (
@@ -77,7 +77,7 @@ class TargetConfig(SpecBase):
         return None if value is None else str(resolve_path(value, info))
 
 
-# A dataset's `regenerate`: generation.turns' modes, spelled once there.
+# A dataset's `regenerate`: generation.plan.turns' modes, spelled once there.
 Regenerate = Literal[REGENERATE_MODES]  # type: ignore[valid-type]
 
 

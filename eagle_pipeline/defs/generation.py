@@ -11,20 +11,14 @@ from eagle_pipeline.config import DatasetConfig, PipelineConfig
 from eagle_pipeline.defs.partitions import dataset_partitions
 from eagle_pipeline.defs.progress import report_progress
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import (
-    BackendSpec,
-    GenerationSummary,
-    ProgressEvent,
-    RunOptions,
-    committed_totals,
-    generate_dataset,
-    pipeline_budget,
-    read_errors,
-    read_responses,
-)
-from eagle_pipeline.generation.coverage import current_responses
-from eagle_pipeline.generation.identity import tokenizer_label
-from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.run.runner import generate_dataset
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store.coverage import current_responses
+from eagle_pipeline.generation.store.identity import tokenizer_label
+from eagle_pipeline.generation.store.shards import committed_sample_ids, read_errors, read_responses
+from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent, committed_totals
 from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table
 from eagle_pipeline.shared.arrow import text_lengths
 from eagle_pipeline.shared.figures import histogram_markdown

@@ -82,7 +82,7 @@ export_freshness_job = dg.define_asset_job(
 def incomplete_datasets(pipeline: PipelineResource) -> dict[str, str]:
     """Datasets that need a run, each with the reason (coverage.resume_reason), judged by the sample ids of the
     prompts the configuration asks for now, so a changed limit or seed counts as incomplete."""
-    from eagle_pipeline.generation.coverage import resume_reason
+    from eagle_pipeline.generation.store.coverage import resume_reason
     from eagle_pipeline.prompts import PromptFileError, dataset_prompts_table
 
     cfg = pipeline.config()
@@ -139,7 +139,7 @@ class RetireResponsesConfig(dg.Config):
 def retire_responses_op(
     context: dg.OpExecutionContext, config: RetireResponsesConfig, pipeline: PipelineResource
 ) -> dict:
-    from eagle_pipeline.generation.retire import retire_responses
+    from eagle_pipeline.generation.store.retire import retire_responses
 
     summary = retire_responses(
         pipeline.data_root().responses_dir(config.dataset),

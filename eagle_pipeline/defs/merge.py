@@ -10,7 +10,7 @@ from eagle_pipeline.defs.metadata import records_table
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME, shard_key
 from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.defs.tokens import token_samples
-from eagle_pipeline.generation.coverage import response_overview, stale_token_samples
+from eagle_pipeline.generation.store.coverage import response_overview, stale_token_samples
 from eagle_pipeline.merge.checks import MERGED_CHECKS, MergedCheckContext
 from eagle_pipeline.shared.checks import CheckResult, CheckSpec
 from eagle_pipeline.shared.figures import histogram_markdown

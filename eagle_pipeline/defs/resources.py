@@ -52,8 +52,8 @@ class PipelineResource(dg.ConfigurableResource):
         return self.config().audit
 
     def backend_identity(self, dataset: str):
-        """What the dataset's committed rows must have been produced by to count (generation/identity.py)."""
-        from eagle_pipeline.generation.identity import dataset_identity
+        """What the dataset's committed rows must have been produced by to count (generation/store/identity.py)."""
+        from eagle_pipeline.generation.store.identity import dataset_identity
 
         return dataset_identity(self.config(), dataset, self.tokenizer())
 

@@ -108,8 +108,8 @@ def _refuse_if_blocked(dataset: str, results: dict[str, dict], metadata: dict) -
 def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> tuple[dict, StoredAudit]:
     """Reconstruct, write and audit the dataset's token samples: the materialization's metadata and the stored
     audit of the file."""
-    from eagle_pipeline.generation import read_responses
-    from eagle_pipeline.generation.coverage import current_responses, prompt_sample_ids
+    from eagle_pipeline.generation.store.coverage import current_responses, prompt_sample_ids
+    from eagle_pipeline.generation.store.shards import read_responses
     from eagle_pipeline.tokens import reconstruct_table
 
     cfg = pipeline.config()
@@ -119,7 +119,7 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
     prompt_ids = prompt_sample_ids(root.prompts(ds.name))
     # Rows committed for other prompts (an earlier limit or seed) stay on disk and are counted, never used.
     # So are rows another backend produced (another kind, model or endpoint class, or simulated usage counted with
-    # another tokenizer): generation/identity.py.
+    # another tokenizer): generation/store/identity.py.
     resp, cov = current_responses(
         ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids, pipeline.backend_identity(ds.name)
     )

@@ -29,7 +29,7 @@ class StreamSink(Protocol):
 
 class HttpClient:
     """POSTs JSON bytes and returns (status, raw body, Retry-After seconds); transport failures become RequestFailure.
-    Streamed chat completions: generation.client.ChatClient."""
+    Streamed chat completions: generation.backends.client.ChatClient."""
 
     def __init__(
         self,

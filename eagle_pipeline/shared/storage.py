@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator
@@ -115,6 +116,16 @@ def _file_digest(path: str | os.PathLike, h: Any, chunk: int) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return str(h.hexdigest())
+
+
+def numbered_files(directory: str | os.PathLike, pattern: re.Pattern[str]) -> list[Path]:
+    """The files of `directory` whose names `pattern` matches, in the order of the number its first group captures
+    (never subdirectories, never other names such as temporaries); none where the directory does not exist."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := pattern.match(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
 
 
 def clean_stale_tmp(directory: str | os.PathLike) -> int:

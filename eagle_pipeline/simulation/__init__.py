@@ -2,7 +2,8 @@
 real servers' wire formats.
 
 * `SimulatedOpenRouterServer` (`openrouter`): a backend of kind `simulated` (`backends.<name>.kind: simulated`);
-  the generation runner starts one for a run when the backend names no endpoint (`generation.runner.backend_endpoint`).
+  the generation runner starts one for a run when the backend names no endpoint
+  (`generation.run.runner.backend_endpoint`).
 * `VLLMHiddenStatesDouble` (`vllm_hidden_states`): `hidden_states.vllm.endpoints: [simulated]`; the vLLM engine
   starts one per shard run serving the `tiny-random` model (`hidden_states.vllm_command.resolved_endpoints`). Not
   imported here (it needs torch): import it from its module.

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 
 from eagle_pipeline.audit import AuditSettings, run_audit, run_gate
-from eagle_pipeline.generation import BackendSpec, generate_dataset, read_responses
-from eagle_pipeline.generation.spec import SamplingSpec
+from eagle_pipeline.generation.run.runner import generate_dataset
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline.prompts import Prompt, prompts_table
 from eagle_pipeline.tokens import render_prompt_ids
 from eagle_pipeline.tokens.samples import TOKEN_SAMPLES_SCHEMA, reconstruct_table

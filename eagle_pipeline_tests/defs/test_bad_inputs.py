@@ -19,7 +19,7 @@ from eagle_pipeline.cli import main as cli_main
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.jobs import incomplete_datasets
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import read_errors
+from eagle_pipeline.generation.store.shards import read_errors
 from eagle_pipeline.shared.storage import DataRoot
 
 from .conftest import REPO

@@ -17,9 +17,9 @@ from eagle_pipeline.config import load_config
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.jobs import resume_incomplete_datasets
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import pipeline_budget, read_responses
-from eagle_pipeline.generation.coverage import response_overview
-from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store.coverage import response_overview
+from eagle_pipeline.generation.store.shards import committed_sample_ids, read_responses
 from eagle_pipeline.shared.storage import DataRoot
 
 pytestmark = pytest.mark.slow

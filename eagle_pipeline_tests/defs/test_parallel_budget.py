@@ -23,8 +23,9 @@ import yaml
 
 from eagle_pipeline.defs.generation import prompts
 from eagle_pipeline.defs.resources import PipelineResource
-from eagle_pipeline.generation import RunOptions, generate_dataset
-from eagle_pipeline.generation.store import read_committed, read_shard_columns
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.run.runner import generate_dataset
+from eagle_pipeline.generation.store.shards import read_committed, read_shard_columns
 from eagle_pipeline.shared.storage import DataRoot
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 

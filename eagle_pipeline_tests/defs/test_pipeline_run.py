@@ -15,7 +15,7 @@ from eagle_pipeline.defs.hidden_states import hidden_state_plan
 from eagle_pipeline.defs.merge import draft_vocab, merged_dataset
 from eagle_pipeline.defs.partitions import SHARD_PARTITIONS_NAME
 from eagle_pipeline.defs.tokens import token_samples
-from eagle_pipeline.generation import read_responses
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline.shared.storage import DataRoot, file_sha256
 
 pytestmark = pytest.mark.slow

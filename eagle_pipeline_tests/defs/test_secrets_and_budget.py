@@ -8,7 +8,7 @@ import yaml
 
 from eagle_pipeline.definitions import build_defs
 from eagle_pipeline.defs.generation import provider_token_counters
-from eagle_pipeline.generation import read_responses
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline.shared.storage import DataRoot
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline.tokens import get_profile, resolve_tokenizer

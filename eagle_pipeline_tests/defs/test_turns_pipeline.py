@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from eagle_pipeline.definitions import build_defs
-from eagle_pipeline.generation import read_responses
-from eagle_pipeline.generation.turns import END_REASONS
+from eagle_pipeline.generation.plan.turns import END_REASONS
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline.merge import MergeManifest
 from eagle_pipeline.merge.reader import read_merged
 from eagle_pipeline.shared.storage import DataRoot

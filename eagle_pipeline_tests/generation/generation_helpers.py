@@ -5,7 +5,6 @@ count of file opens."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import os
 import signal
@@ -20,9 +19,10 @@ from typing import Any, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, RunOptions, SamplingSpec, generate_dataset
-from eagle_pipeline.generation.answer_log import read_log
-from eagle_pipeline.generation.store import part_files
+from eagle_pipeline.generation.run.runner import generate_dataset
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.answer_log import read_log
+from eagle_pipeline.generation.store.shards import part_files
 from eagle_pipeline.prompts import Prompt, prompts_table
 from eagle_pipeline.simulation import request_key
 from eagle_pipeline.simulation.server import LoopbackServer
@@ -72,9 +72,6 @@ _TOPICS = [
 ]
 
 
-RUN_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(RunOptions))
-
-
 def make_prompts(
     n: int, *, dataset: str = "B1", sampling: SamplingSpec = SAMPLING, tools_every: int = 0, start: int = 0
 ) -> pa.Table:
@@ -117,12 +114,8 @@ def run(
     dataset: str = "B1",
     **kw: Any,
 ):
-    """`generate_dataset` into `root/responses/<dataset>`. The tests' shorthand: keyword arguments named after a
-    `RunOptions` field make the run's `options` (the product takes the object only)."""
-    named = {k: kw.pop(k) for k in list(kw) if k in RUN_OPTION_FIELDS}
-    if named:
-        assert "options" not in kw, "pass the options either as RunOptions or as fields, not both"
-        kw["options"] = RunOptions(**named)
+    """`generate_dataset` into `root/responses/<dataset>`; a run's options are passed as the product takes them,
+    `options=RunOptions(...)`."""
     return generate_dataset(
         dataset=dataset,
         prompts=prompts,

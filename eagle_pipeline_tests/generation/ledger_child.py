@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eagle_pipeline.generation.spend_ledger import SharedSpend
+from eagle_pipeline.generation.spend.ledger import SharedSpend
 
 
 def main() -> None:

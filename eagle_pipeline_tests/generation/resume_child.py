@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import BackendSpec, RunOptions, generate_dataset
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.run.runner import generate_dataset
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.answer_log import DEFAULT_FLUSH_S
 
 from .generation_helpers import SAMPLING
 

@@ -10,10 +10,10 @@ import zlib
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import answer_log as L
-from eagle_pipeline.generation.backends import ParsedResponse, PromptItem
-from eagle_pipeline.generation.budget import pipeline_budget
-from eagle_pipeline.generation.rows import (
+from eagle_pipeline.generation.backends.wire import ParsedResponse, PromptItem
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store import answer_log as L
+from eagle_pipeline.generation.store.rows import (
     ERRORS_SCHEMA,
     RESPONSE_COLUMNS,
     RESPONSES_SCHEMA,
@@ -22,8 +22,7 @@ from eagle_pipeline.generation.rows import (
     error_row,
     response_values,
 )
-from eagle_pipeline.generation.sink import ShardSink
-from eagle_pipeline.generation.store import (
+from eagle_pipeline.generation.store.shards import (
     committed_sample_ids,
     part_files,
     read_errors,
@@ -31,6 +30,7 @@ from eagle_pipeline.generation.store import (
     recover_answer_log,
     write_shard,
 )
+from eagle_pipeline.generation.store.sink import ShardSink
 
 PROV = RowProvenance("B1", "simulated", "sim", "http://127.0.0.1:1", "m", None, '{"seed":7}', True)
 

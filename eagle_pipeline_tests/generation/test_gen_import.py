@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
-from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
+from eagle_pipeline.generation.importing.response_lines import ResponseLinesError, read_response_lines
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, make_prompts, out_dirs, run, sim_backend
@@ -140,3 +143,52 @@ def test_parquet_import_of_an_earlier_run(tmp_path):
             "latency_s",
         ):
             assert r[col] == b[col], col
+
+
+def test_the_import_and_reconstruct_read_a_record_by_one_rule(tmp_path):
+    """A record's body is its `response` (an object, or that object as JSON text) or the record itself: the import
+    backend and `eagle-pipeline reconstruct` read both forms alike (one reader, `response_lines.record_body`)."""
+    prompts = make_prompts(3)
+    rows = prompts.to_pylist()
+    records = [
+        {"sample_id": rows[0]["sample_id"], "response": _body("as an object")},
+        {"sample_id": rows[1]["sample_id"], "response": json.dumps(_body("as JSON text"))},
+        {"sample_id": rows[2]["sample_id"], **_body("as the record itself")},
+    ]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    s = run(prompts, BackendSpec(name="legacy", kind="import", import_paths=(str(path),)), tmp_path)
+    assert (s.completed, s.failed) == (3, 0), s.errors_by_class
+    imported = {r["sample_id"]: r["content"] for r in read_responses(out_dirs(tmp_path)[0]).to_pylist()}
+    read, line_numbers, skipped = read_response_lines(path, "B1", skip_unusable=False)
+    assert (line_numbers, skipped) == ([1, 2, 3], 0)
+    reconstructed = {r["sample_id"]: r["content"] for r in read}
+    assert (
+        imported
+        == reconstructed
+        == {
+            rows[0]["sample_id"]: "as an object",
+            rows[1]["sample_id"]: "as JSON text",
+            rows[2]["sample_id"]: "as the record itself",
+        }
+    )
+
+
+def test_a_response_that_is_no_body_is_refused_by_both_readers(tmp_path):
+    prompts = make_prompts(2)
+    rows = prompts.to_pylist()
+    path = tmp_path / "answers.jsonl"
+    path.write_text(
+        json.dumps({"sample_id": rows[0]["sample_id"], "response": 5})
+        + "\n"
+        + json.dumps({"sample_id": rows[1]["sample_id"], "response": "{not json"})
+        + "\n"
+    )
+    s = run(prompts, BackendSpec(name="legacy", kind="import", import_paths=(str(path),)), tmp_path)
+    assert (s.completed, s.errors_by_class) == (0, {"import_invalid": 2})
+    messages = sorted(read_errors(out_dirs(tmp_path)[1]).column("message").to_pylist())
+    assert "answers.jsonl:1: ValueError: 'response' must be the chat-completion body (an object)" in messages[0]
+    assert "answers.jsonl:2: ValueError: 'response' is a string but not JSON" in messages[1]
+    with pytest.raises(ResponseLinesError, match=r"answers.jsonl:1: 'response' must be the chat-completion body"):
+        read_response_lines(path, "B1", skip_unusable=True)

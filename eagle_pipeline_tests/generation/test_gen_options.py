@@ -9,8 +9,8 @@ import inspect
 import pydantic
 import pytest
 
-from eagle_pipeline.generation import RunOptions, agenerate_dataset, generate_dataset
-from eagle_pipeline.generation.options import CommitCadence, GenerationSettings
+from eagle_pipeline.generation.run.options import CommitCadence, GenerationSettings, RunOptions
+from eagle_pipeline.generation.run.runner import agenerate_dataset, generate_dataset
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, make_prompts, run, sim_backend

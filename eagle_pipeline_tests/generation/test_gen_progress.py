@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_pipeline.generation import ProgressEvent, committed_totals, read_errors, read_responses
-from eagle_pipeline.generation.store import committed_sample_ids
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.store.shards import committed_sample_ids, read_errors, read_responses
+from eagle_pipeline.generation.summary import ProgressEvent, committed_totals
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend
 
@@ -67,7 +68,7 @@ def test_reports_count_earlier_rows_and_agree_with_the_files_at_the_end(tmp_path
             sim_backend(srv.url, concurrency=1, max_retries=0),
             tmp_path,
             progress=events.append,
-            progress_every_s=0.05,
+            options=RunOptions(progress_every_s=0.05),
         )
     assert len(events) >= 3
     assert all(e.already_done == 4 and e.total == 10 for e in events)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.generation import RESPONSES_SCHEMA, read_responses
-from eagle_pipeline.generation.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
+from eagle_pipeline.generation.store.answer_log import RESPONSE_ROW, encode_frame, read_log, segment_files
+from eagle_pipeline.generation.store.rows import RESPONSES_SCHEMA
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (
@@ -91,7 +92,7 @@ def test_kill_9_resume_is_exactly_once(tmp_path):
 
 
 def test_read_responses_dedupes_defensively(tmp_path):
-    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.generation.store.shards import write_shard
 
     prompts = make_prompts(3)
     base = {name: [None] * 3 for name in RESPONSES_SCHEMA.names}
@@ -112,7 +113,7 @@ def test_read_responses_dedupes_defensively(tmp_path):
 def test_a_committed_shard_without_the_conversation_columns_is_refused_by_name(tmp_path):
     """Every committed shard has the responses schema; one that lacks its columns is refused with its path, not read
     as if the conversation columns were optional."""
-    from eagle_pipeline.generation.store import read_committed, write_shard
+    from eagle_pipeline.generation.store.shards import read_committed, write_shard
 
     names = [n for n in RESPONSES_SCHEMA.names if n not in ("conversation_id", "turn_index", "conversation_end")]
     table = pa.table({n: pa.array([None], RESPONSES_SCHEMA.field(n).type) for n in names})

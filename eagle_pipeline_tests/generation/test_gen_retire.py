@@ -10,10 +10,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import read_responses, retire
-from eagle_pipeline.generation.coverage import coverage_of, current_responses, dataset_coverage
-from eagle_pipeline.generation.retire import complete_pending_retirements, retire_responses
-from eagle_pipeline.generation.store import committed_sample_ids, part_files, write_shard
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.store import retire
+from eagle_pipeline.generation.store.coverage import coverage_of, current_responses, dataset_coverage
+from eagle_pipeline.generation.store.retire import complete_pending_retirements, retire_responses
+from eagle_pipeline.generation.store.shards import committed_sample_ids, part_files, read_responses, write_shard
 from eagle_pipeline.shared.storage import file_sha256, read_json
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run, sim_backend
@@ -27,7 +28,7 @@ def committed(tmp_path):
     """Eight real responses in three shards (3, 3, 2 rows), their provider relabelled per PROVIDERS."""
     prompts = make_prompts(8)
     with SimulatedOpenRouterServer(price_per_m_prompt=1.0, price_per_m_completion=2.0) as srv:
-        summary = run(prompts, sim_backend(srv.url, concurrency=1), tmp_path, commit_every_rows=3)
+        summary = run(prompts, sim_backend(srv.url, concurrency=1), tmp_path, options=RunOptions(commit_every_rows=3))
     assert summary.completed == 8
     out, _ = out_dirs(tmp_path)
     parts = part_files(out)

@@ -15,9 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import ERRORS_SCHEMA, RESPONSES_SCHEMA, pipeline_budget, read_errors, read_responses
+from eagle_pipeline.generation.run.options import RunOptions
 from eagle_pipeline.generation.spec import REQUEST_SEED_SCHEME
-from eagle_pipeline.generation.store import DirLock, part_files
+from eagle_pipeline.generation.spend.budget import pipeline_budget
+from eagle_pipeline.generation.store.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA
+from eagle_pipeline.generation.store.shards import DirLock, part_files, read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import SAMPLING, FileOpens, make_prompts, out_dirs, run, sample_keys, sim_backend
@@ -32,7 +34,7 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
             api_key_env="EAGLE_TEST_OR_KEY",
             provider={"only": ["moonshotai"], "allow_fallbacks": False, "quantizations": ["int4"]},
         )
-        s = run(prompts, be, tmp_path, commit_every_rows=10)
+        s = run(prompts, be, tmp_path, options=RunOptions(commit_every_rows=10))
         headers = srv.headers_seen()
         keys = sample_keys(prompts)
         bodies = {sid: srv.body_for(k) for sid, k in keys.items()}
@@ -92,7 +94,7 @@ def test_rows_match_contract_and_request_is_complete(tmp_path, monkeypatch):
 def test_rerun_after_success_makes_zero_requests_and_limit(tmp_path):
     prompts = make_prompts(30)
     with SimulatedOpenRouterServer() as srv:
-        s1 = run(prompts, sim_backend(srv.url), tmp_path, limit=12)
+        s1 = run(prompts, sim_backend(srv.url), tmp_path, options=RunOptions(limit=12))
         assert (s1.total_prompts, s1.completed) == (12, 12) and srv.total_requests == 12
         s2 = run(prompts, sim_backend(srv.url), tmp_path)
         assert (s2.already_done, s2.requested, s2.completed) == (12, 18, 18) and srv.total_requests == 30
@@ -110,12 +112,18 @@ def test_a_run_start_reads_each_committed_shard_once(tmp_path):
     prompts = make_prompts(30)
     out, _ = out_dirs(tmp_path)
     with SimulatedOpenRouterServer() as srv:
-        first = run(prompts, sim_backend(srv.url), tmp_path, limit=12, commit_every_rows=4)
+        first = run(prompts, sim_backend(srv.url), tmp_path, options=RunOptions(limit=12, commit_every_rows=4))
         committed = {p.name for p in part_files(out)}
         assert len(committed) == 3
         events: list = []
         with FileOpens(out) as opens:
-            s = run(prompts, sim_backend(srv.url), tmp_path, progress=events.append, progress_every_s=0.0)
+            s = run(
+                prompts,
+                sim_backend(srv.url),
+                tmp_path,
+                progress=events.append,
+                options=RunOptions(progress_every_s=0.0),
+            )
             counts = opens.counts()
     assert {name: counts[name] for name in committed} == {name: 1 for name in committed}
     assert (s.already_done, s.requested, s.completed) == (12, 18, 18)
@@ -254,7 +262,7 @@ def test_quality_outcomes_are_responses_not_errors(tmp_path):
 
 
 def test_small_max_tokens_gives_length_rows(tmp_path):
-    from eagle_pipeline.generation import SamplingSpec
+    from eagle_pipeline.generation.spec import SamplingSpec
 
     small = SamplingSpec(seed=7, max_tokens=20)
     prompts = make_prompts(4, sampling=small)
@@ -271,7 +279,12 @@ def test_small_max_tokens_gives_length_rows(tmp_path):
 def test_auth_and_credit_failures_stop_cleanly(tmp_path, fault, reason, error_class):
     prompts = make_prompts(60)
     with SimulatedOpenRouterServer(latency_s=0.005, faults={"after_requests": {fault: 12}}) as srv:
-        s = run(prompts, sim_backend(srv.url, concurrency=3), tmp_path, commit_every_rows=1000, commit_every_s=1000)
+        s = run(
+            prompts,
+            sim_backend(srv.url, concurrency=3),
+            tmp_path,
+            options=RunOptions(commit_every_rows=1000, commit_every_s=1000),
+        )
         seen = srv.total_requests
     assert s.stopped_reason == reason
     assert s.stopped_detail.startswith(f"{srv.url}/chat/completions: ")  # the endpoint that refused, and why
@@ -342,14 +355,14 @@ def test_budget_stops_new_requests(tmp_path):
         body = {"model": "m", "messages": json.loads(first["messages_json"])}
         one = srv.answer({**body, "seed": SAMPLING.request_seed(first["sample_id"])})["usage"]["cost"]
         budget = 10 * one
-        s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, budget_usd=budget)
+        s = run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, options=RunOptions(budget_usd=budget))
         seen = srv.total_requests
     assert s.stopped_reason == "budget"
     assert 5 <= s.completed < 80 and seen == s.requested == s.completed
     assert s.spend_usd <= budget + 2 * 2 * one  # at most the in-flight requests overshoot
     # The dataset budget counts earlier runs' committed spend: a rerun does not start over.
     with SimulatedOpenRouterServer(price_per_m_prompt=100.0, price_per_m_completion=100.0) as srv2:
-        s2 = run(prompts, sim_backend(srv2.url, concurrency=2), tmp_path, budget_usd=budget)
+        s2 = run(prompts, sim_backend(srv2.url, concurrency=2), tmp_path, options=RunOptions(budget_usd=budget))
         assert s2.stopped_reason == "budget" and srv2.total_requests == 0
 
 
@@ -395,7 +408,13 @@ def test_progress_events_and_logging(tmp_path, caplog):
     prompts = make_prompts(20)
     with caplog.at_level(logging.INFO, logger="eagle_pipeline.generation"):
         with SimulatedOpenRouterServer(latency_s=0.05) as srv:
-            run(prompts, sim_backend(srv.url, concurrency=2), tmp_path, progress=events.append, progress_every_s=0.1)
+            run(
+                prompts,
+                sim_backend(srv.url, concurrency=2),
+                tmp_path,
+                progress=events.append,
+                options=RunOptions(progress_every_s=0.1),
+            )
     assert len(events) >= 3
     last = events[-1]
     assert (last.done, last.total, last.errors) == (20, 20, 0) and last.rate_per_s > 0 and last.spend_usd > 0
@@ -409,7 +428,13 @@ def test_progress_line_labels_this_run_and_dataset_totals(tmp_path):
     with SimulatedOpenRouterServer() as srv:
         s1 = run(make_prompts(12), sim_backend(srv.url), tmp_path)
         events = []
-        s2 = run(make_prompts(30), sim_backend(srv.url), tmp_path, progress=events.append, progress_every_s=0.1)
+        s2 = run(
+            make_prompts(30),
+            sim_backend(srv.url),
+            tmp_path,
+            progress=events.append,
+            options=RunOptions(progress_every_s=0.1),
+        )
     assert s1.spend_usd > 0 and s2.spend_usd > 0
     last = events[-1]
     assert (last.done, last.total, last.done_this_run, last.errors) == (30, 30, 18, 0)
@@ -486,7 +511,7 @@ def test_api_key_never_reaches_outputs_or_logs(tmp_path, monkeypatch, caplog):
                 prompts,
                 sim_backend(srv.url, api_key_env="EAGLE_TEST_LEAK_KEY", max_retries=1),
                 tmp_path,
-                commit_every_rows=7,
+                options=RunOptions(commit_every_rows=7),
             )
             assert all(h.get("Authorization") == f"Bearer {secret}" for h in srv.headers_seen())  # the key was used
         with SimulatedOpenRouterServer(faults={"after_requests": {"http_401": 0}, "echo_auth": True}) as srv:
@@ -515,9 +540,9 @@ def test_api_key_never_reaches_outputs_or_logs(tmp_path, monkeypatch, caplog):
 
 
 def test_failed_shard_write_fails_the_run_and_rerun_recovers(tmp_path, monkeypatch):
-    from eagle_pipeline.generation import store
+    from eagle_pipeline.generation.store import shards
 
-    real = store.write_shard
+    real = shards.write_shard
     calls = {"n": 0}
 
     def flaky(table, directory, index):
@@ -526,12 +551,12 @@ def test_failed_shard_write_fails_the_run_and_rerun_recovers(tmp_path, monkeypat
             raise OSError(28, "No space left on device")
         return real(table, directory, index)
 
-    monkeypatch.setattr(store, "write_shard", flaky)
+    monkeypatch.setattr(shards, "write_shard", flaky)
     prompts = make_prompts(30)
     with SimulatedOpenRouterServer() as srv:
         with pytest.raises(RuntimeError, match="No space left on device"):
-            run(prompts, sim_backend(srv.url, concurrency=1), tmp_path, commit_every_rows=5)
-        monkeypatch.setattr(store, "write_shard", real)
+            run(prompts, sim_backend(srv.url, concurrency=1), tmp_path, options=RunOptions(commit_every_rows=5))
+        monkeypatch.setattr(shards, "write_shard", real)
         done = read_responses(out_dirs(tmp_path)[0]).num_rows
         assert 0 < done < 30  # the shards written before the failure are intact
         before = srv.total_requests

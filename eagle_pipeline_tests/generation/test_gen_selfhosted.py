@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec, read_errors, read_responses
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.simulation import ids_key
 from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.generation.rows import RESPONSES_SCHEMA, ColumnBuffer
-from eagle_pipeline.generation.spend_ledger import LEDGER_DIR, SharedSpend, SpendLedgerError
-from eagle_pipeline.generation.store import write_shard
+from eagle_pipeline.generation.spend.ledger import LEDGER_DIR, SharedSpend, SpendLedgerError
+from eagle_pipeline.generation.store.rows import RESPONSES_SCHEMA, ColumnBuffer
+from eagle_pipeline.generation.store.shards import write_shard
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import REPO, make_prompts, run, sim_backend

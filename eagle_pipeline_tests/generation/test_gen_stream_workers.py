@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
-from eagle_pipeline.generation.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
+from eagle_pipeline.generation.backends.stream_workers import ANSWER, REQUEST, FrameReader, frame, stream_workers
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
 from .generation_helpers import (
@@ -48,7 +49,7 @@ def worker_pids(parent: int) -> set[int]:
             continue
         for pid in map(int, children):
             try:
-                if b"eagle_pipeline.generation.stream_workers" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"eagle_pipeline.generation.backends.stream_workers" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     pids.add(pid)
             except OSError:
                 pass

@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, read_errors, read_responses
-from eagle_pipeline.generation.stream import ChatStreamAssembler, _envelope
+from eagle_pipeline.generation.backends.stream import ChatStreamAssembler, _envelope
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.shared.failures import RequestFailure
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline.simulation.streaming import STREAM_FAULTS

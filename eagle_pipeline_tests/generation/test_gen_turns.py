@@ -17,9 +17,7 @@ import jinja2.ext
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_pipeline.generation import read_responses
-from eagle_pipeline.generation.store import part_files
-from eagle_pipeline.generation.turns import (
+from eagle_pipeline.generation.plan.turns import (
     END_COMPLETE,
     END_FEWER_TOOL_CALLS,
     END_LENGTH,
@@ -31,6 +29,8 @@ from eagle_pipeline.generation.turns import (
     split_conversation,
     turn_sample_id,
 )
+from eagle_pipeline.generation.run.options import RunOptions
+from eagle_pipeline.generation.store.shards import part_files, read_responses
 from eagle_pipeline.prompts import Prompt, canonical_json, prompts_table
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 
@@ -108,8 +108,8 @@ def test_three_turn_tool_conversation_histories_are_the_targets_own(tmp_path):
             sim_backend(srv.url, concurrency=2),
             tmp_path,
             dataset="B5",
-            regenerate="all_turns",
             progress=events.append,
+            options=RunOptions(regenerate="all_turns"),
         )
         rows = _rows(tmp_path)
         assert (s.requested, s.completed, s.failed) == (3, 3, 0)
@@ -147,7 +147,7 @@ def test_three_turn_tool_conversation_histories_are_the_targets_own(tmp_path):
             ]
             assert sent[: len(bodies[k - 1]["messages"])] == bodies[k - 1]["messages"]
 
-        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         assert (again.requested, again.already_done) == (0, 1) and len(srv.request_log()) == 3
 
 
@@ -161,13 +161,13 @@ def test_three_turn_tool_conversation_histories_are_the_targets_own(tmp_path):
 def test_conversation_stops_with_its_reason_rows_kept(tmp_path, tool_rounds, result_name, n_rows, end):
     prompts = _prompts(_source(result_name))
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=tool_rounds) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         rows = _rows(tmp_path)
         assert [r["turn_index"] for r in rows] == list(range(n_rows))
         assert [r["conversation_end"] for r in rows] == [None] * (n_rows - 1) + [end]
         assert len(srv.request_log()) == n_rows
         # A stopped conversation is answered: a rerun requests nothing.
-        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         assert again.requested == 0 and len(srv.request_log()) == n_rows
 
 
@@ -285,10 +285,10 @@ def test_prompt_ids_hold_each_earlier_turns_output_ids_where_the_template_puts_t
     prompts = _prompts(_source())
     if wire == "openrouter":
         with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
     else:
         with SimulatedVLLMServer(tokenizer=tok, tool_call_rate=1.0, tool_rounds=2) as vllm:
-            run(prompts, vllm_backend(vllm.url), tmp_path, dataset="B5", regenerate="all_turns")
+            run(prompts, vllm_backend(vllm.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
     responses = read_responses(out_dirs(tmp_path, "B5")[0])
     returned_prompts = [ids is not None for ids in responses.column("prompt_token_ids").to_pylist()]
     assert returned_prompts == [wire == "vllm"] * 3  # vLLM: the prompt ids checked below are the server's
@@ -319,16 +319,22 @@ def test_a_conversation_missing_a_turn_is_reopened(tmp_path):
     conv = prompts.column("sample_id")[0].as_py()
     out, _ = out_dirs(tmp_path, "B5")
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        run(
+            prompts,
+            sim_backend(srv.url),
+            tmp_path,
+            dataset="B5",
+            options=RunOptions(regenerate="all_turns", commit_every_rows=1),
+        )
         shard_of = {pq.read_table(p).column("turn_index")[0].as_py(): p for p in part_files(out)}
         assert sorted(shard_of) == [0, 1, 2]
         shard_of[2].rename(tmp_path / "turn2.parquet")
-        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         assert (again.requested, again.completed) == (1, 1)
         assert [r["turn_index"] for r in _rows(tmp_path)] == [0, 1, 2]
         shard_of[1].rename(tmp_path / "turn1.parquet")
         with pytest.raises(RuntimeError, match=f"conversation {conv} has committed turns \\[0, 2\\] but not \\[1\\]"):
-            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+            run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts file opens with inotify")
@@ -342,7 +348,13 @@ def test_an_all_turns_run_start_reads_each_committed_shard_once(tmp_path):
     first_conv, second_conv = prompts.column("sample_id").to_pylist()[:2]
     out, _ = out_dirs(tmp_path, "B5")
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        run(
+            prompts,
+            sim_backend(srv.url),
+            tmp_path,
+            dataset="B5",
+            options=RunOptions(regenerate="all_turns", commit_every_rows=1),
+        )
         shard_of = _shard_of_turn(out)
         assert len(shard_of) == 9
         # The first conversation reopens after its turn 1, the second after its turn 0.
@@ -355,9 +367,8 @@ def test_an_all_turns_run_start_reads_each_committed_shard_once(tmp_path):
                 sim_backend(srv.url),
                 tmp_path,
                 dataset="B5",
-                regenerate="all_turns",
                 progress=events.append,
-                progress_every_s=0.0,
+                options=RunOptions(regenerate="all_turns", progress_every_s=0.0),
             )
             counts = opens.counts()
     continued = {shard_of[(first_conv, 1)].name, shard_of[(second_conv, 0)].name}
@@ -387,7 +398,7 @@ def test_all_turns_over_the_vllm_wire_format(tmp_path):
         tool_call_rate=1.0,
         tool_rounds=2,
     ) as srv:
-        s = run(prompts, vllm_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        s = run(prompts, vllm_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         rows = _rows(tmp_path)
         assert (s.completed, [r["conversation_end"] for r in rows]) == (3, [None, None, END_COMPLETE])
         bodies = [_sent(srv, r) for r in rows]
@@ -403,7 +414,7 @@ def test_all_turns_over_the_vllm_wire_format(tmp_path):
 def test_a_turn_that_fails_once_is_retried_and_the_conversation_goes_on(tmp_path):
     prompts = _prompts(_source())
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2, faults={"http_500": 1.0}) as srv:
-        s = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        s = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         rows = _rows(tmp_path)
         assert (s.completed, s.failed) == (3, 0) and [r["attempts"] for r in rows] == [2, 2, 2]
         assert [rec.status for rec in srv.request_log()] == [500, 200] * 3  # each turn after the one before
@@ -412,13 +423,19 @@ def test_a_turn_that_fails_once_is_retried_and_the_conversation_goes_on(tmp_path
 def test_retiring_a_turn_retires_the_conversation_from_that_turn_on(tmp_path):
     import pyarrow as pa
 
-    from eagle_pipeline.generation.retire import retire_responses
-    from eagle_pipeline.generation.store import write_shard
+    from eagle_pipeline.generation.store.retire import retire_responses
+    from eagle_pipeline.generation.store.shards import write_shard
 
     prompts = _prompts(_source())
     out, _ = out_dirs(tmp_path, "B5")
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        run(
+            prompts,
+            sim_backend(srv.url),
+            tmp_path,
+            dataset="B5",
+            options=RunOptions(regenerate="all_turns", commit_every_rows=1),
+        )
         for i, p in enumerate(part_files(out)):  # turn 1 was answered by a provider found bad afterwards
             t = pq.read_table(p)
             bad = t.column("turn_index")[0].as_py() == 1
@@ -427,7 +444,7 @@ def test_retiring_a_turn_retires_the_conversation_from_that_turn_on(tmp_path):
         summary = retire_responses(out, dataset="B5", provider="Bad")
         assert summary.rows_retired == 2 and summary.by_backend_provider == {"sim/Bad": 1, "sim/Good": 1}
         assert [r["turn_index"] for r in _rows(tmp_path)] == [0]
-        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns")
+        again = run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", options=RunOptions(regenerate="all_turns"))
         assert again.requested == 2
         rows = _rows(tmp_path)
         assert [r["turn_index"] for r in rows] == [0, 1, 2] and rows[2]["conversation_end"] == END_COMPLETE
@@ -437,8 +454,8 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
     """Live figures and the materialization's count the same things: conversations under `current_prompts*` and
     `already_done`, turn rows under `response_rows` and `completed_this_run`, earlier runs' turns included."""
     from eagle_pipeline.defs.generation import generation_metadata
-    from eagle_pipeline.generation import read_errors
-    from eagle_pipeline.generation.coverage import current_responses
+    from eagle_pipeline.generation.store.coverage import current_responses
+    from eagle_pipeline.generation.store.shards import read_errors
 
     prompts = prompts_table(
         "B5",
@@ -449,7 +466,13 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
     )
     out, errors_dir = out_dirs(tmp_path, "B5")
     with SimulatedOpenRouterServer(tool_call_rate=1.0, tool_rounds=2) as srv:
-        run(prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", commit_every_rows=1)
+        run(
+            prompts,
+            sim_backend(srv.url),
+            tmp_path,
+            dataset="B5",
+            options=RunOptions(regenerate="all_turns", commit_every_rows=1),
+        )
         shards = _shard_of_turn(out)
         assert len(shards) == 3 * 3 + 1
         first, second = prompts.column("sample_id").to_pylist()[:2]
@@ -458,7 +481,12 @@ def test_the_last_progress_report_agrees_with_the_final_metadata(tmp_path):
             shards[key].rename(tmp_path / f"aside-{i}.parquet")
         events = []
         summary = run(
-            prompts, sim_backend(srv.url), tmp_path, dataset="B5", regenerate="all_turns", progress=events.append
+            prompts,
+            sim_backend(srv.url),
+            tmp_path,
+            dataset="B5",
+            progress=events.append,
+            options=RunOptions(regenerate="all_turns"),
         )
     table, cov = current_responses("B5", read_responses(out), prompts.column("sample_id").to_pylist())
     final = {**generation_metadata(summary, table, read_errors(errors_dir), simulated=True), **cov.metadata()}

@@ -10,9 +10,9 @@ import time
 import pyarrow as pa
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec
-from eagle_pipeline.generation.backends import OpenRouterBackend, ParsedResponse, PromptItem, parse_chat_completion
-from eagle_pipeline.generation.rows import RESPONSES_SCHEMA, RowProvenance, error_row, response_values
+from eagle_pipeline.generation.backends.wire import OpenRouterBackend, ParsedResponse, PromptItem, parse_chat_completion
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.rows import RESPONSES_SCHEMA, RowProvenance, error_row, response_values
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import Redactor, RequestFailure, classify_status, parse_retry_after
 from eagle_pipeline.simulation import (

@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from eagle_pipeline.generation import SamplingSpec, read_errors, read_responses
+from eagle_pipeline.generation.spec import SamplingSpec
+from eagle_pipeline.generation.store.shards import read_errors, read_responses
 from eagle_pipeline.prompts import canonical_json
 from eagle_pipeline.simulation import SimulatedOpenRouterServer
 from eagle_pipeline_tests.doubles import SimulatedSGLangServer, SimulatedVLLMServer

@@ -186,7 +186,7 @@ def test_a_vllm_shard_run_writes_the_trainer_files_once(layout, normed_model, me
     storage ends empty, and no file of the states exists twice (inode walk)."""
     import io
 
-    from eagle_pipeline.generation.runner import run_coroutine
+    from eagle_pipeline.generation.run.runner import run_coroutine
     from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
     from eagle_pipeline.hidden_states.engines.vllm.vllm_layouts import VllmLayoutRows
     from eagle_pipeline.hidden_states.engines.vllm.vllm_requests import ShardRequests

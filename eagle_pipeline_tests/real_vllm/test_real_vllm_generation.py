@@ -9,8 +9,9 @@ import json
 import httpx
 import pytest
 
-from eagle_pipeline.generation import BackendSpec, SamplingSpec, read_responses
-from eagle_pipeline.generation.backends import PromptItem, VLLMBackend
+from eagle_pipeline.generation.backends.wire import PromptItem, VLLMBackend
+from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.shards import read_responses
 from eagle_pipeline_tests.generation.generation_helpers import make_prompts, out_dirs, run
 from eagle_pipeline_tests.generation.test_gen_selfhosted import vllm_backend
 

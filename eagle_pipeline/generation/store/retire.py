@@ -11,9 +11,9 @@ sha256) is written under a hidden staging name and renamed into place first; tha
 then are the live shards moved or rewritten, and `retirement.json` is marked applied. An interrupted retirement is
 completed by the next `retire_responses` or generation run on the dataset (`complete_pending_retirements`).
 
-The spend ledger stays whole: `store.retired_spend` counts the money spent on retired rows (an entry of an unapplied
+The spend ledger stays whole: `shards.retired_spend` counts the money spent on retired rows (an entry of an unapplied
 retirement counts only once its live shard has changed, so no row is counted twice or never), and
-`store.committed_sample_ids` adds it to the committed spend that dataset and pipeline budgets read.
+`shards.committed_sample_ids` adds it to the committed spend that dataset and pipeline budgets read.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import store
+from eagle_pipeline.generation.store import shards
 from eagle_pipeline.shared import storage
 
 STAGING_PREFIX = ".staging-"
@@ -83,8 +83,8 @@ def _match(
 def _first_turns_selected(responses_dir: Path, backend: str | None, provider: str | None) -> dict[str, int]:
     """Conversation id -> the first of its turns the selection matches, over every committed shard."""
     first: dict[str, int] = {}
-    for part in store.part_files(responses_dir):
-        t = store.read_shard_columns(part, ["backend", "provider", "conversation_id", "turn_index"])
+    for part in shards.part_files(responses_dir):
+        t = shards.read_shard_columns(part, ["backend", "provider", "conversation_id", "turn_index"])
         if "conversation_id" not in t.column_names:
             continue
         hit = _match(t, backend, provider).to_pylist()
@@ -102,8 +102,8 @@ def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
     """Finish retirements a crash interrupted after their commit point; returns how many. Hold the DirLock."""
     d = Path(responses_dir)
     done = 0
-    for archive in store.retirement_archives(d):
-        manifest = store.read_retirement(archive)
+    for archive in shards.retirement_archives(d):
+        manifest = shards.read_retirement(archive)
         if not manifest["applied"]:
             _apply(d, archive, manifest)
             done += 1
@@ -112,7 +112,7 @@ def complete_pending_retirements(responses_dir: str | os.PathLike) -> int:
 
 def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None:
     for entry in manifest["shards"]:
-        if not store.live_shard_unchanged(responses_dir, entry):
+        if not shards.live_shard_unchanged(responses_dir, entry):
             continue  # already moved or rewritten before the interruption
         live = responses_dir / entry["shard"]
         if entry["action"] == "moved":
@@ -124,7 +124,7 @@ def _apply(responses_dir: Path, archive: Path, manifest: dict[str, Any]) -> None
             storage.write_parquet_atomic(table.filter(keep), live)
     storage.fsync_dir(archive)
     storage.fsync_dir(responses_dir)
-    storage.write_json_atomic({**manifest, "applied": True}, archive / store.RETIREMENT_MANIFEST)
+    storage.write_json_atomic({**manifest, "applied": True}, archive / shards.RETIREMENT_MANIFEST)
 
 
 def _stage_matching_rows(
@@ -136,7 +136,7 @@ def _stage_matching_rows(
     entries: list[dict[str, Any]] = []
     kept = retired = 0
     by_source: dict[str, int] = {}
-    for part in store.part_files(d):
+    for part in shards.part_files(d):
         table = pq.read_table(part)
         mask = _match(table, backend, provider, from_turn)
         n_match = int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
@@ -182,13 +182,13 @@ def retire_responses(
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no committed responses for dataset {dataset!r}")
     selection = {"backend": backend, "provider": provider}
-    with store.DirLock(d):
+    with shards.DirLock(d):
         storage.clean_stale_tmp(d)
         completed = complete_pending_retirements(d)
         # Rows a killed run left in its answer log join the shards first: retiring a shard whose rows the log still
         # held would otherwise bring them back at the next run's fold.
-        store.recover_answer_log(d, errors_dir if errors_dir is not None else d / storage.ERRORS_SUBDIR)
-        retired_root = d / store.RETIRED_DIR
+        shards.recover_answer_log(d, errors_dir if errors_dir is not None else d / storage.ERRORS_SUBDIR)
+        retired_root = d / shards.RETIRED_DIR
         if retired_root.is_dir():  # staging dirs of a retirement that never reached its commit point
             for p in retired_root.iterdir():
                 if p.name.startswith(STAGING_PREFIX):
@@ -210,7 +210,7 @@ def retire_responses(
             "by_backend_provider": dict(sorted(by_source.items())),
             "shards": entries,
         }
-        storage.write_json_atomic(manifest, staging / store.RETIREMENT_MANIFEST)
+        storage.write_json_atomic(manifest, staging / shards.RETIREMENT_MANIFEST)
         archive = retired_root / stamp
         if archive.exists():
             raise FileExistsError(f"{archive}: a retirement with this timestamp already exists")

@@ -1,13 +1,13 @@
 """Worker processes that read and assemble streamed answers, so that thousands of streams in flight are not limited
 by one event loop.
 
-A streamed answer costs ~2.5x the client CPU of a plain one (~1 ms against ~0.4 ms: about a hundred chunk events and
-~11 network reads to one body), so one event loop saturates near 1,000 streamed answers/s: 2,000 streams in flight at
-2 s. `StreamWorkers` starts N child processes (`python -m eagle_pipeline.generation.stream_workers`), each with its
+A streamed answer costs ~2.5x the client CPU of a plain one (~1 ms against ~0.4 ms: about a hundred chunk events and ~11
+network reads to one body), so one event loop saturates near 1,000 streamed answers/s: 2,000 streams in flight at 2 s.
+`StreamWorkers` starts N child processes (`python -m eagle_pipeline.generation.backends.stream_workers`), each with its
 own event loop and connections (an `HttpClient` with the run's timeouts and headers). The run sends each streamed
-request to the least busy child and gets back what `client.assemble_streamed` returns in-process: the assembled body,
-a whole non-stream body, or the RequestFailure. Retries, rows, the answer log, the budget and the rate limit stay in
-the run's process, so the exactly-once and durability guarantees are the same.
+request to the least busy child and gets back what `client.assemble_streamed` returns in-process: the assembled body, a
+whole non-stream body, or the RequestFailure. Retries, rows, the answer log, the budget and the rate limit stay in the
+run's process, so the exactly-once and durability guarantees are the same.
 
 Frames on the child's stdin and stdout: a header `<kind u8><request id u32><payload length u32>`, then the payload.
 
@@ -49,7 +49,7 @@ from typing import Any, cast
 
 import orjson
 
-from eagle_pipeline.generation.client import Streamed, assemble_streamed
+from eagle_pipeline.generation.backends.client import Streamed, assemble_streamed
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.aio import gc_tuned, run_coroutine
 from eagle_pipeline.shared.failures import RequestFailure
@@ -228,7 +228,7 @@ class StreamWorkers:
             lambda: _Child(slot),
             sys.executable,
             "-m",
-            "eagle_pipeline.generation.stream_workers",
+            "eagle_pipeline.generation.backends.stream_workers",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=None,  # the run's stderr: its logs and a failed start's traceback land where the run's do
@@ -443,7 +443,7 @@ async def _serve(out_fd: int) -> None:
 
 
 def main() -> None:
-    """Entry point of a worker process (`python -m eagle_pipeline.generation.stream_workers`)."""
+    """Entry point of a worker process (`python -m eagle_pipeline.generation.backends.stream_workers`)."""
     out_fd = os.dup(1)
     os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
     # Ctrl-C reaches the whole process group: the run commits what it has and closes the workers' stdin, which is

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from eagle_pipeline.generation.backends import ParsedResponse, PromptItem
+from eagle_pipeline.generation.backends.wire import ParsedResponse, PromptItem
 from eagle_pipeline.shared.failures import truncate
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -57,7 +57,8 @@ RESPONSES_SCHEMA = pa.schema(
         ("conversation_id", pa.string()),
         ("turn_index", pa.int32()),
         ("conversation_end", pa.string()),
-        # What served the row (generation/identity.py): a row counts for a dataset only while this matches its backend.
+        # What served the row (generation/store/identity.py): a row counts for a dataset only while this matches its
+        # backend.
         ("backend_identity", pa.string()),
     ]
 )
@@ -119,7 +120,7 @@ def response_values(
     """The one `ParsedResponse -> responses row` builder: the row's values in RESPONSES_SCHEMA order.
 
     A turn of a regenerated conversation carries its conversation and turn index (from `item`) and, on the
-    conversation's last generated turn, why it ended (`conversation_end`, generation/turns.py).
+    conversation's last generated turn, why it ended (`conversation_end`, generation/plan/turns.py).
 
     A tuple rather than a dict: the live runner builds thousands per second (`ColumnBuffer.append_values`); callers
     that want a mapping use `dict(zip(RESPONSE_COLUMNS, values))`.

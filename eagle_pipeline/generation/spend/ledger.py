@@ -7,7 +7,7 @@ requests in flight are expected to cost (`reserved_usd`). A run owns its slot by
 `.spend/slot-N.lock` for as long as it runs; the kernel drops that lock when the process dies (kill -9 included),
 which is how the others tell a dead run from a live one. Every `interval_s` (0.05 s) each run, under an flock on
 `.spend/ledger.lock`, writes its slot and reads every other one (in place: NFS revalidates a file's data under a lock,
-not across a rename). A dataset without a live run counts its spend on disk (`store.read_committed`: shards, the answer
+not across a rename). A dataset without a live run counts its spend on disk (`shards.read_committed`: shards, the answer
 log a killed run left, retired rows), never less than its last run's slot said: so a run killed -9 loses none of the
 spend its answer log or its slot recorded, and its reservation stops counting once its lock is seen free (at most
 `probe_every_s` later).
@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_pipeline.generation import store
+from eagle_pipeline.generation.store import shards
 
 log = logging.getLogger("eagle_pipeline.generation")
 
@@ -232,7 +232,7 @@ class _View:
         return known[0]
 
     def _disk(self, dataset: str) -> float:
-        return store.read_committed(self.shared.dataset_dir(dataset)).spend_usd
+        return shards.read_committed(self.shared.dataset_dir(dataset)).spend_usd
 
     def _read_disk(self, dataset: str, at_least: float) -> None:
         """Count `dataset` at no less than `at_least` now, and at no less than its spend on disk once read. The first

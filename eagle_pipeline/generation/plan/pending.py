@@ -7,10 +7,16 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from eagle_pipeline.generation.backends import PromptItem
-from eagle_pipeline.generation.coverage import current_row_count
-from eagle_pipeline.generation.store import CommittedState
-from eagle_pipeline.generation.turns import ALL_TURNS, LAST_TURN, SourceConversation, resume_turn, split_conversation
+from eagle_pipeline.generation.backends.wire import PromptItem
+from eagle_pipeline.generation.plan.turns import (
+    ALL_TURNS,
+    LAST_TURN,
+    SourceConversation,
+    resume_turn,
+    split_conversation,
+)
+from eagle_pipeline.generation.store.coverage import current_row_count
+from eagle_pipeline.generation.store.shards import CommittedState
 
 
 @dataclass(frozen=True)

@@ -16,27 +16,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import answer_log
-from eagle_pipeline.generation.identity import BackendIdentity, counting_identities
-from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA, ColumnBuffer
+from eagle_pipeline.generation.store import answer_log
+from eagle_pipeline.generation.store.identity import BackendIdentity, counting_identities
+from eagle_pipeline.generation.store.rows import ERRORS_SCHEMA, RESPONSES_SCHEMA, ColumnBuffer
 from eagle_pipeline.shared import storage
 
 log = logging.getLogger("eagle_pipeline.generation")
 
 _PART = re.compile(r"^part-(\d{5,})\.parquet$")
 LOCK_NAME = ".generation.lock"
-# Archives of retired rows (written by generation/retire.py): responses/<dataset>/retired/<stamp>/ + this manifest.
+# Archives of retired rows (written by generation/store/retire.py): responses/<dataset>/retired/<stamp>/ + this
+# manifest.
 RETIRED_DIR = "retired"
 RETIREMENT_MANIFEST = "retirement.json"
 
 
 def part_files(directory: str | os.PathLike) -> list[Path]:
     """Committed shards of a directory, in commit order (never temporary files, never subdirectories)."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _PART.match(p.name)) and p.is_file()]
-    return [p for _, p in sorted(found)]
+    return storage.numbered_files(directory, _PART)
 
 
 def next_part_index(directory: str | os.PathLike) -> int:
@@ -332,8 +329,8 @@ def read_responses(out_dir: str | os.PathLike) -> pa.Table:
     """All committed response shards, concatenated in commit order.
 
     A sample id appears once per backend identity by construction (a prompt is requested again only when the rows
-    of it on disk came from another backend: generation/identity.py); should two shards ever hold the same pair (e.g.
-    shards copied in by hand), the first is kept and the count of dropped rows is logged and stored in the schema
+    of it on disk came from another backend: generation/store/identity.py); should two shards ever hold the same pair
+    (e.g. shards copied in by hand), the first is kept and the count of dropped rows is logged and stored in the schema
     metadata `duplicates_dropped`.
     """
     table = _read_parts(out_dir, RESPONSES_SCHEMA)

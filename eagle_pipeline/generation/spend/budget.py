@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from eagle_pipeline.generation.spend_ledger import SharedSpend
+from eagle_pipeline.generation.spend.ledger import SharedSpend
 
 
 class RunBudget(Protocol):
@@ -37,7 +37,7 @@ def pipeline_budget(
 ) -> SharedSpend | None:
     """The pipeline-wide spend cap over these dataset directories (`{data_root}/responses/{name}`; None when there is
     no cap), held by every run of the data root together while they run: each run joins the data root's spend ledger
-    (`spend_ledger.SharedSpend`) and stops new requests once the committed spend of every dataset, the answers of
+    (`ledger.SharedSpend`) and stops new requests once the committed spend of every dataset, the answers of
     every live run and what every live run has in flight reach `budget_usd`."""
     if budget_usd is None:
         return None

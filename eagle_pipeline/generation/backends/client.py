@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from eagle_pipeline.generation.stream import ChatStreamAssembler
+from eagle_pipeline.generation.backends.stream import ChatStreamAssembler
 from eagle_pipeline.shared.http_client import HttpClient
 
 

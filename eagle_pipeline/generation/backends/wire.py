@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from eagle_pipeline.generation.client import ChatClient
+from eagle_pipeline.generation.backends.client import ChatClient
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import RequestFailure
@@ -22,7 +22,7 @@ RenderPromptIds = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"]
 
 class PromptItem(NamedTuple):
     """One request: the prompts table's columns the backends need; a turn of a regenerated conversation
-    (`regenerate: all_turns`, generation/turns.py) also names its conversation and its index there."""
+    (`regenerate: all_turns`, generation/plan/turns.py) also names its conversation and its index there."""
 
     sample_id: str
     messages_json: str
@@ -135,15 +135,21 @@ def error_for_status(status: int, obj: Any, text: str, retry_after_s: float | No
     return F.classify_status(status, F.truncate(message), retry_after_s=retry_after_s, error_obj=err)
 
 
+def _answer_object(obj: Any, status: int) -> dict[str, Any]:
+    """A response body as the object every backend answers with; an `error` it carries raised as its failure."""
+    if not isinstance(obj, dict):
+        raise RequestFailure(F.MALFORMED_BODY, f"expected a JSON object, got {type(obj).__name__}", True, status)
+    if obj.get("error"):
+        raise F.classify_body_error(obj["error"], status)
+    return obj
+
+
 def parse_chat_completion(obj: Any, status: int, *, want_ids: bool, spec: BackendSpec | None = None) -> ParsedResponse:
     """Parse an OpenAI-style chat completion body (OpenRouter, vLLM, or an imported one).
 
     `error` is checked before `choices`: OpenRouter reports upstream failures inside HTTP 200 bodies.
     """
-    if not isinstance(obj, dict):
-        raise RequestFailure(F.MALFORMED_BODY, f"expected a JSON object, got {type(obj).__name__}", True, status)
-    if obj.get("error"):
-        raise F.classify_body_error(obj["error"], status)
+    obj = _answer_object(obj, status)
     choices = obj.get("choices")
     if not choices:
         raise RequestFailure(F.NO_CHOICES, "response has no choices", True, status)
@@ -233,7 +239,15 @@ class HttpBackend:
     def parse(
         self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
     ) -> tuple[str, ParsedResponse]:
-        """Return (body text, parsed columns) or raise RequestFailure."""
+        """Return (body text, parsed columns) or raise RequestFailure: a status outside 2xx fails as its status says,
+        whatever the body; a 2xx body is parsed by the backend's own format (`parse_answer`)."""
+        text, obj = load_json_body(status, raw)
+        if not 200 <= status < 300:
+            raise error_for_status(status, obj, text, retry_after_s)
+        return text, self.parse_answer(obj, status, item)
+
+    def parse_answer(self, obj: Any, status: int, item: PromptItem) -> ParsedResponse:
+        """The parsed columns of a 2xx body, or raise RequestFailure."""
         raise NotImplementedError
 
     def forget(self, item: PromptItem) -> None:
@@ -291,13 +305,8 @@ class _ChatBackend(HttpBackend):
             return f'{prefix},"messages":{item.messages_json},"tools":{tools}}}'.encode()
         return f'{prefix},"messages":{item.messages_json}}}'.encode()
 
-    def parse(
-        self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
-    ) -> tuple[str, ParsedResponse]:
-        text, obj = load_json_body(status, raw)
-        if not 200 <= status < 300:
-            raise error_for_status(status, obj, text, retry_after_s)
-        return text, parse_chat_completion(obj, status, want_ids=self.want_ids, spec=self.spec)
+    def parse_answer(self, obj: Any, status: int, item: PromptItem) -> ParsedResponse:
+        return parse_chat_completion(obj, status, want_ids=self.want_ids, spec=self.spec)
 
 
 class OpenRouterBackend(_ChatBackend):
@@ -372,13 +381,8 @@ class SGLangBackend(HttpBackend):
         body["rid"] = f"{item.sample_id}:{attempt}"  # unique per attempt: a timed-out attempt may still run server-side
         return _dumps(body).encode()
 
-    def parse(
-        self, status: int, raw: bytes, retry_after_s: float | None, item: PromptItem
-    ) -> tuple[str, ParsedResponse]:
-        text, obj = load_json_body(status, raw)
-        if not 200 <= status < 300:
-            raise error_for_status(status, obj, text, retry_after_s)
-        return text, parse_sglang_generate(obj, status, self.prompt_ids(item), self.spec)
+    def parse_answer(self, obj: Any, status: int, item: PromptItem) -> ParsedResponse:
+        return parse_sglang_generate(obj, status, self.prompt_ids(item), self.spec)
 
     def forget(self, item: PromptItem) -> None:
         self._ids_cache.pop(item.sample_id, None)
@@ -390,10 +394,7 @@ def parse_sglang_generate(
     """Parse a /generate response (a dict, or a one-element list for batch form)."""
     if isinstance(obj, list) and len(obj) == 1:
         obj = obj[0]
-    if not isinstance(obj, dict):
-        raise RequestFailure(F.MALFORMED_BODY, f"expected a JSON object, got {type(obj).__name__}", True, status)
-    if obj.get("error"):
-        raise F.classify_body_error(obj["error"], status)
+    obj = _answer_object(obj, status)
     meta = obj.get("meta_info")
     if not isinstance(meta, dict):
         raise RequestFailure(F.MALFORMED_BODY, "response has no meta_info", True, status)

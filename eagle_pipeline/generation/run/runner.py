@@ -1,12 +1,12 @@
 """The generation runner: `generate_dataset`, exactly-once resume, and the set-up and tear-down of a run.
 
-A run first folds the answer log a killed run left into shards (`store.recover_answer_log`), reads the committed shards
-once (`store.read_committed`), requests only the missing prompts through a fixed pool of worker coroutines (bounded
+A run first folds the answer log a killed run left into shards (`shards.recover_answer_log`), reads the committed shards
+once (`shards.read_committed`), requests only the missing prompts through a fixed pool of worker coroutines (bounded
 memory: one prompt per worker in flight), and commits rows in atomically written `part-NNNNN.parquet` shards every N
 rows or T seconds (`sink.ShardSink`), logging each row meanwhile (`answer_log`). A kill -9 loses only the answers of the
 last ~0.1 s and the requests in flight, and the next run requests exactly those again. The prompts to request are chosen
 by `pending`, the request loop is `live.LiveRun`, rows are built by `rows`, spend is accounted by `budget`; an 'import'
-backend is handed to `importer`.
+backend is handed to `importer.ImportRun`.
 """
 
 from __future__ import annotations
@@ -24,22 +24,22 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyarrow as pa
 
-from eagle_pipeline.generation import store
-from eagle_pipeline.generation.backends import RenderPromptIds, make_backend
-from eagle_pipeline.generation.budget import SpendLedger
-from eagle_pipeline.generation.client import ChatClient
-from eagle_pipeline.generation.identity import BackendIdentity
-from eagle_pipeline.generation.importer import import_responses
-from eagle_pipeline.generation.live import LiveRun, row_provenance
-from eagle_pipeline.generation.options import CommitCadence, RunOptions
-from eagle_pipeline.generation.pending import RequestPlan, plan_requests, prompt_items
-from eagle_pipeline.generation.retire import complete_pending_retirements
-from eagle_pipeline.generation.sink import ShardSink
+from eagle_pipeline.generation.backends.client import ChatClient
+from eagle_pipeline.generation.backends.stream_workers import stream_workers
+from eagle_pipeline.generation.backends.wire import RenderPromptIds, make_backend
+from eagle_pipeline.generation.importing.importer import ImportRun
+from eagle_pipeline.generation.plan.pending import RequestPlan, plan_requests
+from eagle_pipeline.generation.plan.turns import ALL_TURNS, NO_TURN_KINDS, REGENERATE_MODES
+from eagle_pipeline.generation.run.live import LiveRun, row_provenance
+from eagle_pipeline.generation.run.options import CommitCadence, RunOptions
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
-from eagle_pipeline.generation.spend_ledger import SharedSpend
-from eagle_pipeline.generation.stream_workers import stream_workers
+from eagle_pipeline.generation.spend.budget import SpendLedger
+from eagle_pipeline.generation.spend.ledger import SharedSpend
+from eagle_pipeline.generation.store import shards
+from eagle_pipeline.generation.store.identity import BackendIdentity
+from eagle_pipeline.generation.store.retire import complete_pending_retirements
+from eagle_pipeline.generation.store.sink import ShardSink
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
-from eagle_pipeline.generation.turns import ALL_TURNS, NO_TURN_KINDS, REGENERATE_MODES
 from eagle_pipeline.shared import storage
 from eagle_pipeline.shared.aio import gc_tuned, run_coroutine
 from eagle_pipeline.shared.failures import Redactor
@@ -154,35 +154,6 @@ async def _generate_live(
     return run.summary()
 
 
-async def _import(
-    *,
-    dataset: str,
-    plan: RequestPlan,
-    backend: BackendSpec,
-    sampling: SamplingSpec,
-    sink: ShardSink,
-    commit_every_rows: int,
-) -> GenerationSummary:
-    """Fill the plan's prompts from the backend's import files."""
-    all_items, source_ids = prompt_items(plan.prompts)
-    try:
-        summary = import_responses(
-            dataset=dataset,
-            all_items=all_items,
-            source_ids=source_ids,
-            pending={it.sample_id for it in plan.items},
-            backend=backend,
-            sampling=sampling,
-            sink=sink,
-            commit_every_rows=commit_every_rows,
-        )
-    finally:
-        await sink.close()
-    summary.total_prompts, summary.already_done = plan.total, plan.already_done
-    summary.skipped_duplicates += plan.duplicates
-    return summary
-
-
 async def agenerate_dataset(
     *,
     dataset: str,
@@ -204,18 +175,18 @@ async def agenerate_dataset(
     out_dir, errors_dir = Path(out_dir), Path(errors_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     errors_dir.mkdir(parents=True, exist_ok=True)
-    with store.DirLock(out_dir):
+    with shards.DirLock(out_dir):
         # A killed writer may have left hidden temporaries; they were never committed.
         storage.clean_stale_tmp(out_dir)
         storage.clean_stale_tmp(errors_dir)
         complete_pending_retirements(out_dir)  # a retirement interrupted after its commit point is finished first
-        recovered = store.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
+        recovered = shards.recover_answer_log(out_dir, errors_dir)  # a killed run's answers count as committed
         identity = BackendIdentity.of(backend, usage_tokenizer)
         plan, committed_usd = _plan_against_store(dataset, backend.name, prompts, out_dir, identity, opts)
         # Imports are not logged: a killed import reads its files again at no cost.
         sink = ShardSink(out_dir, errors_dir, answer_log_s=opts.answer_log_s if backend.kind.is_http else None)
         if not backend.kind.is_http:
-            summary = await _import(
+            importer = ImportRun(
                 dataset=dataset,
                 plan=plan,
                 backend=backend,
@@ -223,6 +194,7 @@ async def agenerate_dataset(
                 sink=sink,
                 commit_every_rows=opts.commit_every_rows,
             )
+            summary = await importer.run()
             label = "import"
         else:
             # A shared cap: this run takes its slot in the data root's spend ledger (refused there: nothing is
@@ -258,9 +230,9 @@ def _plan_against_store(
 ) -> tuple[RequestPlan, float]:
     """What this run requests, and the spend already committed, from one read of the shards (the plan, its progress
     counts and the spend ledger all come from it). Rows another backend produced (another kind, model, endpoint
-    class, or simulated usage counted with another tokenizer: generation/identity.py) stay on disk but answer
+    class, or simulated usage counted with another tokenizer: generation/store/identity.py) stay on disk but answer
     nothing: their prompts are requested again. The committed rows are not held past the plan."""
-    committed = store.read_committed(out_dir, identity)
+    committed = shards.read_committed(out_dir, identity)
     if committed.mismatched:
         log.warning(
             "[%s] committed rows that do not count for backend %r (%s): %s; kept on disk, their prompts are "
@@ -304,6 +276,6 @@ def generate_dataset(*args: Any, **kwargs: Any) -> GenerationSummary:
     `options` (`RunOptions`): the commit cadence, the answer-log interval, progress reports, this dataset's budget,
     `limit` and `regenerate` (`options=RunOptions(budget_usd=50.0)`).
     `regenerate='all_turns'` regenerates every assistant turn of each prompt's conversation against the target's own
-    earlier turns, one row per turn, exactly once per turn (generation/turns.py, docs/generation.md).
+    earlier turns, one row per turn, exactly once per turn (generation/plan/turns.py, docs/generation.md).
     """
     return run_coroutine(lambda: agenerate_dataset(*args, **kwargs))

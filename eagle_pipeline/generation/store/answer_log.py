@@ -3,7 +3,7 @@
 Rows reach the committed shards only at the commit window (`commit_every_rows` / `commit_every_s`); a kill -9 before
 that would lose answers that were paid for. So every row is also appended to a log beside the shards, in segments
 `answers-NNNNNN.log`: one segment per commit window, deleted once the shards holding its rows are committed. The next
-run (or `retire-responses`) folds what a killed run left into shards first (`store.recover_answer_log`).
+run (or `retire-responses`) folds what a killed run left into shards first (`shards.recover_answer_log`).
 
 Format: a sequence of frames `MAGIC | length (u32 LE) | crc32 of the payload (u32 LE) | payload`, the payload one
 kind byte (`R` a responses row, `E` an errors row) and the row as a JSON object (orjson; a float NaN or infinity,
@@ -56,11 +56,7 @@ def segment_path(directory: str | os.PathLike, seq: int) -> Path:
 
 def segment_files(directory: str | os.PathLike) -> list[Path]:
     """The log segments of a directory, oldest first."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _SEGMENT.match(p.name)) and p.is_file()]
-    return [p for _, p in sorted(found)]
+    return storage.numbered_files(directory, _SEGMENT)
 
 
 def encode_frame(kind: bytes, row: dict[str, Any]) -> bytes:
@@ -168,7 +164,7 @@ class AnswerLog:
 
     `rotate` ends the current segment at a commit (it holds exactly the rows that commit takes) and `release` deletes
     it once the commit's shards are durable. Construct it only after folding what an earlier run left
-    (`store.recover_answer_log`): a segment found here would otherwise be overwritten or folded twice.
+    (`shards.recover_answer_log`): a segment found here would otherwise be overwritten or folded twice.
     """
 
     def __init__(self, directory: str | os.PathLike, flush_interval_s: float = DEFAULT_FLUSH_S) -> None:
@@ -177,7 +173,7 @@ class AnswerLog:
         if left:
             raise RuntimeError(
                 f"{left[0]}: an answer log an earlier run left is not folded into shards yet "
-                "(store.recover_answer_log folds it)"
+                "(shards.recover_answer_log folds it)"
             )
         self.flush_interval_s = flush_interval_s
         self._seq = 0

@@ -15,17 +15,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from eagle_pipeline.generation.backends import HttpBackend, ParsedResponse, PromptItem
-from eagle_pipeline.generation.budget import SpendLedger
-from eagle_pipeline.generation.client import ChatClient
-from eagle_pipeline.generation.identity import BackendIdentity
-from eagle_pipeline.generation.options import CommitCadence
-from eagle_pipeline.generation.pending import RequestPlan
-from eagle_pipeline.generation.rows import RowProvenance, error_row, now_us, response_values
-from eagle_pipeline.generation.sink import ShardSink
+from eagle_pipeline.generation.backends.client import ChatClient
+from eagle_pipeline.generation.backends.wire import HttpBackend, ParsedResponse, PromptItem
+from eagle_pipeline.generation.plan.pending import RequestPlan
+from eagle_pipeline.generation.plan.turns import after_answer
+from eagle_pipeline.generation.run.options import CommitCadence
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.spend.budget import SpendLedger
+from eagle_pipeline.generation.store.identity import BackendIdentity
+from eagle_pipeline.generation.store.rows import RowProvenance, error_row, now_us, response_values
+from eagle_pipeline.generation.store.sink import ShardSink
 from eagle_pipeline.generation.summary import GenerationSummary, ProgressEvent
-from eagle_pipeline.generation.turns import after_answer
 from eagle_pipeline.prompts import canonical_json
 from eagle_pipeline.shared import failures as F
 from eagle_pipeline.shared.failures import Redactor, RequestFailure

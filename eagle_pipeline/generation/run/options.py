@@ -14,9 +14,9 @@ from typing import Annotated, Any
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S
+from eagle_pipeline.generation.plan.turns import LAST_TURN
+from eagle_pipeline.generation.store.answer_log import DEFAULT_FLUSH_S
 from eagle_pipeline.generation.summary import DEFAULT_PROGRESS_EVERY_S
-from eagle_pipeline.generation.turns import LAST_TURN
 from eagle_pipeline.shared.spec_model import SPEC_CONFIG, Float, Int, SpecBase, Str
 
 

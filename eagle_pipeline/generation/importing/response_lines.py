@@ -1,7 +1,9 @@
-"""Responses from a JSONL file of chat-completion bodies (answers from earlier runs), as responses-table rows for
-reconstruction and the audit: the command line's `reconstruct` input. Every row is built by the one row builder
-(`generation.rows.response_values`); every body read from a file, here or by the import backend (`importer.py`), is
-parsed by `parse_completion_body`."""
+"""Answers made elsewhere, one JSON record a line: the one reader of a record's chat-completion body and the one
+builder of its responses row, for the import backend (`importer`: records matched to a dataset's prompts) and the
+command line's `reconstruct` input (`read_response_lines`: records that name their own sample ids). A record is
+`{"sample_id"?, "source_id"?, "messages"?, "tools"?, ..., "response": <chat-completion body, or its JSON text>}`, or a
+chat-completion body itself carrying those keys beside `choices`. Every body is parsed by `parse_completion_body` (as
+the client parses a live one) and every row built by the one row builder (`generation.store.rows.response_values`)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..shared.failures import RequestFailure
-from ..shared.storage import iter_jsonl_objects
-from ..tokens.samples import RECONSTRUCTION_COLUMNS
-from .backends import ParsedResponse, PromptItem, parse_chat_completion
-from .rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
-from .spec import BackendSpec
+from eagle_pipeline.generation.backends.wire import ParsedResponse, PromptItem, parse_chat_completion
+from eagle_pipeline.generation.spec import BackendSpec
+from eagle_pipeline.generation.store.rows import RESPONSE_COLUMNS, RESPONSES_SCHEMA, RowProvenance, response_values
+from eagle_pipeline.shared.failures import RequestFailure
+from eagle_pipeline.shared.storage import iter_jsonl_objects
+from eagle_pipeline.tokens.samples import RECONSTRUCTION_COLUMNS
 
 
 def parse_completion_body(body: Any, spec: BackendSpec | None = None) -> ParsedResponse:
@@ -28,6 +30,50 @@ def parse_completion_body(body: Any, spec: BackendSpec | None = None) -> ParsedR
         isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict) and "token_ids" in choices[0]
     )
     return parse_chat_completion(body, 200, want_ids=want_ids, spec=spec)
+
+
+# A bare body's keys that name its prompt, not part of the answer.
+PROMPT_KEYS = ("sample_id", "source_id", "messages", "tools")
+
+
+def record_body(rec: dict[str, Any]) -> dict[str, Any]:
+    """The chat-completion body of one record: its `response` (an object, or that object as JSON text), or else the
+    record itself less the keys that name its prompt. Raises ValueError for a `response` that is no body."""
+    if "response" not in rec:
+        return {k: v for k, v in rec.items() if k not in PROMPT_KEYS}
+    body = rec["response"]
+    if isinstance(body, str):  # the body exactly as returned, as text
+        try:
+            body = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"'response' is a string but not JSON ({exc.msg})") from None
+    if not isinstance(body, dict):
+        raise ValueError("'response' must be the chat-completion body (an object)")
+    return body
+
+
+def completion_row(
+    prov: RowProvenance,
+    item: PromptItem,
+    parsed: ParsedResponse,
+    *,
+    latency_s: float,
+    at_us: int,
+    raw_response_json: str | None,
+) -> dict[str, Any]:
+    """The responses row of an answer read from a file: no request was made by this pipeline (`attempts` 0), and the
+    answer is dated `at_us` (started and finished)."""
+    values = response_values(
+        prov,
+        item,
+        parsed,
+        latency_s=latency_s,
+        attempts=0,
+        started_us=at_us,
+        finished_us=at_us,
+        raw_response_json=raw_response_json,
+    )
+    return dict(zip(RESPONSE_COLUMNS, values))
 
 
 class ResponseLinesError(ValueError):
@@ -46,14 +92,10 @@ class _Line:
 
 
 def _line_fields(where: str, rec: dict[str, Any], default_dataset: str) -> _Line:
-    body = rec.get("response")
-    if isinstance(body, str):  # the body exactly as returned, as text
-        try:
-            body = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise ResponseLinesError(f"{where}: 'response' is a string but not JSON ({exc.msg})") from None
-    if not isinstance(body, dict):
-        raise ResponseLinesError(f"{where}: 'response' must be the chat-completion body (an object)")
+    try:
+        body = record_body(rec)
+    except ValueError as exc:
+        raise ResponseLinesError(f"{where}: {exc}") from None
     dataset = rec.get("dataset", default_dataset)
     if not isinstance(dataset, str) or not dataset:
         raise ResponseLinesError(f"{where}: 'dataset' must be a non-empty string")
@@ -88,17 +130,8 @@ def _response_row(path: Path, sid: str, line: _Line, parsed: ParsedResponse) -> 
         sampling_json="{}",  # unknown: the file gives the answer, not the request's settings
         thinking=line.thinking,
     )
-    values = response_values(
-        prov,
-        item,
-        dataclasses.replace(parsed, prompt_token_ids=prompt_ids),
-        latency_s=0.0,
-        attempts=0,
-        started_us=0,
-        finished_us=0,
-        raw_response_json=None,
-    )
-    row = dict(zip(RESPONSE_COLUMNS, values))
+    answer = dataclasses.replace(parsed, prompt_token_ids=prompt_ids)
+    row = completion_row(prov, item, answer, latency_s=0.0, at_us=0, raw_response_json=None)
     row["has_tools"] = bool(line.tools)
     row["has_prompt"] = line.messages is not None or parsed.prompt_token_ids is not None
     return row

@@ -7,7 +7,7 @@ are keep-alives (they reset nothing but prove liveness; a stream with only them 
 `reasoning_details`; `content`; `tool_calls` by `index`; vLLM's `token_ids`, and `prompt_token_ids` from the first
 chunk, whose `content: ""` vLLM always sends: not content), and the final empty-choices chunk carries `usage`.
 `body()` returns the chat completion a non-streaming request would have returned, parsed by the same parser
-(`backends.parse_chat_completion`): a streamed and a non-streamed answer give the same row.
+(`wire.parse_chat_completion`): a streamed and a non-streamed answer give the same row.
 
 Every way a stream can fail is a RequestFailure of an existing class, so it is retried and recorded like any other
 failed attempt and never kept as a partial row: a mid-stream `error` chunk or `finish_reason: "error"`

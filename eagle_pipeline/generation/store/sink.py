@@ -3,7 +3,7 @@
 Every row added through `add_response` / `add_error` is also appended to the answer log (`answer_log`), durable
 within ~0.1 s, so a kill -9 loses no answered work; the shards are still written only at the commit window. Writes
 run on one writer thread (the log on its own) so that they never block the event loop; a rerun folds the log into
-shards and finds the committed ones through `store.read_committed`, then requests only what they lack.
+shards and finds the committed ones through `shards.read_committed`, then requests only what they lack.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from eagle_pipeline.generation import store
-from eagle_pipeline.generation.answer_log import DEFAULT_FLUSH_S, ERROR_ROW, RESPONSE_ROW, AnswerLog, Segment
-from eagle_pipeline.generation.rows import ERRORS_SCHEMA, RESPONSE_COLUMNS, RESPONSES_SCHEMA, ColumnBuffer
+from eagle_pipeline.generation.store import shards
+from eagle_pipeline.generation.store.answer_log import DEFAULT_FLUSH_S, ERROR_ROW, RESPONSE_ROW, AnswerLog, Segment
+from eagle_pipeline.generation.store.rows import ERRORS_SCHEMA, RESPONSE_COLUMNS, RESPONSES_SCHEMA, ColumnBuffer
 
 
 class ShardSink:
@@ -43,8 +43,8 @@ class ShardSink:
         self.errors_dir = errors_dir
         self.responses = ColumnBuffer(RESPONSES_SCHEMA)
         self.errors = ColumnBuffer(ERRORS_SCHEMA)
-        self._next_resp = store.next_part_index(out_dir)
-        self._next_err = store.next_part_index(errors_dir)
+        self._next_resp = shards.next_part_index(out_dir)
+        self._next_err = shards.next_part_index(errors_dir)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle-shard-writer")
         self._pending: list[concurrent.futures.Future[None]] = []
         self._max_pending = max_pending_writes
@@ -108,9 +108,9 @@ class ShardSink:
     ) -> None:
         """One commit, on the writer thread: its shards, then (only once both are durable) its log segment goes."""
         if responses is not None and resp_index is not None:
-            store.write_shard(responses, self.out_dir, resp_index)
+            shards.write_shard(responses, self.out_dir, resp_index)
         if errors is not None and err_index is not None:
-            store.write_shard(errors, self.errors_dir, err_index)
+            shards.write_shard(errors, self.errors_dir, err_index)
         if segment is not None and self.log is not None:
             self.log.release(segment)
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagle_pipeline.generation.backends import PromptItem
+from eagle_pipeline.generation.backends.wire import PromptItem
 from eagle_pipeline.prompts import canonical_json
 
 LAST_TURN = "last_turn"
@@ -186,7 +186,7 @@ def after_answer(
 
 def resume_turn(src: SourceConversation, last: tuple[int, Mapping[str, Any]] | None) -> PromptItem | None:
     """The first turn a run requests: turn 0, or the turn after the last committed one (`last`: its index and row,
-    from `store.open_conversations`); None when nothing is left."""
+    from `shards.CommittedState.open_conversations`); None when nothing is left."""
     if last is None:
         return turn_item(src, 0, src.prefix)
     k, row = last

@@ -3,8 +3,8 @@
 A dataset's current prompts are the sample ids of its prompts table, each a hash of the dataset, the prompt and the
 sampling settings. Responses committed under other settings (a larger `limit`, another seed) stay on disk and are
 counted, but never reconstructed, audited or merged; retire them with `eagle-pipeline retire-responses` to move them
-out of the dataset directory (generation/retire.py). So are rows another backend produced: a row answers a current
-prompt only while its backend identity matches the dataset's backend (generation/identity.py).
+out of the dataset directory (generation/store/retire.py). So are rows another backend produced: a row answers a current
+prompt only while its backend identity matches the dataset's backend (generation/store/identity.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation import store
-from eagle_pipeline.generation.identity import BackendIdentity, counting_identities
+from eagle_pipeline.generation.store import shards
+from eagle_pipeline.generation.store.identity import BackendIdentity, counting_identities
 from eagle_pipeline.shared.arrow import value_counts
 
 
@@ -86,8 +86,8 @@ def dataset_coverage(
     dataset: str, prompt_ids: Iterable[str], responses_dir: str | os.PathLike, identity: BackendIdentity | None = None
 ) -> Coverage:
     """Coverage of a dataset's current prompts by the shards committed under `responses_dir` (by `identity`'s
-    backend, when given: store.read_committed)."""
-    state = store.read_committed(responses_dir, identity)
+    backend, when given: shards.read_committed)."""
+    state = shards.read_committed(responses_dir, identity)
     return coverage_of(dataset, prompt_ids, state.answered, state.mismatched)
 
 
@@ -110,13 +110,13 @@ def current_responses(
     current = pa.array(sorted(set(prompt_ids)), pa.string())
     keep = pc.is_in(_prompt_of_row(responses), value_set=current)
     selected = responses.filter(keep)
-    answered = store.answered_ids(responses) if responses.num_rows else []
+    answered = shards.answered_ids(responses) if responses.num_rows else []
     return selected, coverage_of(dataset, current.to_pylist(), answered, mismatched)
 
 
 def current_row_count(rows: pa.Table, prompt_ids: Iterable[str]) -> int:
     """How many of the committed rows `rows` (their `sample_id` and, where shards have it, `conversation_id`: a
-    `store.CommittedState`'s) answer one of `prompt_ids` (every committed turn of a current conversation): what
+    `shards.CommittedState`'s) answer one of `prompt_ids` (every committed turn of a current conversation): what
     `current_responses` selects, counted from two columns."""
     current = pa.array(sorted(set(prompt_ids)), pa.string())
     return int(pc.sum(pc.is_in(_prompt_of_row(rows), value_set=current)).as_py() or 0)
@@ -152,14 +152,14 @@ def stale_token_samples(
     dataset: str, tokens_path: str | os.PathLike, responses_dir: str | os.PathLike, identity: BackendIdentity
 ) -> str | None:
     """Why the token samples on disk must not be merged because rows they were built from no longer count (another
-    backend produced them: generation/identity.py), or None. Their audit may have passed: it judged other rows."""
+    backend produced them: generation/store/identity.py), or None. Their audit may have passed: it judged other rows."""
     tokens = Path(tokens_path)
     if not tokens.exists():
         return None
     names = set(pq.read_schema(tokens).names)
     rows = pq.read_table(tokens, columns=[c for c in ("sample_id", "conversation_id") if c in names])
     built_from = set(_prompt_of_row(rows).to_pylist())
-    state = store.read_committed(responses_dir, identity)
+    state = shards.read_committed(responses_dir, identity)
     stale = built_from - state.answered
     if not stale:
         return None
@@ -175,10 +175,10 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     prompts, committed rows answering others, the ledger's spend (retired rows included), the current rows'
     provider split."""
     ids = prompt_sample_ids(root.prompts(dataset))
-    parts = store.part_files(root.responses_dir(dataset))
+    parts = shards.part_files(root.responses_dir(dataset))
     cols = ["sample_id", "provider", "conversation_id", "turn_index", "conversation_end"]
     table = (
-        pa.concat_tables([store.read_shard_columns(p, cols) for p in parts], promote_options="default")
+        pa.concat_tables([shards.read_shard_columns(p, cols) for p in parts], promote_options="default")
         if parts
         else pa.table({"sample_id": pa.array([], pa.string()), "provider": pa.array([], pa.string())})
     )
@@ -186,6 +186,6 @@ def response_overview(root: Any, dataset: str) -> dict[str, Any]:
     return {
         "responses": current.num_rows,
         "other_prompt_rows": cov.other_rows,
-        "spend_usd": round(store.committed_sample_ids(root.responses_dir(dataset))[1], 4),
+        "spend_usd": round(shards.committed_sample_ids(root.responses_dir(dataset))[1], 4),
         "providers": ", ".join(f"{k}:{v}" for k, v in value_counts(current.column("provider"), "unknown").items()),
     }

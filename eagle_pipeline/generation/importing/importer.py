@@ -1,9 +1,9 @@
 """The 'import' backend: responses generated elsewhere, matched to this dataset's prompts.
 
 Accepted files (BackendSpec.import_paths):
-  * JSONL, one record a line, either `{"sample_id"?, "source_id"?, "messages"?, "tools"?, "response": <chat completion>}`
-    or a chat-completion body itself carrying those keys beside `choices` (OpenAI / OpenRouter / vLLM bodies;
-    vLLM token ids are kept when present).
+  * JSONL, one record a line, as `response_lines` reads it: `{"sample_id"?, "source_id"?, "messages"?, "tools"?,
+    "response": <chat completion>}` or a chat-completion body itself carrying those keys beside `choices` (OpenAI /
+    OpenRouter / vLLM bodies; vLLM token ids are kept when present).
   * Parquet with the responses-table columns (at least sample_id or messages_json, plus the answer columns).
 
 Matching, first that applies: `sample_id` of a pending prompt; `source_id` (the prompt file's id); the canonical JSON
@@ -22,12 +22,13 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle_pipeline.generation.backends import PromptItem
-from eagle_pipeline.generation.identity import BackendIdentity
-from eagle_pipeline.generation.response_lines import parse_completion_body
-from eagle_pipeline.generation.rows import RESPONSE_COLUMNS, RowProvenance, error_row, now_us, response_values
-from eagle_pipeline.generation.sink import ShardSink
+from eagle_pipeline.generation.backends.wire import PromptItem
+from eagle_pipeline.generation.importing.response_lines import completion_row, parse_completion_body, record_body
+from eagle_pipeline.generation.plan.pending import RequestPlan, prompt_items
 from eagle_pipeline.generation.spec import BackendSpec, SamplingSpec
+from eagle_pipeline.generation.store.identity import BackendIdentity
+from eagle_pipeline.generation.store.rows import RowProvenance, error_row, now_us
+from eagle_pipeline.generation.store.sink import ShardSink
 from eagle_pipeline.generation.summary import GenerationSummary
 from eagle_pipeline.prompts import canonical_json
 from eagle_pipeline.shared import failures as F
@@ -89,28 +90,17 @@ def _records(path: Path) -> Iterator[tuple[str, dict[str, Any] | None, str | Non
 
 
 def _row_from_body(rec: dict[str, Any], item: PromptItem, spec: BackendSpec, prov: RowProvenance) -> dict[str, Any]:
-    """A responses row from a chat-completion body (the record itself, or its `response`)."""
-    body = (
-        rec["response"]
-        if "response" in rec
-        else {k: v for k, v in rec.items() if k not in ("sample_id", "source_id", "messages", "tools")}
-    )
-    p = parse_completion_body(body, spec)
-    created = body.get("created") if isinstance(body, dict) else None
+    """A responses row from a record's chat-completion body, dated when the body says it was created."""
+    body = record_body(rec)
+    parsed = parse_completion_body(body, spec)
+    created = body.get("created")
     at_us = (
         int(created * 1_000_000) if isinstance(created, (int, float)) and not isinstance(created, bool) else now_us()
     )
-    values = response_values(
-        prov,
-        item,
-        p,
-        latency_s=float(rec.get("latency_s") or 0.0),
-        attempts=0,  # no request was made by this pipeline
-        started_us=at_us,
-        finished_us=at_us,
-        raw_response_json=json.dumps(body, ensure_ascii=False),
+    raw = json.dumps(body, ensure_ascii=False)
+    return completion_row(
+        prov, item, parsed, latency_s=float(rec.get("latency_s") or 0.0), at_us=at_us, raw_response_json=raw
     )
-    return dict(zip(RESPONSE_COLUMNS, values))
 
 
 def _row_from_table_row(rec: dict[str, Any], item: PromptItem, prov: RowProvenance) -> dict[str, Any]:
@@ -143,27 +133,29 @@ def _row_from_table_row(rec: dict[str, Any], item: PromptItem, prov: RowProvenan
     return row
 
 
-class _Import:
-    """One import run: the records of every file, matched to pending prompts, into the sink."""
+class ImportRun:
+    """One import run: the records of every import file, matched to the plan's prompts, into the sink.
+
+    Every prompt of the run (committed ones too) is in the index, so a record for a committed prompt is recognised and
+    skipped rather than reported as unmatched."""
 
     def __init__(
         self,
         *,
         dataset: str,
-        all_items: list[PromptItem],
-        source_ids: dict[str, str],
-        pending: set[str],
+        plan: RequestPlan,
         backend: BackendSpec,
         sampling: SamplingSpec,
         sink: ShardSink,
         commit_every_rows: int,
     ) -> None:
         self.dataset = dataset
+        self.plan = plan
         self.backend = backend
         self.sink = sink
         self.commit_every_rows = commit_every_rows
-        self.index = _Index(all_items, source_ids)
-        self.available = set(pending)
+        self.index = _Index(*prompt_items(plan.prompts))
+        self.available = {it.sample_id for it in plan.items}
         self.prov = RowProvenance(
             dataset=dataset,
             source="import",
@@ -237,11 +229,24 @@ class _Import:
         if len(self.sink.responses) >= self.commit_every_rows:
             self.sink.commit_nowait()
 
-    def summary(self, total_prompts: int) -> GenerationSummary:
+    async def run(self) -> GenerationSummary:
+        """Fill the plan's prompts from the import files; every row and error in hand is committed whatever happens."""
+        try:
+            for path in self.backend.import_paths:
+                self.import_file(Path(path))
+        finally:
+            await self.sink.close()
+        if self.dups:
+            log.info(
+                "[%s] import: skipped %d records for prompts already committed or imported", self.dataset, self.dups
+            )
+        return self.summary()
+
+    def summary(self) -> GenerationSummary:
         return GenerationSummary(
             dataset=self.dataset,
-            total_prompts=total_prompts,
-            already_done=0,
+            total_prompts=self.plan.total,
+            already_done=self.plan.already_done,
             requested=self.matched,
             completed=self.completed,
             failed=self.failed,
@@ -253,38 +258,5 @@ class _Import:
             elapsed_s=0.0,
             backend=self.backend.name,
             simulated=False,
-            skipped_duplicates=self.dups,
+            skipped_duplicates=self.dups + self.plan.duplicates,
         )
-
-
-def import_responses(
-    *,
-    dataset: str,
-    all_items: list[PromptItem],
-    source_ids: dict[str, str],
-    pending: set[str],
-    backend: BackendSpec,
-    sampling: SamplingSpec,
-    sink: ShardSink,
-    commit_every_rows: int,
-) -> GenerationSummary:
-    """Write rows for the `pending` prompts found in the import files.
-
-    `all_items` are all prompts of the run (committed ones too), so a record for a committed prompt is recognised and
-    skipped rather than reported as unmatched.
-    """
-    run = _Import(
-        dataset=dataset,
-        all_items=all_items,
-        source_ids=source_ids,
-        pending=pending,
-        backend=backend,
-        sampling=sampling,
-        sink=sink,
-        commit_every_rows=commit_every_rows,
-    )
-    for path in backend.import_paths:
-        run.import_file(Path(path))
-    if run.dups:
-        log.info("[%s] import: skipped %d records for prompts already committed or imported", dataset, run.dups)
-    return run.summary(len(all_items))

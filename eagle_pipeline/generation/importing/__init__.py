@@ -1,0 +1,2 @@
+"""Answers generated elsewhere: the import backend (`importer`) and the reader of answer files it shares with the
+command line's `reconstruct` (`response_lines`)."""
