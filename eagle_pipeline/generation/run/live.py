@@ -44,6 +44,28 @@ def release_spread_s(retry_after_s: float) -> float:
     return min(RELEASE_SPREAD_MAX_S, max(0.1 * retry_after_s, min(retry_after_s, 1.0)))
 
 
+class RetryPause:
+    """The pause every worker keeps after a 429 with Retry-After (such limits are usually account-wide): until when,
+    and the window after it over which the paused workers wake, each at its own random point."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.until = 0.0
+        self.spread_s = 0.0
+        self._rng = rng
+
+    def extend(self, retry_after_s: float, now: float) -> None:
+        """Pause until `retry_after_s` after `now`, unless a longer pause already holds."""
+        if now + retry_after_s > self.until:
+            self.until, self.spread_s = now + retry_after_s, release_spread_s(retry_after_s)
+
+    def wake_at(self, now: float) -> float | None:
+        """When a worker that finds the pause at `now` may go on: a random point of the release window, or None if
+        the pause is over."""
+        if self.until <= now:
+            return None
+        return self.until + self._rng.uniform(0.0, self.spread_s)
+
+
 class _RpmBucket:
     """Evenly spaced request slots (no burst): `rpm` requests per minute across all workers."""
 
@@ -123,10 +145,9 @@ class LiveRun:
         self.inflight = 0
         self.consecutive_failures = 0
         self.endpoint_answered = False  # any HTTP answer this run, even an error status
-        self.pause_until = 0.0
-        self.pause_spread_s = 0.0
         self.rpm = _RpmBucket(backend.rpm) if backend.rpm else None
         self._rng = random.Random()
+        self.pause = RetryPause(self._rng)
         self._pending_iter: Iterator[PromptItem] = iter(plan.items)
         self._stop_event = asyncio.Event()
         self.t0 = time.monotonic()
@@ -167,18 +188,12 @@ class LiveRun:
         cap = min(self.spec.backoff_max_s, self.spec.backoff_base_s * (2 ** (attempt - 1)))
         return self._rng.uniform(0.0, cap)  # full jitter
 
-    def _pause_all(self, retry_after_s: float) -> None:
-        # A 429 with Retry-After pauses every worker: such limits are usually account-wide.
-        until = time.monotonic() + retry_after_s
-        if until > self.pause_until:
-            self.pause_until, self.pause_spread_s = until, release_spread_s(retry_after_s)
-
     async def _wait_for_pause(self) -> bool:
-        """Wait out a pause, waking at a random point of its release window; False if the run stopped meanwhile."""
-        if self.pause_until <= time.monotonic():
-            return True
-        wake = self.pause_until + self._rng.uniform(0.0, self.pause_spread_s)
-        return await self._sleep_or_stop(wake - time.monotonic())
+        """Wait out a Retry-After pause, waking at a random point of its release window; False if the run stopped
+        meanwhile."""
+        now = time.monotonic()
+        wake = self.pause.wake_at(now)
+        return True if wake is None else await self._sleep_or_stop(wake - now)
 
     # ---- main loop -----------------------------------------------------------------------------------------
     async def run(self, client: ChatClient) -> None:
@@ -307,7 +322,7 @@ class LiveRun:
                     await self._fail(item, attempt, f, cancelled=True)
                     return None
                 if f.error_class == F.RATE_LIMIT and f.retry_after_s:
-                    self._pause_all(f.retry_after_s)
+                    self.pause.extend(f.retry_after_s, time.monotonic())
                 if not await self._sleep_or_stop(self._backoff(attempt, f)):
                     await self._fail(item, attempt, f, cancelled=True)
                     return None
