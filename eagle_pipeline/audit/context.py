@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from eagle_pipeline.tokens.tokenizer import EncodingMemo
+
 # Token classes: the codes of the lookup table that classifies event ids.
 ORDINARY = 0
 THINK_OPEN = 1
@@ -127,10 +129,11 @@ def _bool_column(table: pa.Table, name: str) -> np.ndarray:
 class AuditContext:
     """Everything the gates need from one table, computed lazily and at most once."""
 
-    def __init__(self, table: pa.Table, tokenizer: Any, profile_ids: Any) -> None:
+    def __init__(self, table: pa.Table, tokenizer: Any, profile_ids: Any, memo: EncodingMemo | None = None) -> None:
         self.table = table
         self.tokenizer = tokenizer
         self.profile_ids = profile_ids
+        self.memo = memo
         self.n = table.num_rows
         self.classes = build_token_classes(tokenizer, profile_ids)
 
@@ -358,6 +361,13 @@ class AuditContext:
             return [f"row:{int(r)}" for r in rows]
         col = self.table.column("sample_id")
         return [str(x) for x in col.take(pa.array(np.asarray(rows, dtype=np.int64))).to_pylist()]
+
+    def encode_ordinary_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """The tokenizer's ordinary encoding of `texts`; a text the memo holds (reconstruction encoded it in this
+        step) is taken from there, which is the same ids (see EncodingMemo)."""
+        if self.memo is None:
+            return self.tokenizer.encode_ordinary_arrays(texts)
+        return self.memo.encode_ordinary_arrays(self.tokenizer, texts)
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def prompt_ids(self, row: int) -> list[int]:

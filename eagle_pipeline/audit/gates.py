@@ -339,7 +339,7 @@ def gate_round_trip(ctx: AuditContext, settings: Any) -> Outcome:
         nonlocal pending_tokens
         if not pending:
             return
-        encoded = tok.encode_ordinary_arrays([t for _, _, _, t in pending])
+        encoded = ctx.encode_ordinary_arrays([t for _, _, _, t in pending])
         for (row, start, ids, _), again in zip(pending, encoded):
             if again.size != ids.size or not np.array_equal(again, ids):
                 k = min(ids.size, again.size)

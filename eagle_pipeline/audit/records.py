@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from eagle_pipeline.audit.report import run_audit
 from eagle_pipeline.audit.spec import GATES, AuditSettings
 from eagle_pipeline.shared.storage import DataRoot, file_sha256, read_json, write_json_atomic
+from eagle_pipeline.tokens.tokenizer import EncodingMemo
 
 # The keep mask is stored as np.packbits (big-endian bit order), base64: one bit per row.
 _MASK_ENCODING = "packbits-base64"
@@ -114,11 +115,13 @@ def audit_token_samples(
     *,
     table: pa.Table | None = None,
     tokens_sha256: str | None = None,
+    memo: EncodingMemo | None = None,
 ) -> StoredAudit:
     """Run the whole audit once over `tokens/{dataset}.parquet` and store it, bound to the file's sha256.
 
     `table` and `tokens_sha256` may be given by the writer of the file, which holds both (they must be that file's
-    content and hash); otherwise the file is read and hashed here, and refused if it is replaced meanwhile.
+    content and hash), with `memo`, the encodings its reconstruction made (run_audit); otherwise the file is read
+    and hashed here, and refused if it is replaced meanwhile.
     """
     path = root.tokens(dataset)
     if not path.exists():
@@ -129,7 +132,7 @@ def audit_token_samples(
         table = pq.read_table(path)
         if _file_stamp(path) != stamp:
             raise AuditRecordError(f"{path} was replaced while it was being audited; run the audit again")
-    report = run_audit(table, tokenizer, profile_ids, settings)
+    report = run_audit(table, tokenizer, profile_ids, settings, memo=memo)
     mask = np.asarray(report.filter_mask, dtype=bool)
     key = audit_key(tokenizer, profile_ids, settings)
     body = report.to_dict()

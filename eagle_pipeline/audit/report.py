@@ -14,6 +14,7 @@ import pyarrow as pa
 from eagle_pipeline.audit.context import ORIGINS, AuditContext
 from eagle_pipeline.audit.gates import Outcome
 from eagle_pipeline.audit.spec import GATE_NAMES, GATES_BY_NAME, AuditSettings, AuditSettingsError
+from eagle_pipeline.tokens.tokenizer import EncodingMemo
 
 EXCLUDING_ACTIONS = ("block", "filter")
 
@@ -253,11 +254,14 @@ def run_audit(
     settings: AuditSettings | None = None,
     *,
     gates: Iterable[str] | None = None,
+    memo: EncodingMemo | None = None,
 ) -> AuditReport:
-    """Run `gates` (default: every gate, in GATES order) over one table, sharing the Arrow -> numpy work."""
+    """Run `gates` (default: every gate, in GATES order) over one table, sharing the Arrow -> numpy work. `memo`: the
+    encodings the table's reconstruction made (`reconstruct_table(..., memo=)`), so the round trip re-encodes none
+    of them; the report is the same with or without it."""
     names = _check_gate_names(GATE_NAMES if gates is None else gates)
     settings = settings or AuditSettings()
-    ctx = AuditContext(table, tokenizer, profile_ids)
+    ctx = AuditContext(table, tokenizer, profile_ids, memo)
     results = [_finish(name, ctx, GATES_BY_NAME[name].run(ctx, settings), settings) for name in names]
     return AuditReport(
         results=results,

@@ -1,6 +1,10 @@
 """Token samples (exact target ids) and the structural audit: one blocking asset check per gate."""
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import dagster as dg
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle_pipeline.audit import GATES, GateSpec, report_markdown
@@ -14,6 +18,10 @@ from eagle_pipeline.defs.resources import PipelineResource
 from eagle_pipeline.shared.arrow import list_lengths, value_counts
 from eagle_pipeline.shared.figures import histogram_markdown
 from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
+
+if TYPE_CHECKING:
+    from eagle_pipeline.generation.coverage import Coverage
+    from eagle_pipeline.tokens import TargetTokenizer
 
 TOKEN_SAMPLES = dg.AssetKey("token_samples")
 
@@ -110,7 +118,7 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
     audit of the file."""
     from eagle_pipeline.generation.store.coverage import current_responses, prompt_sample_ids
     from eagle_pipeline.generation.store.shards import read_responses
-    from eagle_pipeline.tokens import reconstruct_table
+    from eagle_pipeline.tokens import EncodingMemo, reconstruct_table
 
     cfg = pipeline.config()
     root = pipeline.data_root()
@@ -129,7 +137,10 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
             f"({cov.describe()})",
             allow_retries=False,
         )
-    table = reconstruct_table(resp, tok, pipeline.profile(), dataset_has_tools=ds.tools)
+    # The audit below re-encodes the decoding of every span reconstruction encoded (its round trip): the memo gives
+    # it those encodings instead of a second BPE pass over every answer (tokens/tokenizer.py, EncodingMemo).
+    memo = EncodingMemo()
+    table = reconstruct_table(resp, tok, pipeline.profile(), dataset_has_tools=ds.tools, memo=memo)
     # The run id makes every materialization a distinct file, so an audit verdict binds to exactly one of them.
     table = table.replace_schema_metadata(
         {
@@ -142,16 +153,30 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
     digest = file_sha256(path)
     # The dataset's one audit: every check and the merge read this stored result (bound to the file's sha256).
     audit = audit_token_samples(
-        root, ds.name, tok, pipeline.profile_ids(), pipeline.audit_settings(), table=table, tokens_sha256=digest
+        root,
+        ds.name,
+        tok,
+        pipeline.profile_ids(),
+        pipeline.audit_settings(),
+        table=table,
+        tokens_sha256=digest,
+        memo=memo,
     )
 
-    lengths = pc.list_value_length(table.column("output_ids"))
-    prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
-    origin = value_counts(table.column("ids_origin"))
     context.log.info(
         f"{ds.name}: {table.num_rows} token samples with tokenizer {tok.name} ({tok.kind}); {cov.describe()}"
     )
-    metadata = {
+    return _token_samples_metadata(ds.name, table, tok, cov, audit, path, digest), audit
+
+
+def _token_samples_metadata(
+    dataset: str, table: pa.Table, tok: "TargetTokenizer", cov: "Coverage", audit: StoredAudit, path: Path, digest: str
+) -> dict[str, Any]:
+    """The materialization's metadata: counts, lengths, the tokenizer, the audit's summary and the file's sha256."""
+    lengths = pc.list_value_length(table.column("output_ids"))
+    prompt_lengths = pc.list_value_length(table.column("prompt_ids"))
+    origin = value_counts(table.column("ids_origin"))
+    return {
         "dagster/row_count": table.num_rows,
         **cov.metadata(),
         "path": dg.MetadataValue.path(str(path)),
@@ -172,13 +197,12 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
                     "prompt": list_lengths(table.column("prompt_ids")),
                     "output": list_lengths(table.column("output_ids")),
                 },
-                title=f"{ds.name}: tokens per sample ({tok.name})",
+                title=f"{dataset}: tokens per sample ({tok.name})",
                 xlabel="tokens",
             )
         ),
         "sha256": digest,
     }
-    return metadata, audit
 
 
 def gate_check_result(dataset: str, gate: str, result: dict, tokens_sha256: str) -> dg.AssetCheckResult:

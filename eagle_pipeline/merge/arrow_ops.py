@@ -41,14 +41,30 @@ def concat_prompt_output(
     return make_list(n_tokens, ids, pa.int32()), make_list(n_tokens, mask, pa.int8()), plen, n_tokens
 
 
+# Tokens summed per block: the block's int64 copy of the mask stays at 8 MB (of the whole mask it was 8x its bytes:
+# 840 MB for a 105M-token merge, the merge's largest cost in the seed rehearsal).
+_SUM_BLOCK_TOKENS = 1 << 20
+
+
 def supervised_per_row(loss_mask: pa.Array | pa.ChunkedArray, n_tokens: np.ndarray) -> np.ndarray:
     """Supervised tokens of each row: the 1s of its loss mask (int64 per row, `n_tokens` its row lengths)."""
     _, values = list_parts(loss_mask, pa.int8())
+    lengths = np.asarray(n_tokens, dtype=np.int64)
+    out = np.zeros(len(lengths), dtype=np.int64)
     if not len(values):
-        return np.zeros(len(n_tokens), dtype=np.int64)
-    starts = np.minimum(np.concatenate([[0], np.cumsum(n_tokens)[:-1]]), len(values) - 1).astype(np.int64)
-    sums = np.add.reduceat(values.astype(np.int64), starts)
-    return np.where(n_tokens > 0, sums, 0).astype(np.int64)
+        return out
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    r, n = 0, len(lengths)
+    while r < n:
+        stop = max(int(np.searchsorted(ends, starts[r] + _SUM_BLOCK_TOKENS, side="right")), r + 1)
+        a, b = int(starts[r]), int(ends[stop - 1])
+        nonempty = lengths[r:stop] > 0
+        if b > a:
+            # Each nonempty row's sum runs to the next nonempty row's start: the empty rows between hold nothing.
+            out[r:stop][nonempty] = np.add.reduceat(values[a:b].astype(np.int64), starts[r:stop][nonempty] - a)
+        r = stop
+    return out
 
 
 def row_of_position(lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:

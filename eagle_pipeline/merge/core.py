@@ -25,7 +25,7 @@ from eagle_pipeline.merge.manifest import (
     MergeSettings,
     shard_name,
 )
-from eagle_pipeline.merge.selection import read_selected, select_rows
+from eagle_pipeline.merge.selection import read_input, select_rows
 from eagle_pipeline.merge.turns import apply_spans, fold_turns
 from eagle_pipeline.shared.storage import clean_stale_tmp, file_sha256, write_json_atomic, write_parquet_atomic
 
@@ -158,17 +158,23 @@ def merge_datasets(
     all_ids = np.concatenate([s.sample_ids for s in selected]) if selected else np.zeros(0, object)
     all_eval = np.concatenate([s.split for s in selected]) if selected else np.zeros(0, bool)
 
-    # Only the selected rows of each dataset are kept in memory, as Arrow buffers.
-    parts = [read_selected(inp, s.rows) for inp, s in zip(inputs, selected)]
-    combined = pa.concat_tables(parts)
-    del parts
+    # Each input is read once and the inputs gathered into one buffer per column, one copy; every shard then takes its
+    # rows from there, row i of the selection being row source[i] of that buffer. (A take of the selected rows per
+    # input first was one more copy of the whole merge; a take on a table of many chunks, one per input, concatenates
+    # them all first, which would copy the whole merge again for every shard: test_merge_memory.py.)
+    tables = [read_input(inp) for inp in inputs]
+    first_row = np.cumsum([0] + [t.num_rows for t in tables[:-1]])
+    source = np.concatenate([first + s.rows for first, s in zip(first_row, selected)]).astype(np.int64)
+    combined = pa.concat_tables(tables)
+    del tables
 
     row_spans: dict[int, list[tuple[int, int]]] = {}
     if settings.loss_on == "all_turns":
+        # fold_turns reads the selected rows themselves, in selection order.
+        combined = combined.take(pa.array(source))
         combined, kept, row_spans = _fold_conversations(combined, excluded)
         all_ids, all_eval = all_ids[kept], all_eval[kept]
-    # One buffer per column, gathered once: a take on a table of many chunks (one per dataset) concatenates them all
-    # first, which would copy the whole merge again for every shard (test_merge_memory.py).
+        source = np.arange(combined.num_rows, dtype=np.int64)
     combined = combined.combine_chunks()
 
     # Global permutation: sort every surviving row by a seeded hash of its sample id (ties by id).
@@ -182,7 +188,7 @@ def merge_datasets(
         take = perm[s * settings.rows_per_shard : (s + 1) * settings.rows_per_shard]
         if n_rows:
             spans = [row_spans.get(int(i), []) for i in take] if row_spans else None
-            table = _assemble_shard(combined.take(pa.array(take)), all_eval[take], spans)
+            table = _assemble_shard(combined.take(pa.array(source[take])), all_eval[take], spans)
         else:
             table = MERGED_SCHEMA.empty_table()
         path = write_parquet_atomic(table, out_dir / shard_name(s), row_group_size=ROW_GROUP_ROWS)

@@ -1,6 +1,6 @@
 """Selection of a merge, on per-row metadata only (sample ids, prompt keys, conversations): the audit's keep-mask,
-duplicate sample ids, prompt dedup, weights and caps (whole conversations), the eval split; and the reading of the
-selected rows' tokens, once, as Arrow buffers."""
+duplicate sample ids, prompt dedup, weights and caps (whole conversations), the eval split; and the reading of an
+input's tokens, once, as Arrow buffers."""
 
 from __future__ import annotations
 
@@ -206,14 +206,15 @@ def _row_provenance(row: int, c: Mapping[str, Any]) -> str:
     return f"row {row} (source={c['source']}, backend={c['backend']}, provider={c['provider']})"
 
 
-def read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
-    """The rows `rows` of an input's tokens file: ids as list<int32>, the passthrough and conversation columns
-    (nulls where the file lacks them), the dataset's name."""
+def read_input(inp: MergeInput) -> pa.Table:
+    """Every row of an input's tokens file, in file order, as the merge uses it: ids as list<int32>, the passthrough and
+    conversation columns (nulls where the file lacks them), the dataset's name. Columns keep the file's row groups as
+    chunks: the merge gathers every input into one buffer per column anyway."""
     pf = pq.ParquetFile(inp.tokens_path)
     names = set(pf.schema_arrow.names)
     extra = {**PASSTHROUGH_COLUMNS, **CONVERSATION_COLUMNS}
     cols = ["sample_id", "prompt_ids", "output_ids"] + [c for c in extra if c in names]
-    t = pf.read(columns=cols).take(pa.array(rows))
+    t = pf.read(columns=cols)
     n = t.num_rows
     out = {
         "sample_id": t["sample_id"],
@@ -227,5 +228,9 @@ def read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
     for c in ("prompt_ids", "output_ids"):
         if out[c].type != pa.list_(pa.int32()):
             out[c] = pc.cast(out[c], pa.list_(pa.int32()))
-    tbl = pa.table(out)
-    return tbl.combine_chunks()
+    return pa.table(out)
+
+
+def read_selected(inp: MergeInput, rows: np.ndarray) -> pa.Table:
+    """The rows `rows` of an input's tokens file, as `read_input` gives them."""
+    return read_input(inp).take(pa.array(rows))

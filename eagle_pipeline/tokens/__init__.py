@@ -10,7 +10,7 @@ from .profiles import KIMI_K25, PROFILES, QWEN3, ModelProfile, ProfileIds, get_p
 from .reconstruct import Reconstruction, ids_contain_literal_special, reconstruct_output
 from .render import TemplateRenderError, normalize_messages, render_prompt, render_prompt_ids
 from .samples import IDS_RECONSTRUCTED, IDS_RETURNED, TOKEN_SAMPLES_SCHEMA, reconstruct_table
-from .tokenizer import TargetTokenizer, TokenizerLoadError
+from .tokenizer import EncodingMemo, TargetTokenizer, TokenizerLoadError
 from .tool_declarations import ToolDeclarationError, typescript_tool_declarations
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "PROFILES",
     "QWEN3",
     "TOKEN_SAMPLES_SCHEMA",
+    "EncodingMemo",
     "ModelProfile",
     "ProfileIds",
     "Reconstruction",

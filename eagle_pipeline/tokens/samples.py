@@ -28,7 +28,7 @@ from .reconstruct import (
 )
 from .render import render_prompt
 from .text_hash import as_int64, text_hash
-from .tokenizer import TargetTokenizer
+from .tokenizer import EncodingMemo, TargetTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ def reconstruct_table(
     profile: ProfileIds | ModelProfile | str,
     *,
     dataset_has_tools: bool,
+    memo: EncodingMemo | None = None,
 ) -> pa.Table:
     """The token-samples table (TOKEN_SAMPLES_SCHEMA, plus TURN_FIELDS when it holds turns of regenerated
     conversations, plus RENDER_FIELDS when some prompt ids came from the server) for a responses table.
@@ -116,8 +117,9 @@ def reconstruct_table(
     computed from that text. Returned rows get null there: the server's text fields are not the exact decoding of
     its ids (see docs/tokens.md). prompt_ids are the returned `prompt_token_ids` when present, else the prompt is
     rendered from messages_json/tools_json with the row's thinking flag (each distinct prompt once). Returned prompt
-    ids are compared with that render too (RENDER_FIELDS). All texts are encoded in one batch. Raises ValueError
-    naming the sample_id and field of a malformed row.
+    ids are compared with that render too (RENDER_FIELDS). All texts are encoded in one batch; with `memo`, each
+    output text and its ids are remembered there (the audit of this table then re-encodes none of them). Raises
+    ValueError naming the sample_id and field of a malformed row.
     """
     missing = [c for c in _REQUIRED_COLUMNS if c not in responses.column_names]
     if missing:
@@ -136,7 +138,7 @@ def reconstruct_table(
     prompt_ids, prompt_keys, render_diff, render_ids = _prompt_columns(tokenizer, col, thinking, returned_prompt)
     plans, texts, digests = _output_plans(tokenizer, pids, col, thinking, returned_output)
     out_pieces, out_lens, origin, literal, n_calls = _output_columns(
-        tokenizer, pids, col, plans, texts, returned_output
+        tokenizer, pids, col, plans, texts, returned_output, memo
     )
 
     data = {
@@ -268,12 +270,15 @@ def _output_columns(
     plans: list[OutputPlan | None],
     texts: list[str],
     returned: list[np.ndarray | None],
+    memo: EncodingMemo | None,
 ) -> tuple[list[np.ndarray], list[int], list[str], list[bool], list[int]]:
     """Each row's output ids as pieces and length, origin, literal-special flag and tool-call count.
 
     One batch for every text of every row (literal-special scan included, in the same worker threads); ids stay in
     numpy arrays up to the Arrow column, so no Python int is made per token."""
     arrays, flags = tokenizer.encode_ordinary_arrays_flagged(texts)
+    if memo is not None:
+        memo.remember(texts, arrays)
     encoded, flag_iter = iter(arrays), iter(flags)
     single: dict[int, np.ndarray] = {}
     out_pieces: list[np.ndarray] = []

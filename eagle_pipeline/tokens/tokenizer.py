@@ -192,6 +192,41 @@ class TargetTokenizer:
         return self._fingerprint
 
 
+class EncodingMemo:
+    """The ordinary encodings one step has made, by text, so that encoding an equal text again returns them.
+
+    `encode_ordinary` is a pure function of its text, so a remembered encoding is exactly what a fresh one would give.
+    The token-samples step makes one: reconstruction encodes every text piece of every answer (`remember`), and the
+    audit's round trip then re-encodes the decoding of each span between structural ids, which for a reconstructed
+    row is one of those pieces: with the memo that second encode is a dictionary lookup (a string hash and compare),
+    not a second BPE pass. A decoding that differs from every piece (ids that are not what reconstruction made) is
+    encoded afresh. It holds the texts and their ids until it is dropped: one dataset's answers, for one step.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, np.ndarray] = {}
+        self.hits = 0  # texts answered from the memo
+        self.encoded = 0  # texts encoded afresh
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def remember(self, texts: Sequence[str], arrays: Sequence[np.ndarray]) -> None:
+        """Record that each of `texts` encodes ordinarily to the matching array of `arrays`."""
+        self._ids.update(zip(texts, arrays))
+
+    def encode_ordinary_arrays(self, tokenizer: TargetTokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+        """`tokenizer.encode_ordinary_arrays(texts)`, each remembered text taken from the memo."""
+        found = [self._ids.get(t) for t in texts]
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        self.hits += len(found) - len(missing)
+        self.encoded += len(missing)
+        fresh = tokenizer.encode_ordinary_arrays([texts[i] for i in missing])
+        for i, ids in zip(missing, fresh):
+            found[i] = ids
+        return found  # type: ignore[return-value]  # every None was filled
+
+
 def _as_int_list(ids: Iterable[int]) -> list[int]:
     if isinstance(ids, np.ndarray):
         return ids.astype(np.int64, copy=False).tolist()
