@@ -20,7 +20,7 @@ from eagle_pipeline.shared.figures import histogram_markdown
 from eagle_pipeline.shared.storage import file_sha256, write_parquet_atomic
 
 if TYPE_CHECKING:
-    from eagle_pipeline.generation.coverage import Coverage
+    from eagle_pipeline.generation.store.coverage import Coverage
     from eagle_pipeline.tokens import TargetTokenizer
 
 TOKEN_SAMPLES = dg.AssetKey("token_samples")
@@ -116,9 +116,10 @@ def _refuse_if_blocked(dataset: str, results: dict[str, dict], metadata: dict) -
 def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineResource) -> tuple[dict, StoredAudit]:
     """Reconstruct, write and audit the dataset's token samples: the materialization's metadata and the stored
     audit of the file."""
-    from eagle_pipeline.generation.store.coverage import current_responses, prompt_sample_ids
+    from eagle_pipeline.generation.store.coverage import CURRENT_COLUMNS, current_responses, prompt_sample_ids
     from eagle_pipeline.generation.store.shards import read_responses
     from eagle_pipeline.tokens import EncodingMemo, reconstruct_table
+    from eagle_pipeline.tokens.samples import RECONSTRUCTION_COLUMNS
 
     cfg = pipeline.config()
     root = pipeline.data_root()
@@ -128,9 +129,8 @@ def _build_token_samples(context: dg.AssetExecutionContext, pipeline: PipelineRe
     # Rows committed for other prompts (an earlier limit or seed) stay on disk and are counted, never used.
     # So are rows another backend produced (another kind, model or endpoint class, or simulated usage counted with
     # another tokenizer): generation/store/identity.py.
-    resp, cov = current_responses(
-        ds.name, read_responses(root.responses_dir(ds.name)), prompt_ids, pipeline.backend_identity(ds.name)
-    )
+    committed = read_responses(root.responses_dir(ds.name), columns=CURRENT_COLUMNS + RECONSTRUCTION_COLUMNS)
+    resp, cov = current_responses(ds.name, committed, prompt_ids, pipeline.backend_identity(ds.name))
     if resp.num_rows == 0:
         raise dg.Failure(
             f"{ds.name}: no committed response under {root.responses_dir(ds.name)} answers a current prompt "

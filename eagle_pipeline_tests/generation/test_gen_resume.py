@@ -107,6 +107,10 @@ def test_read_responses_dedupes_defensively(tmp_path):
     t = read_responses(tmp_path)
     assert t.num_rows == 3 and t.column("content").to_pylist() == ["a", "b", "c"]  # the first copy is kept
     assert t.schema.metadata[b"duplicates_dropped"] == b"1"
+    # Named columns: only those and the row key are read, deduplicated the same way.
+    narrow = read_responses(tmp_path, columns=["content", "dataset"])
+    assert narrow.column_names == ["sample_id", "backend_identity", "content", "dataset"]
+    assert narrow.equals(t.select(narrow.column_names))
     assert read_responses(tmp_path / "missing").num_rows == 0
 
 

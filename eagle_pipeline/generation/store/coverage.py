@@ -98,6 +98,10 @@ def _prompt_of_row(table: pa.Table) -> pa.ChunkedArray:
     return pc.coalesce(table.column("conversation_id"), table.column("sample_id"))
 
 
+# The columns `current_responses` reads, besides what its caller keeps.
+CURRENT_COLUMNS = ("sample_id", "backend_identity", "conversation_id", "turn_index", "conversation_end")
+
+
 def current_responses(
     dataset: str, responses: pa.Table, prompt_ids: Iterable[str], identity: BackendIdentity | None = None
 ) -> tuple[pa.Table, Coverage]:

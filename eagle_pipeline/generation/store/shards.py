@@ -7,7 +7,7 @@ import fcntl
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,23 +319,29 @@ def recover_answer_log(out_dir: str | os.PathLike, errors_dir: str | os.PathLike
 
 
 def _read_parts(directory: str | os.PathLike, schema: pa.Schema) -> pa.Table:
-    tables = [pq.read_table(p, schema=schema) for p in part_files(directory)]
+    tables = [pq.read_table(p, schema=schema, columns=schema.names) for p in part_files(directory)]
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)
 
 
-def read_responses(out_dir: str | os.PathLike) -> pa.Table:
-    """All committed response shards, concatenated in commit order.
+# What identifies a committed row: every read of the responses includes it.
+_ROW_KEY = ("sample_id", "backend_identity")
+
+
+def read_responses(out_dir: str | os.PathLike, columns: Sequence[str] | None = None) -> pa.Table:
+    """All committed response shards, concatenated in commit order; with `columns`, only those and the row key
+    (so that a reader of the texts does not read `raw_response_json`, 60% of a shard's bytes).
 
     A sample id appears once per backend identity by construction (a prompt is requested again only when the rows
     of it on disk came from another backend: generation/store/identity.py); should two shards ever hold the same pair
     (e.g. shards copied in by hand), the first is kept and the count of dropped rows is logged and stored in the schema
     metadata `duplicates_dropped`.
     """
-    table = _read_parts(out_dir, RESPONSES_SCHEMA)
+    names = RESPONSES_SCHEMA.names if columns is None else list(dict.fromkeys([*_ROW_KEY, *columns]))
+    table = _read_parts(out_dir, pa.schema([RESPONSES_SCHEMA.field(n) for n in names]))
     dropped = 0
-    pair = ["sample_id", "backend_identity"]
+    pair = list(_ROW_KEY)
     if table.num_rows and table.select(pair).group_by(pair).aggregate([]).num_rows < table.num_rows:
         keys = list(zip(*(table.column(c).to_pylist() for c in pair)))
         seen: set[tuple[str, str | None]] = set()
