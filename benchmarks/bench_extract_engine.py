@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from eagle_pipeline.hidden_states.engines.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import validate_states_file, vllm_layer_ids
 from eagle_pipeline.hidden_states.models.layers import default_aux_layers
 from eagle_pipeline.hidden_states.models.model import build_tiny_model
 from eagle_pipeline.hidden_states.store.format import StreamingSafetensorsWriter, shard_layout, tensor_key
 from eagle_pipeline.hidden_states.store.merged import read_rows
+from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
 

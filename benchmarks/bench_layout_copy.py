@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from eagle_pipeline.drafter_types import SPECFORGE
-from eagle_pipeline.hidden_states.engines.extract import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
     check_states,
     map_file,
@@ -59,6 +58,7 @@ from eagle_pipeline.hidden_states.store.format import (
     tensor_key,
 )
 from eagle_pipeline.hidden_states.store.head import TargetHead
+from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
 from eagle_pipeline.shared.storage import write_bytes_atomic
 
 H, N_AUX, LAYERS = 7168, 3, 61  # Kimi-K2.5: hidden size, aux layers, decoder layers (the final vLLM id)

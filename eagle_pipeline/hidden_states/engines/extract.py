@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,7 @@ import torch
 
 from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.engines.batching import padding_of, plan_batches
-from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
-    LayoutTarget,
-    SampleFilesWriter,
-    without_states,
-)
+from eagle_pipeline.hidden_states.layouts.trainer_layouts import LayoutTarget, SampleFilesWriter
 from eagle_pipeline.hidden_states.models.layers import (
     _layer_output,
     decoder_layers,
@@ -31,25 +26,12 @@ from eagle_pipeline.hidden_states.models.layers import (
 from eagle_pipeline.hidden_states.models.model import describe_model_config
 from eagle_pipeline.hidden_states.settings import DEFAULT_MAX_TOKENS_PER_BATCH
 from eagle_pipeline.hidden_states.store.fingerprint import FINAL_STATES, ExtractionFingerprint
-from eagle_pipeline.hidden_states.store.format import (
-    StreamingSafetensorsWriter,
-    shard_layout,
-    shard_paths,
-    state_dtype,
-    tensor_key,
-)
+from eagle_pipeline.hidden_states.store.format import state_dtype
 from eagle_pipeline.hidden_states.store.head import final_norm_eps, save_target_head_from_model
 from eagle_pipeline.hidden_states.store.merged import MergedRows, count_rows, read_rows, shard_row_range
-from eagle_pipeline.hidden_states.store.shard_index import (
-    IDS_DTYPE,
-    MASK_DTYPE,
-    shard_header,
-    shard_summary,
-    write_shard_index,
-)
+from eagle_pipeline.hidden_states.store.shard_writer import ShardFacts, ShardRun, ShardWriter
 from eagle_pipeline.hidden_states.store.shards import ShardSummary
 from eagle_pipeline.shared.progress import ProgressCallback
-from eagle_pipeline.shared.storage import atomic_path
 
 
 def default_state_dtype(device: str) -> torch.dtype:
@@ -87,17 +69,6 @@ class _Target:
         return cls(backbone, layers, aux, int(embed.embedding_dim), int(embed.num_embeddings))
 
 
-@dataclass
-class _Written:
-    sha256: str
-    size_bytes: int
-    nonfinite: np.ndarray  # per row: NaN/Inf values among its real tokens
-    seconds: float
-    compute_seconds: float
-    write_wait_seconds: float
-    sample_files: list[dict[str, Any]] = field(default_factory=list)  # states written into a trainer's layout
-
-
 def extract_with_model(
     model: torch.nn.Module,
     merged_dir: str | Path,
@@ -132,28 +103,37 @@ def extract_with_model(
         raise ValueError(f"aux layers {list(wanted.aux_layers)} are not the model's ({list(target.aux)})")
     out_dtype = state_dtype(wanted.dtype) if wanted.dtype is not None else default_state_dtype(device)
     rows = _shard_rows(merged_dir, shard_index, wanted.shard_size, target.vocab)
-    shard = _Shard(
-        shard_index, rows, plan_batches(rows.lengths, max_tokens_per_batch), wanted, out_dtype, layout_target
-    )
+    batches = plan_batches(rows.lengths, max_tokens_per_batch)
     dev = torch.device(device)
     _place_model(model, dev)
-    meta = shard.header(target, model)
-    st_path = shard_paths(out_dir, shard_index)[0]
-    written = _write_states(
-        target,
-        rows,
-        shard.batches,
-        meta,
-        st_path,
-        dev=dev,
-        out_dtype=out_dtype,
-        post_norm=final_state == POST_NORM,
-        progress=progress,
-        layout_target=layout_target,
+    facts = ShardFacts(
+        index=shard_index,
+        rows=rows,
+        fingerprint=wanted,
+        num_layers=len(target.layers),
+        hidden_size=target.hidden,
+        dtype=out_dtype,
+        model=_model_description(model),
+        final_norm_eps=final_norm_eps(model),
+        layout=layout_target.name if layout_target is not None else None,
+        layout_root=layout_target.root if layout_target is not None else None,
     )
+    with ShardWriter(out_dir, shard_index) as shard:
+        shard.begin(facts, [i for b in batches for i in b])
+        run = _write_states(
+            target,
+            shard,
+            batches,
+            dev=dev,
+            out_dtype=out_dtype,
+            post_norm=final_state == POST_NORM,
+            progress=progress,
+            layout_target=layout_target,
+        )
     # Recorded after the shard is complete, so an aborted shard leaves nothing behind.
-    _, head_sha = save_target_head_from_model(model, out_dir, json.loads(meta["model"]))
-    return shard.write_index(out_dir, written, target, model, head_sha, json.loads(meta["model"]))
+    # The model as the header records it (JSON, keys sorted): the head's `source` is that record.
+    _, run.head_sha256 = save_target_head_from_model(model, out_dir, json.loads(facts.header()["model"]))
+    return shard.write_index(run)
 
 
 def _place_model(model: torch.nn.Module, dev: torch.device) -> None:
@@ -173,100 +153,12 @@ def _check_final_state(final_state: str, layout_target: LayoutTarget | None) -> 
         )
 
 
-@dataclass(frozen=True)
-class _Shard:
-    """One shard to extract: its rows, their batches, and how its states are stored."""
-
-    index: int
-    rows: MergedRows
-    batches: list[list[int]]
-    fingerprint: ExtractionFingerprint  # its final state is the shard's
-    out_dtype: torch.dtype
-    layout_target: LayoutTarget | None
-
-    def header(self, target: _Target, model: torch.nn.Module) -> dict[str, str]:
-        """The shard file's safetensors header."""
-        extra = {"final_norm_eps": repr(final_norm_eps(model))}
-        if self.layout_target is not None:
-            extra["layout"] = self.layout_target.name
-        return shard_header(
-            self.rows,
-            shard_index=self.index,
-            aux=target.aux,
-            num_layers=len(target.layers),
-            hidden_size=target.hidden,
-            dtype=self.out_dtype,
-            final_state=self.fingerprint.final_state,
-            model=_model_description(model),
-            fingerprint=self.fingerprint,
-            extra=extra,
-        )
-
-    def write_index(
-        self,
-        out_dir: Path,
-        written: _Written,
-        target: _Target,
-        model: torch.nn.Module,
-        head_sha: str,
-        description: dict[str, Any],
-    ) -> ShardSummary:
-        """The shard's summary and index (the 'done' marker), with the head's hash and a layout's files."""
-        rows, st_path, idx_path = self.rows, *shard_paths(out_dir, self.index)
-        summary = shard_summary(
-            rows,
-            shard_index=self.index,
-            paths=(st_path, idx_path),
-            sha256=written.sha256,
-            size_bytes=written.size_bytes,
-            dtype=self.out_dtype,
-            final_state=self.fingerprint.final_state,
-            fingerprint=self.fingerprint,
-            seconds=written.seconds,
-            compute_seconds=written.compute_seconds,
-            write_wait_seconds=written.write_wait_seconds,
-            batches=len(self.batches),
-            padded_tokens=padding_of(rows.lengths, self.batches)[1],
-            nonfinite_samples=int((written.nonfinite > 0).sum()),
-        )
-        index_extra: dict[str, Any] = {
-            "final_state": self.fingerprint.final_state,
-            "final_norm_eps": final_norm_eps(model),
-            "target_head_sha256": head_sha,
-        }
-        if self.layout_target is not None:
-            index_extra.update(
-                layout=self.layout_target.name,
-                layout_root=os.path.relpath(self.layout_target.root, out_dir),
-                sample_files=written.sample_files,
-            )
-        write_shard_index(
-            idx_path, rows, summary, written.nonfinite, hidden=target.hidden, model=description, extra=index_extra
-        )
-        return summary
-
-
 def _shard_rows(merged_dir: str | Path, shard_index: int, shard_size: int, vocab: int) -> MergedRows:
     """The merged rows of the shard, checked for what would corrupt the file or the forward."""
     row_start, row_stop = shard_row_range(shard_index, shard_size, count_rows(merged_dir))
     rows = read_rows(merged_dir, row_start, row_stop)
     _check_rows(rows, vocab)
     return rows
-
-
-def _tensor_layout(
-    rows: MergedRows, order: Sequence[int], target: _Target, out_dtype: torch.dtype
-) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    return shard_layout(
-        rows.sample_ids,
-        rows.lengths,
-        list(order),
-        n_aux=len(target.aux),
-        hidden=target.hidden,
-        state_dtype=out_dtype,
-        ids_dtype=IDS_DTYPE,
-        mask_dtype=MASK_DTYPE,
-    )
 
 
 def _forward_batch(
@@ -305,39 +197,36 @@ def _forward_batch(
 
 def _write_states(
     target: _Target,
-    rows: MergedRows,
+    shard: ShardWriter,
     batches: Sequence[Sequence[int]],
-    meta: dict[str, str],
-    st_path: Path,
     *,
     dev: torch.device,
     out_dtype: torch.dtype,
     post_norm: bool,
     progress: ProgressCallback | None,
     layout_target: LayoutTarget | None = None,
-) -> _Written:
-    """Run every batch and stream the safetensors file, a writer thread overlapping the disk with the next forward."""
-    order = [i for b in batches for i in b]
+) -> ShardRun:
+    """Run every batch and hand its rows to `shard` (or their states to `layout_target`'s files), a writer thread
+    overlapping the disk with the next forward."""
+    assert shard.facts is not None
+    rows = shard.facts.rows
     captured: dict[int, torch.Tensor] = {}
     hook_layers = set(target.aux) | (set() if post_norm else {len(target.layers) - 1})
     handles = [
         target.layers[k].register_forward_hook(lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_output(out)))
         for k in sorted(hook_layers)
     ]
+    files = None
+    if layout_target is not None:  # the states go to the trainer's files; the shard keeps ids and masks
+        masks = dict(zip(rows.sample_ids, rows.loss_mask))
+        files = SampleFilesWriter(layout_target, shard.out_dir, masks, len(target.aux))
     nonfinite = np.zeros(len(rows), dtype=np.int64)
     t0 = time.perf_counter()
     compute_s = wait_s = 0.0
     lengths = rows.lengths
     done_rows, done_tokens, total_tokens = 0, 0, int(sum(lengths))
     try:
-        with atomic_path(st_path) as tmp, open(tmp, "wb") as fh, ThreadPoolExecutor(max_workers=1) as pool:
-            layout = _tensor_layout(rows, order, target, out_dtype)
-            if layout_target is not None:  # the states go to the trainer's files; the shard keeps ids and masks
-                layout = without_states(layout)
-            writer: Any = StreamingSafetensorsWriter(fh, layout, meta)
-            if layout_target is not None:
-                masks = dict(zip(rows.sample_ids, rows.loss_mask))
-                writer = SampleFilesWriter(writer, layout_target, st_path.parent, masks, len(target.aux))
+        with ThreadPoolExecutor(max_workers=1) as pool:
             pending: list[Future[None]] = []
             for batch in batches:
                 tb = time.perf_counter()
@@ -347,7 +236,7 @@ def _write_states(
                 nonfinite[list(batch)] = bad
                 tw = time.perf_counter()
                 compute_s += tw - tb
-                pending.append(pool.submit(_write_batch, writer, rows, batch, aux_cpu, final_cpu))
+                pending.append(pool.submit(_write_batch, shard, files, batch, aux_cpu, final_cpu))
                 # Back-pressure: at most two batches in host memory waiting for the disk.
                 while len(pending) > 1:
                     pending.pop(0).result()
@@ -360,29 +249,40 @@ def _write_states(
             for f in pending:
                 f.result()
             wait_s += time.perf_counter() - tw
-            for i in order:
-                writer.write(tensor_key(rows.sample_ids[i], "loss_mask"), torch.from_numpy(rows.loss_mask[i]))
-            sha = writer.finish()
     finally:
         for h in handles:
             h.remove()
-    files = list(getattr(writer, "files", []))
-    return _Written(sha, writer.total_bytes, nonfinite, time.perf_counter() - t0, compute_s, wait_s, files)
+    return ShardRun(
+        seconds=time.perf_counter() - t0,
+        compute_seconds=compute_s,
+        write_wait_seconds=wait_s,
+        batches=len(batches),
+        nonfinite=nonfinite,
+        padded_tokens=padding_of(lengths, batches)[1],
+        sample_files=files.files if files is not None else [],
+    )
 
 
 def _write_batch(
-    writer: StreamingSafetensorsWriter | SampleFilesWriter,
-    rows: MergedRows,
+    shard: ShardWriter,
+    files: SampleFilesWriter | None,
     batch: Sequence[int],
     aux_cpu: torch.Tensor,
     final_cpu: torch.Tensor,
 ) -> None:
-    lengths = rows.lengths
+    assert shard.facts is not None
+    rows = shard.facts.rows
     for r, i in enumerate(batch):
-        t, sid = lengths[i], rows.sample_ids[i]
-        writer.write(tensor_key(sid, "aux_hidden_states"), aux_cpu[r, :t])
-        writer.write(tensor_key(sid, "final_hidden_state"), final_cpu[r, :t])
-        writer.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
+        t = rows.lengths[i]
+        aux, final = aux_cpu[r, :t], final_cpu[r, :t]
+        if files is None:
+            shard.write_sample(i, aux, final)
+            continue
+        ids = torch.from_numpy(rows.input_ids[i])
+        files.write_sample(
+            rows.sample_ids[i], {"aux_hidden_states": aux, "final_hidden_state": final, "input_ids": ids}
+        )
+        shard.write_sample(i)
 
 
 def _check_rows(rows: MergedRows, vocab: int) -> None:

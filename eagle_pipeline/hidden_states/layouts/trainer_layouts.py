@@ -97,7 +97,6 @@ from eagle_pipeline.shared.storage import (
     write_json_atomic,
 )
 
-STATE_NAMES = ("aux_hidden_states", "final_hidden_state")
 SPECULATORS_HS_DIR = "hidden_states"
 # Where a layout's files land (`disk_plan` places, resolved to folders by `run.disk_places`).
 HIDDEN_STATES, EXPORTS = "hidden_states", "exports"
@@ -539,14 +538,6 @@ def plan_layout_target(
     return layout_of(layout).target(export_root, merged_dir, left_out=left_out, quantize=quantize)
 
 
-def without_states(
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """A shard's tensor layout (`format.shard_layout`) less the states, which live in the trainer's files: the ids
-    and masks a shard in a trainer layout keeps (every engine)."""
-    return [entry for entry in layout if entry[0].rsplit("/", 1)[1] not in STATE_NAMES]
-
-
 def remove_stale_tmp(target: LayoutTarget, sample_ids: list[str]) -> int:
     """Delete the temporaries a killed run left beside these samples' trainer files (`storage.atomic_path` names
     them `.{name}.{hex}.tmp`): a partial copy of a sample's states. Only these samples' names, since other shard
@@ -579,32 +570,15 @@ def _own_storage(x: torch.Tensor) -> torch.Tensor:
 
 
 class SampleFilesWriter:
-    """Stands in for the shard's `StreamingSafetensorsWriter` when the states go straight into a trainer's layout:
-    ids and masks still go to the shard file (small: 5 B/token), each sample's aux and final states to its own
-    trainer file (`TrainerLayout.serialise`), written atomically as soon as both arrive, with its size and digest
-    recorded for `shard_status`.
+    """Writes each sample's aux and final states straight into a trainer's layout (`TrainerLayout.serialise`), one
+    file per sample, atomically, with its size and digest recorded (`files`, the shard index's `sample_files`, which
+    `shard_status` checks); the shard file (`shard_writer.ShardWriter`) keeps the ids and masks (5 B/token).
     """
 
-    def __init__(self, inner: Any, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
-        self._inner, self._target, self._out_dir, self._masks, self._n_aux = inner, target, out_dir, masks, n_aux
+    def __init__(self, target: LayoutTarget, out_dir: Path, masks: dict[str, np.ndarray], n_aux: int):
+        self._target, self._out_dir, self._masks, self._n_aux = target, out_dir, masks, n_aux
         remove_stale_tmp(target, list(masks))  # what a killed run of this shard was writing
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.files: list[dict[str, Any]] = []
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self._inner.total_bytes)
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        sid, name = key.rsplit("/", 1)
-        if name not in STATE_NAMES:  # ids and masks stay in the shard file
-            self._inner.write(key, tensor)
-        if name == "loss_mask":  # known from the merged rows; arrives after every sample's file is written
-            return
-        got = self._pending.setdefault(sid, {})
-        got[name] = tensor
-        if len(got) == 3:  # aux, final, ids
-            self.write_sample(sid, self._pending.pop(sid))
 
     def write_sample(self, sid: str, t: dict[str, torch.Tensor]) -> None:
         """Write sample `sid`'s file from its aux, final (in the layout's convention) and ids tensors."""
@@ -619,11 +593,6 @@ class SampleFilesWriter:
         self.files.append(
             sample_file_entry(sid, os.path.relpath(path, self._out_dir), len(data), sample_file_digest(data))
         )
-
-    def finish(self) -> str:
-        if self._pending:
-            raise ValueError(f"{len(self._pending)} samples never received all their states")
-        return str(self._inner.finish())
 
 
 class ShardReader:

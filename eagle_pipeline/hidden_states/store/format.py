@@ -179,18 +179,20 @@ def shard_layout(
     state_dtype: torch.dtype,
     ids_dtype: torch.dtype,
     mask_dtype: torch.dtype,
+    states: bool = True,
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The tensor layout of a shard file, shared by every engine: samples in `order` (aux, final, ids each), then
-    every loss mask. Keeps the 4-byte tensors ahead of the 1-byte masks, so all offsets stay aligned, and makes the
-    file strictly sequential."""
+    """The tensor layout of a shard file, shared by every engine: samples in `order` (aux, final, ids each; ids
+    alone when `states` is false: a trainer's layout holds them), then every loss mask. Keeps the 4-byte tensors
+    ahead of the 1-byte masks, so all offsets stay aligned, and makes the file strictly sequential."""
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for i in order:
         sid, t = sample_ids[i], lengths[i]
-        layout += [
-            (tensor_key(sid, "aux_hidden_states"), state_dtype, (t, n_aux * hidden)),
-            (tensor_key(sid, "final_hidden_state"), state_dtype, (t, hidden)),
-            (tensor_key(sid, "input_ids"), ids_dtype, (t,)),
-        ]
+        if states:
+            layout += [
+                (tensor_key(sid, "aux_hidden_states"), state_dtype, (t, n_aux * hidden)),
+                (tensor_key(sid, "final_hidden_state"), state_dtype, (t, hidden)),
+            ]
+        layout.append((tensor_key(sid, "input_ids"), ids_dtype, (t,)))
     layout += [(tensor_key(sample_ids[i], "loss_mask"), mask_dtype, (lengths[i],)) for i in order]
     return layout
 

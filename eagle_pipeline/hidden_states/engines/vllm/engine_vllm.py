@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,7 +41,6 @@ from eagle_pipeline.hidden_states.engines.vllm.vllm_served import apply_length_l
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import LayoutTarget, layout_of, plan_layout_target
 from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
-from eagle_pipeline.hidden_states.store.format import shard_paths
 from eagle_pipeline.hidden_states.store.head import (
     CheckpointHead,
     TargetHead,
@@ -51,11 +48,10 @@ from eagle_pipeline.hidden_states.store.head import (
     save_target_head_from_checkpoint,
 )
 from eagle_pipeline.hidden_states.store.merged import MergedRows, count_rows, read_rows, shard_row_range
-from eagle_pipeline.hidden_states.store.shard_index import shard_header, shard_summary, write_shard_index
+from eagle_pipeline.hidden_states.store.shard_writer import ShardFacts, ShardRun, ShardWriter, VllmFacts
 from eagle_pipeline.hidden_states.store.shards import ShardSummary
 from eagle_pipeline.shared.aio import run_coroutine
 from eagle_pipeline.shared.http_client import HttpClient
-from eagle_pipeline.shared.storage import atomic_path
 
 
 @dataclass(frozen=True)
@@ -182,35 +178,21 @@ class _VllmShard:
     def layer_ids(self) -> tuple[int, ...]:
         return vllm_layer_ids(self.aux, self.num_layers)
 
-    def header_extra(self) -> dict[str, str]:
-        """What the safetensors header records of the vLLM engine's own (layer ids, length limit, dropped rows)."""
-        extra = {
-            **({"final_norm_eps": repr(self.head.eps)} if self.head is not None else {}),
-            "engine": "vllm",
-            "vllm_layer_ids": json.dumps(list(self.layer_ids)),
-            "vllm_max_model_len": str(self.max_model_len),
-            "dropped_rows": json.dumps(self.dropped),
-            "vllm_layer_ids_convention": "id k = residual entering decoder layer k (= output of layer k-1); "
-            "aux layer k -> id k+1; the final state is id num_hidden_layers, the last layer's output before the "
-            "final norm (apply the target's final norm for lm_head targets)",
-        }
-        if self.layout_target is not None:
-            extra["layout"] = self.layout_target.name
-        return extra
-
-    def header(self, facts: FileFacts) -> dict[str, str]:
-        """The shard file's header, once the first file fixed H and the dtype."""
-        return shard_header(
-            self.rows,
-            shard_index=self.index,
-            aux=self.aux,
-            num_layers=self.num_layers,
-            hidden_size=facts.hidden_size,
-            dtype=facts.dtype,
-            final_state=self.final_state,
-            model=self.model,
+    def facts(self, file: FileFacts) -> ShardFacts:
+        """The shard's facts, once the first file fixed H and the dtype."""
+        layout = self.layout_target
+        return ShardFacts(
+            index=self.index,
+            rows=self.rows,
             fingerprint=self.fingerprint,
-            extra=self.header_extra(),
+            num_layers=self.num_layers,
+            hidden_size=file.hidden_size,
+            dtype=file.dtype,
+            model=self.model,
+            final_norm_eps=self.head.eps if self.head is not None else None,
+            layout=layout.name if layout is not None else None,
+            layout_root=layout.root if layout is not None else None,
+            vllm=VllmFacts(self.layer_ids, self.max_model_len, self.endpoints, self.dropped),
         )
 
 
@@ -255,29 +237,34 @@ def _run_shard(
 ) -> ShardSummary:
     """Request every row, copy the files into the shard, then write the head and the index (the 'done' marker).
     Whatever is left of the connector's files is deleted, whatever happened."""
-    st_path = shard_paths(out_dir, shard.index)[0]
     placed = _layout_rows(shard, out_dir)
     t0 = time.perf_counter()
     run: ShardRequests | None = None
     try:
         with open(journal, "a") as journal_file:
-            with atomic_path(st_path) as tmp, open(tmp, "wb") as fh:
-                shard_file = VllmShardFile(shard.rows, shard.index, len(shard.aux), fh, shard.header, placed)
+            with ShardWriter(out_dir, shard.index) as writer:
                 run = requests(
                     shard.rows,
                     shard_index=shard.index,
                     endpoints=shard.endpoints,
                     layer_ids=shard.layer_ids,
                     journal=journal_file,
-                    write_row=shard_file,
+                    write_row=VllmShardFile(writer, shard.facts, placed),
                     **({"validate": placed.validate} if placed is not None else {}),
                 )
                 run_coroutine(run.run)
-                sha, size = shard_file.finish()
-            assert shard_file.facts is not None
-            return _write_index(
-                shard, out_dir, run, placed, shard_file.facts, sha, size, time.perf_counter() - t0, log=log
+            done = ShardRun(
+                seconds=time.perf_counter() - t0,
+                compute_seconds=run.compute_seconds,
+                write_wait_seconds=run.write_seconds,
+                batches=len(shard.rows),
+                nonfinite=np.zeros(len(shard.rows), dtype=np.int64),  # refused: a shard never holds NaN/Inf here
+                sample_files=placed.files if placed is not None else [],
+                retries=run.retries,
             )
+            if shard.head is not None:  # recorded once the shard is complete: an aborted shard leaves nothing
+                _, done.head_sha256 = save_target_head_from_checkpoint(shard.head, out_dir, log=log)
+            return writer.write_index(done)
     finally:
         # Whatever is left (retried attempts' files; all of them after a failure): never reused, a rerun asks again.
         if placed is not None:
@@ -300,58 +287,6 @@ def _layout_rows(shard: _VllmShard, out_dir: Path) -> VllmLayoutRows | None:
         len(shard.aux),
         final_norm=_final_norm(shard.head) if shard.final_state != PRE_NORM else None,
     )
-
-
-def _write_index(
-    shard: _VllmShard,
-    out_dir: Path,
-    run: ShardRequests,
-    placed: VllmLayoutRows | None,
-    facts: FileFacts,
-    sha: str,
-    size: int,
-    seconds: float,
-    *,
-    log: Callable[[str], None] | None,
-) -> ShardSummary:
-    """The shard's summary and index, with what the vLLM engine records of its own; the head is recorded first."""
-    rows = shard.rows
-    summary = shard_summary(
-        rows,
-        shard_index=shard.index,
-        paths=shard_paths(out_dir, shard.index),
-        sha256=sha,
-        size_bytes=size,
-        dtype=facts.dtype,
-        final_state=shard.final_state,
-        fingerprint=shard.fingerprint,
-        seconds=seconds,
-        compute_seconds=run.compute_seconds,
-        write_wait_seconds=run.write_seconds,
-        batches=len(rows),
-    )
-    extra: dict[str, Any] = {
-        "engine": "vllm",
-        "vllm_layer_ids": list(shard.layer_ids),
-        "vllm_endpoints": list(shard.endpoints),
-        "vllm_max_model_len": shard.max_model_len,
-        "dropped_rows": shard.dropped,
-        "retries": run.retries,
-        "final_state": shard.final_state,
-    }
-    if placed is not None and shard.layout_target is not None:
-        extra.update(
-            layout=shard.layout_target.name,
-            layout_root=os.path.relpath(shard.layout_target.root, out_dir),
-            sample_files=placed.files,
-        )
-    if shard.head is not None:  # recorded once the shard is complete: an aborted shard leaves nothing
-        _, head_sha = save_target_head_from_checkpoint(shard.head, out_dir, log=log)
-        extra.update(final_norm_eps=shard.head.eps, target_head_sha256=head_sha)
-    nonfinite = np.zeros(len(rows), dtype=np.int64)  # refused above: a shard never holds NaN/Inf here
-    idx_path = shard_paths(out_dir, shard.index)[1]
-    write_shard_index(idx_path, rows, summary, nonfinite, hidden=facts.hidden_size, model=shard.model, extra=extra)
-    return summary
 
 
 def _final_norm(found: CheckpointHead | None) -> Callable[[torch.Tensor], torch.Tensor]:

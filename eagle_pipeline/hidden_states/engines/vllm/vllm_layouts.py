@@ -1,5 +1,6 @@
-"""Where a vLLM shard's rows go: the shard file (`VllmShardFile`), or straight into a trainer's layout
-(`hidden_states.layout: speculators | specforge`, `VllmLayoutRows`).
+"""Where a vLLM shard's rows go: the shard file (`VllmShardFile`, through the one shard writer
+`shard_writer.ShardWriter`), or straight into a trainer's layout (`hidden_states.layout: speculators | specforge`,
+`VllmLayoutRows`).
 
 The shard file keeps only ids and masks, as the in-process layouts do (`trainer_layouts.SampleFilesWriter`); each
 row's states go to the trainer's file named by `trainer_layouts.plan_layout_target`, recorded (path, size, XXH3-128)
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,18 +42,10 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
     SampleFilesWriter,
     remove_stale_tmp,
     trainer_layout,
-    without_states,
 )
 from eagle_pipeline.hidden_states.store import fp8
-from eagle_pipeline.hidden_states.store.format import (
-    StreamingSafetensorsWriter,
-    sample_file_digest,
-    sample_file_entry,
-    shard_layout,
-    tensor_key,
-)
-from eagle_pipeline.hidden_states.store.merged import MergedRows
-from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
+from eagle_pipeline.hidden_states.store.format import sample_file_digest, sample_file_entry
+from eagle_pipeline.hidden_states.store.shard_writer import ShardFacts, ShardWriter
 from eagle_pipeline.shared.storage import write_bytes_atomic
 
 
@@ -122,8 +115,8 @@ class VllmLayoutRows:
         self.files.append(sample_file_entry(sample_id, os.path.relpath(dst, self.out_dir), size, digest))
 
     def _rewrite_file(self, sample_id: str, file: ConnectorFile, input_ids: torch.Tensor) -> None:
-        if self._rewrite is None:  # no inner shard writer: the vLLM engine writes the ids to its shard itself
-            self._rewrite = SampleFilesWriter(None, self.target, self.out_dir, self.masks, self.n_aux)
+        if self._rewrite is None:  # the ids go to the shard file (`VllmShardFile`)
+            self._rewrite = SampleFilesWriter(self.target, self.out_dir, self.masks, self.n_aux)
             self.files = self._rewrite.files
         hs = file.states
         t, h = int(hs.shape[0]), int(hs.shape[2])
@@ -143,67 +136,33 @@ class VllmLayoutRows:
 
 
 class VllmShardFile:
-    """`ShardRequests.write_row` of a vLLM shard run: copies each validated connector file into the shard file, or
-    hands it to `placed` (a trainer's layout; the shard file then keeps ids and masks), in row order. The first file
-    fixes H and the dtype of the whole shard; `header(facts)` is the shard file's header."""
+    """`ShardRequests.write_row` of a vLLM shard run: hands each validated connector file's states to the shard's
+    writer, or to `placed` (a trainer's layout; the shard file then keeps ids and masks), in row order. The first
+    file fixes H and the dtype of the whole shard: `facts(file_facts)` are then the shard's facts."""
 
     def __init__(
-        self,
-        rows: MergedRows,
-        shard_index: int,
-        n_aux: int,
-        fh: BinaryIO,
-        header: Callable[[FileFacts], dict[str, str]],
-        placed: VllmLayoutRows | None,
+        self, shard: ShardWriter, facts: Callable[[FileFacts], ShardFacts], placed: VllmLayoutRows | None
     ) -> None:
-        self.rows, self.shard_index, self.n_aux = rows, shard_index, n_aux
-        self.fh, self.header, self.placed = fh, header, placed
-        self.writer: StreamingSafetensorsWriter | None = None
-        self.facts: FileFacts | None = None  # the first file's
-
-    def _open(self, facts: FileFacts) -> StreamingSafetensorsWriter:
-        rows = self.rows
-        layout = shard_layout(
-            rows.sample_ids,
-            rows.lengths,
-            list(range(len(rows))),
-            n_aux=self.n_aux,
-            hidden=facts.hidden_size,
-            state_dtype=facts.dtype,
-            ids_dtype=IDS_DTYPE,
-            mask_dtype=MASK_DTYPE,
-        )
-        if self.placed is not None:  # the states go to the trainer's files; the shard keeps ids and masks
-            layout = without_states(layout)
-        self.facts = facts
-        return StreamingSafetensorsWriter(self.fh, layout, self.header(facts))
+        self.shard, self.facts_of, self.placed = shard, facts, placed
+        self.first: FileFacts | None = None
 
     def __call__(self, i: int, file: ConnectorFile) -> None:
-        facts, path = file.facts, file.path
-        if self.writer is None:
-            self.writer = self._open(facts)
-        first, rows, n_aux = self.facts, self.rows, self.n_aux
-        assert first is not None
+        facts, path, shard = file.facts, file.path, self.shard
+        if self.first is None:
+            self.first = facts
+            shard.begin(self.facts_of(facts))
+        first = self.first
+        assert shard.facts is not None
+        rows, n_aux = shard.facts.rows, len(shard.facts.aux)
         if (facts.hidden_size, facts.dtype) != (first.hidden_size, first.dtype):
             raise EngineShardError(
-                f"shard {self.shard_index:05d}, merged row {rows.global_row(i)} ({rows.sample_ids[i]}): {path} holds "
-                f"{facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} H={first.hidden_size}: "
-                "the endpoints serve different models"
+                f"shard {shard.facts.index:05d}, merged row {rows.global_row(i)} ({rows.sample_ids[i]}): {path} "
+                f"holds {facts.dtype} H={facts.hidden_size}, the shard's first file {first.dtype} "
+                f"H={first.hidden_size}: the endpoints serve different models"
             )
-        t, sid, w = facts.tokens, rows.sample_ids[i], self.writer
         if self.placed is not None:
-            w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
-            self.placed.place(sid, file, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
+            shard.write_sample(i)
+            self.placed.place(rows.sample_ids[i], file, torch.from_numpy(rows.input_ids[i]).to(torch.int64))
             return
         hs = file.states
-        w.write(tensor_key(sid, "aux_hidden_states"), hs[:, :n_aux].reshape(t, n_aux * facts.hidden_size))
-        w.write(tensor_key(sid, "final_hidden_state"), hs[:, n_aux])
-        w.write(tensor_key(sid, "input_ids"), torch.from_numpy(rows.input_ids[i]))
-
-    def finish(self) -> tuple[str, int]:
-        """The loss masks, then the file's sha256 and size."""
-        rows, writer = self.rows, self.writer
-        assert writer is not None
-        for i in range(len(rows)):
-            writer.write(tensor_key(rows.sample_ids[i], "loss_mask"), torch.from_numpy(rows.loss_mask[i]))
-        return writer.finish(), writer.total_bytes
+        shard.write_sample(i, hs[:, :n_aux].reshape(facts.tokens, n_aux * facts.hidden_size), hs[:, n_aux])
