@@ -138,16 +138,22 @@ def extract_shard(
     on_mismatch: str = "refuse",
     progress: ProgressCallback | None = None,
     layout_target: LayoutTarget | None = None,
+    quantize: str | None = None,
 ) -> ShardSummary:
     """The Python API for a model in memory: shard `shard_index` of the merged table through `run_shard` (the one
     decision: a done shard is returned `skipped`, one made under other settings refused or, with
     `on_mismatch='redo'`, moved aside and redone) with the in-process engine serving `model`
     (`PreloadedModel`: its own identity is the fingerprint's model; `dtype` the stored dtype, default the device's).
     `layout_target` (`trainer_layouts.plan_layout_target`): the states go into that
-    trainer's files, under its root. See `extract.extract_with_model` for what is written."""
+    trainer's files, under its root. `quantize` (`fp8.QUANTIZE_MODES`): how the states are stored, by default the
+    layout target's (the shards': none). See `extract.extract_with_model` for what is written."""
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 
-    layout, quantize = (layout_target.name, layout_target.quantize) if layout_target else (SHARDS, QUANTIZE_NONE)
+    layout, stored = (layout_target.name, layout_target.quantize) if layout_target else (SHARDS, QUANTIZE_NONE)
+    if quantize is None:
+        quantize = stored
+    elif layout_target is not None and quantize != stored:
+        raise ValueError(f"quantize {quantize!r}, but the {layout} layout target stores {stored!r}")
     root = Path(layout_target.root) if layout_target else None
     settings = HiddenStatesConfig(
         shard_size=shard_size,

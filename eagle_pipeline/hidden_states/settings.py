@@ -20,7 +20,6 @@ from eagle_pipeline.drafter_types import (
     DEFAULT_DRAFTERS,
     DRAFTER_TYPES,
     SPECFORGE,
-    SPECULATORS,
     TRAINERS,
     drafter_problems,
     model_depth,
@@ -157,8 +156,8 @@ class HiddenStatesConfig(SpecBase):
     # scale), so none unless listed.
     trainer_layouts: tuple[TrainerName, ...] = ()
     # fp8: the states as float8_e4m3fn with fp32 scales per token per layer (half the disk; hidden_states/store/fp8.py,
-    # docs/hidden_states.md §15). For now with layout: speculators, under every engine (vllm: quantized on the client
-    # from the servers' bf16 files).
+    # docs/hidden_states.md §15). With layout: shards or speculators, under every engine (vllm: quantized on the
+    # client from the servers' bf16 files); every reader of the project dequantizes.
     quantize: Literal["none", "fp8"] = "none"
     # The drafter types the hand-off serves (docs/drafters.md), and a draft config (JSON) or trainer flag file the
     # `trainer_exports` check holds against the captured layers.
@@ -190,16 +189,16 @@ class HiddenStatesConfig(SpecBase):
 
 
 def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
-    """`quantize: fp8` where it is not built yet, each with its reason."""
+    """`quantize: fp8` where no reader of the stored files dequantizes, each with its reason."""
     if data.get("quantize") != "fp8":
         return []
     problems: list[Problem] = []
-    if data.get("layout", SHARDS) != SPECULATORS:
+    if data.get("layout", SHARDS) == SPECFORGE:
         problems.append(
             (
                 ("quantize",),
-                "fp8 needs layout: speculators (its hs_{i}.safetensors are what speculators' fp8 backend loads); "
-                "the project's shards and SpecForge's .ckpt hold bf16/fp32 states only",
+                "fp8 needs layout: shards or speculators (the project's shards and speculators' hs_{i}.safetensors "
+                "hold e4m3 states with their scales); SpecForge has no FP8 reader for its .ckpt files",
             )
         )
     if SPECFORGE in (data.get("trainer_layouts") or ()):

@@ -47,18 +47,22 @@ def vllm_shard(
     log: Callable[[str], None] | None = None,
     progress: Any = None,
     layout_target: LayoutTarget | None = None,
+    quantize: str | None = None,
     vocab_size: int = 256,
 ) -> ShardSummary:
     """One shard through `engine: vllm` against `endpoints` serving a model of `num_layers` layers and
-    `hidden_size` (its identity `model_description`, default its shape; its head read from `head_checkpoint`)."""
+    `hidden_size` (its identity `model_description`, default its shape; its head read from `head_checkpoint`).
+    `quantize`: the setting, by default the layout target's (the shards': none)."""
     layout, paths = _paths(merged, out_dir, layout_target)
+    if quantize is None:
+        quantize = layout_target.quantize if layout_target is not None else "none"
     settings = HiddenStatesConfig(
         engine="vllm",
         shard_size=shard_size,
         aux_layers=tuple(aux_layers) if isinstance(aux_layers, Sequence) else aux_layers,
         on_settings_change=on_mismatch,  # type: ignore[arg-type]
         layout=layout,  # type: ignore[arg-type]
-        quantize=layout_target.quantize if layout_target is not None else "none",  # type: ignore[arg-type]
+        quantize=quantize,  # type: ignore[arg-type]
         vllm=VLLMEngineConfig(
             endpoints=tuple(endpoints),
             storage_path=str(storage_path),

@@ -47,6 +47,7 @@ def _run(model, merged: Path, root: Path, url: str, storage: Path, layout: str, 
         timeout_s=30.0,
         backoff_base_s=0.01,
         layout_target=target,
+        quantize=quantize,
         **kw,
     )
 
@@ -112,6 +113,28 @@ def test_vllm_fp8_through_the_project_readers_and_checks(both):
         assert float((a["final_hidden_state"] - x).abs().max()) <= 2**-4 * float(x.abs().max()) + 1e-6
 
 
+def test_vllm_fp8_in_the_shards_layout_is_read_back_within_e4m3_bound(normed_model, merged_factory, tmp_path):
+    """`layout: shards` with `quantize: fp8` through the vLLM engine: the one shard writer quantizes the served
+    states; the project's readers dequantize them within e4m3's bound of the same servers' bf16 shard."""
+    merged = merged_factory(make_rows(4, seed=6, min_len=3, max_len=20))
+    storage = tmp_path / "connector"
+    with _server(normed_model, storage) as srv:
+        summaries = {
+            q: _run(normed_model, merged, tmp_path / q, srv.url, storage, "shards", q) for q in ("none", "fp8")
+        }
+    assert summaries["fp8"].fingerprint["quantize"] == "fp8"
+    assert summaries["fp8"].size_bytes < 0.6 * summaries["none"].size_bytes
+    got, ref = tmp_path / "fp8" / "hs", tmp_path / "none" / "hs"
+    assert shard_status(got, 0, check_hash=True) == "done"
+    assert all(r.passed for r in verify_shard(got, 0, merged).values())
+    for row in make_rows(4, seed=6, min_len=3, max_len=20):
+        a, b = load_sample(got, row["sample_id"]), load_sample(ref, row["sample_id"])
+        for key in ("aux_hidden_states", "final_hidden_state"):
+            x = b[key].float()
+            assert a[key].dtype == torch.float32 and bool((a[key] != x).any())  # dequantized, really quantized
+            assert bool(((a[key] - x).abs() <= fp8.E4M3_RELATIVE_ERROR * x.abs() + 1e-3).all()), key
+
+
 def test_changing_quantize_makes_done_vllm_shards_stale_naming_the_setting(normed_model, merged_factory, tmp_path):
     merged = merged_factory(make_rows(4, seed=9, min_len=3, max_len=20))
     storage = tmp_path / "connector"
@@ -138,7 +161,8 @@ sys.addaudithook(_record)  # an audit hook cannot be removed: it records only wh
 
 
 @pytest.mark.parametrize(
-    "layout, quantize", [("shards", "none"), ("speculators", "none"), ("speculators", "fp8"), ("specforge", "none")]
+    "layout, quantize",
+    [("shards", "none"), ("shards", "fp8"), ("speculators", "none"), ("speculators", "fp8"), ("specforge", "none")],
 )
 def test_every_layout_reads_each_connector_file_once(
     layout, quantize, normed_model, merged_factory, monkeypatch, tmp_path
@@ -200,8 +224,8 @@ def test_the_settings_take_fp8_with_vllm_and_refuse_what_is_not_built_naming_the
     def problems(**data):
         return HiddenStatesConfig.rule_problems({"engine": "vllm", "vllm": vllm, "quantize": "fp8", **data})
 
-    assert problems(layout="speculators") == []
-    ((where, why),) = problems(layout="shards")
-    assert where == ("quantize",) and "fp8 needs layout: speculators" in why
+    assert problems(layout="speculators") == [] and problems(layout="shards") == []
+    ((where, why),) = problems(layout="specforge")
+    assert where == ("quantize",) and "SpecForge has no FP8 reader" in why
     ((where, why),) = problems(layout="speculators", trainer_layouts=["specforge"])
     assert where == ("trainer_layouts",) and "SpecForge has no FP8 reader" in why

@@ -68,6 +68,7 @@ from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id
 from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline.hidden_states.store.format import (
+    SCALES_NAME,
     TENSOR_NAMES,
     SampleLocation,
     build_sample_index,
@@ -103,6 +104,7 @@ HIDDEN_STATES, EXPORTS = "hidden_states", "exports"
 # Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
 SPECULATORS_FILE_BYTES = 184  # hs_{i}.safetensors: 8 B length + its JSON header of two tensors (144-168 B measured)
 SPECULATORS_FP8_FILE_BYTES = 272  # the same with the scales' third tensor entry (224-264 B measured)
+SCALES_ENTRY_BYTES = 100  # an FP8 shard's header entry of a sample's `state_scales` (~95 B measured)
 SPECFORGE_FILE_BYTES = 2_320  # a torch.save zip of four tensors: pickle, zip entries, 64 B alignment (2,205-2,317)
 ARROW_TOKEN_BYTES = 16  # speculators' dataset: input_ids and loss_mask as int64
 ARROW_SAMPLE_BYTES = 64  # seq_len, list offsets and the sample_id string
@@ -117,7 +119,8 @@ class Layout:
     name: ClassVar[str] = SHARDS
     final_state: ClassVar[str] = PRE_NORM  # the convention extraction stores
     states_in_shards: ClassVar[bool] = True  # the shard file holds the states (else only ids and masks)
-    quantize_modes: ClassVar[tuple[str, ...]] = (QUANTIZE_NONE,)  # `fp8.QUANTIZE_MODES` its files can hold
+    # `fp8.QUANTIZE_MODES` its files can hold: the shard file holds e4m3 states with their scales (`ShardWriter`)
+    quantize_modes: ClassVar[tuple[str, ...]] = fp8.QUANTIZE_MODES
     # The vLLM connector's file is already this layout's sample file (the vLLM engine renames it into place).
     takes_connector_file: ClassVar[bool] = False
 
@@ -136,7 +139,8 @@ class Layout:
         """(what, place, bytes per token, bytes per sample) of each part this layout writes (`state_token_bytes`:
         the states of one token; the shard files add `disk_plan.SHARD_FILE_BYTES` each)."""
         per_token = state_token_bytes + IDS_BYTES + MASK_BYTES
-        return [("states: project shards", HIDDEN_STATES, per_token, PROJECT_SHARD_SAMPLE_BYTES)]
+        per_sample = PROJECT_SHARD_SAMPLE_BYTES + (SCALES_ENTRY_BYTES if quantized else 0)
+        return [("states: project shards", HIDDEN_STATES, per_token, per_sample)]
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,8 @@ class TrainerLayout(Layout):
     the shard file keeps the ids and masks. `export` completes the trainer's folder from the finished shards."""
 
     states_in_shards = False
+    # a trainer's files hold FP8 only where its reader dequantizes them
+    quantize_modes: ClassVar[tuple[str, ...]] = (QUANTIZE_NONE,)
     export_format: ClassVar[str]  # the summary's `format`, its key in the export manifest
     file_glob: ClassVar[str]  # every sample file under the layout's root (stale ones are removed)
     file_rates: ClassVar[tuple[tuple[str, int, int], ...]]  # (what, extra bytes per token, bytes per sample)
@@ -258,6 +264,15 @@ class TrainerLayout(Layout):
                 raise ValueError(
                     f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table"
                 )
+            quantize = str(
+                meta.get("quantize", QUANTIZE_NONE)
+            )  # FP8 shards give FP8 files, where the trainer reads them
+            if quantize not in self.quantize_modes:
+                raise ValueError(
+                    f"{hs_dir}: shard {meta['shard_index']} holds {quantize} states and {self.name} has no reader for "
+                    f"them: a dequantized copy would cost twice their bytes for states already rounded to e4m3. "
+                    "Re-extract with quantize: none for this trainer"
+                )
             have = shard_final_state(meta)
             if have != self.final_state and self.final_state == PRE_NORM:
                 raise ValueError(
@@ -267,7 +282,7 @@ class TrainerLayout(Layout):
             if have != self.final_state:
                 head = head or load_target_head(hs_dir)
                 t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
-            data = self.serialise(t, len(meta["aux_layers"]), int(meta["hidden_size"]), aliases)
+            data = self.serialise(t, len(meta["aux_layers"]), int(meta["hidden_size"]), aliases, quantize)
             write_bytes_atomic(data, out_dir / rel)
             nbytes += len(data)
             found.add(sid)
@@ -605,20 +620,37 @@ class ShardReader:
         self._keys = set(f.keys())
         self._files = {d["sample_id"]: out_dir / d["path"] for d in meta.get("sample_files", [])}
         self._n_aux = len(meta["aux_layers"])
+        # FP8 states in the shard file itself (a trainer layout's files record their own quantization)
+        self._fp8 = self._layout.states_in_shards and meta.get("quantize") == QUANTIZE_FP8
+        self._path = shard_paths(out_dir, int(meta["shard_index"]))[0]
 
     def has(self, sid: str) -> bool:
-        own = TENSOR_NAMES if self._layout.states_in_shards else ("input_ids", "loss_mask")
+        own: tuple[str, ...] = (*TENSOR_NAMES, SCALES_NAME) if self._fp8 else TENSOR_NAMES
+        if not self._layout.states_in_shards:
+            own = ("input_ids", "loss_mask")
         if not all(tensor_key(sid, n) in self._keys for n in own):
             return False
         return self._layout.states_in_shards or (sid in self._files and self._files[sid].exists())
 
     def get(self, sid: str) -> dict[str, torch.Tensor]:
+        """The four tensors; FP8 states dequantized to fp32 (`fp8.dequantize_checked`, which refuses bad scales
+        and NaN values naming the file and sample)."""
         layout = self._layout
         if not isinstance(layout, TrainerLayout):
-            return {n: self._f.get_tensor(tensor_key(sid, n)) for n in TENSOR_NAMES}
+            out = {n: self._f.get_tensor(tensor_key(sid, n)) for n in TENSOR_NAMES}
+            if self._fp8:
+                out.update(self._dequantized(sid, out["aux_hidden_states"], out["final_hidden_state"]))
+            return out
         out = {n: self._f.get_tensor(tensor_key(sid, n)) for n in ("input_ids", "loss_mask")}
         out.update(layout.deserialise(self._files[sid], self._n_aux))
         return {n: out[n] for n in TENSOR_NAMES}
+
+    def _dequantized(self, sid: str, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
+        t, h, n_aux = int(final.shape[0]), int(final.shape[-1]), self._n_aux
+        states = torch.cat([aux.view(t, n_aux, h), final.view(t, 1, h)], dim=1)
+        scales = self._f.get_tensor(tensor_key(sid, SCALES_NAME)).unsqueeze(-1)
+        full = fp8.dequantize_checked(f"{self._path} sample {sid!r}", states, scales)
+        return {"aux_hidden_states": full[:, :n_aux].flatten(1), "final_hidden_state": full[:, n_aux]}
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 `shard-NNNNN.safetensors` holds four tensors per sample, keyed `{sample_id}/{name}`:
 `aux_hidden_states` [T, n_aux*H], `final_hidden_state` [T, H] (bf16 on GPU runs, fp32 on CPU runs),
-`input_ids` [T] int32, `loss_mask` [T] int8. `shard-NNNNN.index.parquet` is written last and records the
+`input_ids` [T] int32, `loss_mask` [T] int8; with `quantize: fp8` the states are e4m3 beside their fp32
+`SCALES_NAME` [T, n_aux + 1]. `shard-NNNNN.index.parquet` is written last and records the
 safetensors file's sha256 and size: a shard is done iff its index exists and the hash matches. States written
 straight into a trainer's layout are listed in the index's `sample_files` (`sample_file_entry`), each with its size
 and XXH3-128 (`SAMPLE_FILE_DIGEST`; entries written before it carry a sha256, still verified as such).
@@ -30,6 +31,9 @@ FORMAT_VERSION = 1
 INDEX_META_KEY = b"eagle_pipeline.hidden_states"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reader refuses larger headers (~1 KB per sample here)
 TENSOR_NAMES = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
+# With `quantize: fp8` a shard file also holds each sample's fp32 scales [T, n_aux + 1], one per token per layer (aux
+# layers, then the final state), beside its e4m3 aux and final states; every reader dequantizes (`open_shard`).
+SCALES_NAME = "state_scales"
 
 _ST_DTYPES = {
     torch.float64: "F64",
@@ -42,6 +46,7 @@ _ST_DTYPES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 INDEX_SCHEMA = pa.schema(
@@ -180,10 +185,13 @@ def shard_layout(
     ids_dtype: torch.dtype,
     mask_dtype: torch.dtype,
     states: bool = True,
+    scales: bool = False,
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """The tensor layout of a shard file, shared by every engine: samples in `order` (aux, final, ids each; ids
-    alone when `states` is false: a trainer's layout holds them), then every loss mask. Keeps the 4-byte tensors
-    ahead of the 1-byte masks, so all offsets stay aligned, and makes the file strictly sequential."""
+    alone when `states` is false: a trainer's layout holds them; with `scales`, FP8 states' fp32 `SCALES_NAME`
+    after the final state), then every loss mask. Keeps the 4-byte tensors ahead of the 1-byte masks, so all
+    offsets stay aligned (e4m3 states are T x H bytes, H a multiple of 4 in every target), and makes the file
+    strictly sequential."""
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for i in order:
         sid, t = sample_ids[i], lengths[i]
@@ -192,6 +200,8 @@ def shard_layout(
                 (tensor_key(sid, "aux_hidden_states"), state_dtype, (t, n_aux * hidden)),
                 (tensor_key(sid, "final_hidden_state"), state_dtype, (t, hidden)),
             ]
+            if scales:
+                layout.append((tensor_key(sid, SCALES_NAME), torch.float32, (t, n_aux + 1)))
         layout.append((tensor_key(sid, "input_ids"), ids_dtype, (t,)))
     layout += [(tensor_key(sample_ids[i], "loss_mask"), mask_dtype, (lengths[i],)) for i in order]
     return layout

@@ -25,6 +25,7 @@ import torch
 from eagle_pipeline.drafter_types import PRE_NORM
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.store.fingerprint import FINAL_STATES
+from eagle_pipeline.hidden_states.store.format import StreamingSafetensorsWriter
 from eagle_pipeline.shared.storage import atomic_path, file_sha256
 
 TARGET_HEAD_FILE = "target_head.safetensors"
@@ -100,9 +101,10 @@ def save_target_head(
 def _write_target_head(
     path: Path, norm: torch.Tensor, eps: float, head: torch.Tensor, source: dict[str, Any], key: str | None
 ) -> tuple[Path, str]:
-    """The file `save_target_head` describes, with each tensor's sha256 in its metadata (`verified_head_sha256`)."""
-    from safetensors.torch import save_file
-
+    """The file `save_target_head` describes, with each tensor's sha256 in its metadata (`verified_head_sha256`).
+    Written by the shards' own writer, whose header keeps the metadata in the order given: safetensors' `save_file`
+    orders it by a hash map, so two runs of the same extraction wrote different bytes (and recorded different
+    `target_head_sha256` in the shards' indexes)."""
     tensors = {NORM_TENSOR: norm.contiguous(), HEAD_TENSOR: head.contiguous()}
     meta = {
         "final_norm_eps": repr(eps),
@@ -110,9 +112,12 @@ def _write_target_head(
         "tensors_sha256": json.dumps({name: _tensor_sha256(t) for name, t in tensors.items()}, sort_keys=True),
         **({"checkpoint_head_key": key} if key is not None else {}),
     }
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
-    return path, file_sha256(path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        writer = StreamingSafetensorsWriter(fh, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], meta)
+        for name, t in tensors.items():
+            writer.write(name, t)
+        sha = writer.finish()
+    return path, sha
 
 
 def _tensor_sha256(t: torch.Tensor) -> str:

@@ -24,10 +24,12 @@ import torch
 
 from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_hf_index, final_state_hf_index
+from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
 from eagle_pipeline.hidden_states.store.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    SCALES_NAME,
     TENSOR_NAMES,
     StreamingSafetensorsWriter,
     dtype_name,
@@ -101,6 +103,12 @@ class ShardFacts:
     def states_in_shard(self) -> bool:
         return self.layout is None
 
+    @property
+    def quantized(self) -> bool:
+        """The shard file holds FP8 states and their scales (`quantize: fp8` in the shards layout; a trainer
+        layout's files quantize on their own, `TrainerLayout.serialise`)."""
+        return self.states_in_shard and self.fingerprint.quantize == fp8.QUANTIZE_FP8
+
     def record(self) -> dict[str, Any]:
         """The shard's facts, typed, in the order the safetensors header lists them (the file format,
         docs/hidden_states.md); the index records those not in `_HEADER_ONLY`."""
@@ -141,6 +149,13 @@ class ShardFacts:
             )
         if self.layout is not None:
             facts["layout"] = self.layout
+        if self.quantized:  # `dtype` stays the states' dtype before quantizing, what the readers dequantize back to
+            facts.update(
+                quantize=fp8.QUANTIZE_FP8,
+                stored_dtype=dtype_name(fp8.FP8_DTYPE),
+                scale_granularity=fp8.PER_TOKEN_LAYER,
+                scales_tensor=SCALES_NAME,
+            )
         return facts
 
     def header(self) -> dict[str, str]:
@@ -260,10 +275,11 @@ class ShardWriter:
             self._order,
             n_aux=len(facts.aux),
             hidden=facts.hidden_size,
-            state_dtype=facts.dtype,
+            state_dtype=fp8.FP8_DTYPE if facts.quantized else facts.dtype,
             ids_dtype=IDS_DTYPE,
             mask_dtype=MASK_DTYPE,
             states=facts.states_in_shard,
+            scales=facts.quantized,
         )
         self.facts, self._writer = facts, StreamingSafetensorsWriter(self._file, layout, facts.header())
 
@@ -280,11 +296,28 @@ class ShardWriter:
         if facts.states_in_shard:
             if aux is None or final is None:
                 raise ValueError(f"sample {sid!r}: the shard file holds the states, none were given")
-            w.write(tensor_key(sid, "aux_hidden_states"), aux)
-            w.write(tensor_key(sid, "final_hidden_state"), final)
+            if facts.quantized:
+                self._write_fp8(sid, aux, final)
+            else:
+                w.write(tensor_key(sid, "aux_hidden_states"), aux)
+                w.write(tensor_key(sid, "final_hidden_state"), final)
         elif aux is not None or final is not None:
             raise ValueError(f"sample {sid!r}: the {facts.layout} layout holds the states, not the shard file")
         w.write(tensor_key(sid, "input_ids"), torch.from_numpy(facts.rows.input_ids[i]))
+
+    def _write_fp8(self, sid: str, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """e4m3 aux and final states with one fp32 scale per token per layer (`fp8.quantize`, the quantizer of
+        every layout), the aux layers' scales first."""
+        facts, w = self.facts, self._writer
+        assert facts is not None and w is not None
+        t, n_aux, h = int(final.shape[0]), len(facts.aux), facts.hidden_size
+        try:
+            q = fp8.quantize(torch.cat([aux.reshape(t, n_aux, h), final.reshape(t, 1, h)], dim=1))
+        except ValueError as e:
+            raise ValueError(f"shard {facts.index:05d}, sample {sid!r}: {e}") from None
+        w.write(tensor_key(sid, "aux_hidden_states"), q.states[:, :n_aux].reshape(t, n_aux * h))
+        w.write(tensor_key(sid, "final_hidden_state"), q.states[:, n_aux])
+        w.write(tensor_key(sid, SCALES_NAME), q.scales.reshape(t, n_aux + 1))
 
     def _finish(self) -> None:
         """The loss masks (after every sample: the 1-byte tensors last keep the offsets aligned), then the hash."""
