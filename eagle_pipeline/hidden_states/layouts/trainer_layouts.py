@@ -623,12 +623,13 @@ class ShardReader:
         # FP8 states in the shard file itself (a trainer layout's files record their own quantization)
         self._fp8 = self._layout.states_in_shards and meta.get("quantize") == QUANTIZE_FP8
         self._path = shard_paths(out_dir, int(meta["shard_index"]))[0]
+        # the tensors the shard file holds of each sample
+        self._own: tuple[str, ...] = ("input_ids", "loss_mask")
+        if self._layout.states_in_shards:
+            self._own = (*TENSOR_NAMES, SCALES_NAME) if self._fp8 else TENSOR_NAMES
 
     def has(self, sid: str) -> bool:
-        own: tuple[str, ...] = (*TENSOR_NAMES, SCALES_NAME) if self._fp8 else TENSOR_NAMES
-        if not self._layout.states_in_shards:
-            own = ("input_ids", "loss_mask")
-        if not all(tensor_key(sid, n) in self._keys for n in own):
+        if not all(tensor_key(sid, n) in self._keys for n in self._own):
             return False
         return self._layout.states_in_shards or (sid in self._files and self._files[sid].exists())
 
