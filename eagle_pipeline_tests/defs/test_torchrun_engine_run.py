@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
 from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths, shard_status
 
 from ..tolerances import assert_forwards_close
@@ -29,7 +30,7 @@ def test_a_shard_materializes_through_the_torchrun_engine(tmp_path, monkeypatch,
     assert shard_status(root.hidden_states_dir, 1) == "done"
     assert all(c.passed for c in verify_shard(root.hidden_states_dir, 1, root.merged_dir).values())
     st, idx = shard_paths(root.hidden_states_dir, 1)
-    assert read_index_meta(idx)["fingerprint"]["engine"] == "torchrun"
+    assert recorded_fingerprint(read_index_meta(idx)).engine == "torchrun"
 
     cfg = PipelineResource().config().hidden_states
     vocab = PipelineResource().tokenizer().vocab_size
@@ -37,7 +38,7 @@ def test_a_shard_materializes_through_the_torchrun_engine(tmp_path, monkeypatch,
     ref = extract_shard(
         model, root.merged_dir, shard_index=1, shard_size=SHARD_SIZE, out_dir=tmp_path / "one", final_state="pre_norm"
     )  # the final state of the `shards` layout, as every engine stores it
-    assert read_index_meta(idx)["final_state"] == "pre_norm"
+    assert recorded_fingerprint(read_index_meta(idx)).final_state == "pre_norm"
     tp, one = load_file(str(st)), load_file(ref.path)
     assert tp.keys() == one.keys() and len(tp) == 4 * ref.rows
     for key, want in one.items():
@@ -63,7 +64,8 @@ def test_a_trainer_layout_through_the_torchrun_engine(layout, tmp_path, monkeypa
     root, _, _ = _engine_shard_run(tmp_path, monkeypatch, instance, "torchrun", {"tp_size": 2}, layout=layout)
     meta = read_index_meta(shard_paths(root.hidden_states_dir, 1)[1])
     want_final = "pre_norm" if layout == "speculators" else "post_norm"
-    assert meta["layout"] == layout and meta["final_state"] == want_final
+    fp = recorded_fingerprint(meta)
+    assert fp.layout == layout and fp.final_state == want_final
     files = [(root.hidden_states_dir / f["path"]).resolve() for f in meta["sample_files"]]
     assert files and all(p.is_relative_to(root.exports_dir / layout) and p.exists() for p in files)
     cfg = PipelineResource().config().hidden_states

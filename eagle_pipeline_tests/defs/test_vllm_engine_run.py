@@ -7,6 +7,7 @@ import yaml
 from safetensors import safe_open
 
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_paths, shard_status
 from eagle_pipeline.hidden_states.store.head import (
     checkpoint_head,
@@ -34,15 +35,16 @@ def test_a_shard_materializes_through_the_vllm_engine(tmp_path, monkeypatch, ins
     assert all(c.passed for c in verify_shard(root.hidden_states_dir, 1, root.merged_dir).values())
     st, idx = shard_paths(root.hidden_states_dir, 1)
     meta = read_index_meta(idx)
-    assert meta["engine"] == "vllm" and meta["final_state_is_post_norm"] is False and meta["target_head_sha256"]
+    fp = recorded_fingerprint(meta)
+    assert fp.engine == "vllm" and fp.final_state == "pre_norm" and meta["target_head_sha256"]
     # The recorded head carries the key of the checkpoint it was read from, so later shard runs only verify it.
     checkpoint = load_target_head(root.hidden_states_dir).meta["source"]["checkpoint"]
     key = checkpoint_head_key(checkpoint_head(checkpoint))
     assert verified_head_sha256(root.hidden_states_dir / "target_head.safetensors", key) == meta["target_head_sha256"]
     assert not (root.root / "head_cache").exists()
-    assert meta["vllm_layer_ids"] == [2, 4, 5, 8] and meta["aux_layers"] == [1, 3, 4]  # the tiny model: 8 layers
+    assert meta["vllm_layer_ids"] == [2, 4, 5, 8] and fp.aux_layers == (1, 3, 4)  # the tiny model: 8 layers
     with safe_open(str(st), "pt") as f:
-        assert f.metadata()["engine"] == "vllm"
+        assert recorded_fingerprint(f.metadata()).engine == "vllm"
     assert list(storage.iterdir()) == []  # the connector's per-request files are gone once the shard is committed
 
 
@@ -81,8 +83,9 @@ def test_a_trainer_layout_through_the_vllm_engine(layout, tmp_path, monkeypatch,
     vllm = {"endpoints": ["simulated"], "storage_path": str(storage), "concurrency": 2}
     root, _, _ = _engine_shard_run(tmp_path, monkeypatch, instance, "vllm", vllm, layout=layout)
     meta = read_index_meta(shard_paths(root.hidden_states_dir, 1)[1])
-    assert meta["layout"] == layout and meta["engine"] == "vllm"
-    assert meta["final_state"] == ("pre_norm" if layout == "speculators" else "post_norm")
+    fp = recorded_fingerprint(meta)
+    assert fp.layout == layout and fp.engine == "vllm"
+    assert fp.final_state == ("pre_norm" if layout == "speculators" else "post_norm")
     files = [root.hidden_states_dir / f["path"] for f in meta["sample_files"]]
     assert files and all(p.is_relative_to(root.exports_dir / layout) for p in (f.resolve() for f in files))
     for p in files:

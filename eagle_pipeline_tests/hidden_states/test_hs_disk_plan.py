@@ -11,6 +11,7 @@ import pytest
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import EXPORTS, HIDDEN_STATES
 from eagle_pipeline.hidden_states.plan.disk_plan import (
     CONNECTOR,
+    SHARD_FILE_BYTES,
     DiskBudgetExceeded,
     DiskInputs,
     StateShape,
@@ -95,7 +96,10 @@ def test_the_connector_peak_and_the_trainer_copies_are_items_of_their_own():
     ]
     states = items[1]
     assert states["per_shard"] == [1000 * (57_344 + 8) + 4 * 184, 500 * (57_344 + 8) + 2 * 184]
-    assert items[0]["per_shard"] == [1000 * 5 + 4 * 600 + 10_000, 500 * 5 + 2 * 600 + 10_000]  # + each shard's file
+    assert items[0]["per_shard"] == [
+        1000 * 5 + 4 * 600 + SHARD_FILE_BYTES,
+        500 * 5 + 2 * 600 + SHARD_FILE_BYTES,
+    ]  # + each shard's file
     assert items[3]["bytes"] == 1500 * (57_344 + 16) + 6 * 2_320 and items[3]["per_shard"] is None
     assert items[4]["bytes"] == connector_file_bytes(shape, 400) + connector_file_bytes(shape, 300)
     assert items[4]["place"] == CONNECTOR and items[4]["counted"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -18,7 +19,8 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import load_sample
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.models.model import build_tiny_model
 from eagle_pipeline.hidden_states.run import extract_shard
-from eagle_pipeline.hidden_states.store.format import TENSOR_NAMES, read_index_meta
+from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint, recorded_fingerprint
+from eagle_pipeline.hidden_states.store.format import FORMAT_VERSION, TENSOR_NAMES, read_index_meta
 from eagle_pipeline.hidden_states.store.merged import read_rows
 
 from ..tolerances import assert_forwards_close
@@ -82,7 +84,7 @@ def test_pre_norm_final_state_is_last_layer_output(tiny_ds, merged_factory, tmp_
     with torch.no_grad():
         assert_forwards_close(backbone.norm(final), post, tiny_ds.config, what="post-norm")
     with safe_open(s.path, "pt") as f:
-        assert json.loads(f.metadata()["final_state_is_post_norm"]) is False
+        assert recorded_fingerprint(f.metadata()).final_state == "pre_norm"
 
 
 def test_safetensors_and_index_read_back(tiny_ds, merged_factory, tmp_path):
@@ -97,9 +99,9 @@ def test_safetensors_and_index_read_back(tiny_ds, merged_factory, tmp_path):
         keys = set(f.keys())
         meta = f.metadata()
     assert keys == {f"{r['sample_id']}/{n}" for r in shard_rows for n in TENSOR_NAMES}
-    assert json.loads(meta["aux_layers"]) == [1, 3, 4]
+    assert recorded_fingerprint(meta).aux_layers == (1, 3, 4)
     assert json.loads(meta["hf_hidden_states_indices"]) == [2, 4, 5]
-    assert meta["dtype"] == "float32" and meta["hidden_size"] == "64" and meta["format_version"] == "1"
+    assert meta["dtype"] == "float32" and meta["hidden_size"] == "64" and meta["format_version"] == str(FORMAT_VERSION)
     assert (meta["shard_index"], meta["row_start"], meta["row_stop"]) == ("1", "6", "12")
     assert json.loads(meta["model"])["model_type"] == "deepseek_v3"
     t = load_file(s.path)
@@ -122,6 +124,27 @@ def test_safetensors_and_index_read_back(tiny_ds, merged_factory, tmp_path):
     imeta = read_index_meta(s.index_path)
     assert imeta["sha256"] == s.sha256 and imeta["size_bytes"] == s.size_bytes
     assert all(c.passed for c in verify_shard(tmp_path / "hs", 1, merged).values())
+
+
+def test_each_fact_of_a_shard_is_recorded_once_in_each_file(tiny_ds, merged_factory, tmp_path):
+    """The fingerprint is the record of the facts it covers: neither the header nor the index repeats them beside
+    it (the top-level `model` and `dtype` are other facts: the target's description beside its identity, the
+    stored dtype beside the pinned one, which the vLLM engine leaves open), and the index
+    embeds no summary: the summary a reuse reports is derived from the index, equal to the one the run reported."""
+    merged = merged_factory(make_rows(8, seed=5), [8])
+    s = extract_shard(tiny_ds, merged, shard_index=0, shard_size=8, out_dir=tmp_path / "hs", max_tokens_per_batch=64)
+    covered = {f.name for f in dataclasses.fields(ExtractionFingerprint)}
+    with safe_open(s.path, "pt") as f:
+        header = f.metadata()
+    index = read_index_meta(s.index_path)
+    for meta in (header, index):
+        assert set(meta) & covered == {"model", "dtype"} and "final_state_is_post_norm" not in meta
+        assert recorded_fingerprint(meta).to_dict() == s.fingerprint
+    assert "summary" not in index and set(index["run"]) >= {"seconds", "batches", "padded_tokens"}
+    again = extract_shard(
+        tiny_ds, merged, shard_index=0, shard_size=8, out_dir=tmp_path / "hs", max_tokens_per_batch=64
+    )
+    assert again.skipped and dataclasses.replace(again, skipped=False) == s
 
 
 def test_bf16_output_matches_fp32(tiny_ds, merged_factory, tmp_path):

@@ -18,7 +18,13 @@ from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.models.model import build_tiny_model
 from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.hidden_states.store.fingerprint import merged_version, model_identity
-from eagle_pipeline.hidden_states.store.format import INDEX_META_KEY, build_sample_index, read_index_meta, shard_paths
+from eagle_pipeline.hidden_states.store.format import (
+    FORMAT_VERSION,
+    INDEX_META_KEY,
+    build_sample_index,
+    read_index_meta,
+    shard_paths,
+)
 from eagle_pipeline.hidden_states.store.shards import (
     SUPERSEDED_DIR,
     ShardMismatchError,
@@ -114,16 +120,23 @@ def test_redo_on_request_extracts_anew_and_keeps_the_old_shard(tiny_ds, merged, 
     assert _extract(tiny_ds, merged, out, aux_layers=(0, 2, 5)).skipped
 
 
-def test_a_shard_without_a_fingerprint_is_not_trusted(tiny_ds, merged, tmp_path):
+def test_a_shard_of_an_older_format_version_is_refused_then_extracted_again(tiny_ds, merged, tmp_path):
+    """Its facts are not read (an older version may record them elsewhere): the version alone makes it stale, the
+    refusal says to extract it again, and a redo moves it aside under its version's name."""
     out = tmp_path / "hs"
-    _extract(tiny_ds, merged, out)
+    first = _extract(tiny_ds, merged, out)
     _, idx = shard_paths(out, 0)
     table = pq.read_table(idx)
     meta = json.loads(table.schema.metadata[INDEX_META_KEY])
-    del meta["fingerprint"]  # what a shard written before fingerprints existed looks like
-    pq.write_table(table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()}), idx)
-    with pytest.raises(ShardMismatchError, match=r"fingerprint: null \(on disk\)"):
+    old = {k: v for k, v in meta.items() if k != "fingerprint"}
+    old["format_version"] = FORMAT_VERSION - 1
+    pq.write_table(table.replace_schema_metadata({INDEX_META_KEY: json.dumps(old).encode()}), idx)
+    refused = rf"format_version: {FORMAT_VERSION - 1} \(on disk\) -> {FORMAT_VERSION} \(now\).*extracted again"
+    with pytest.raises(ShardMismatchError, match=refused):
         _extract(tiny_ds, merged, out)
+    redone = _extract(tiny_ds, merged, out, on_mismatch="redo")
+    assert not redone.skipped and redone.sha256 == first.sha256
+    assert (out / "superseded" / f"format-v{FORMAT_VERSION - 1}" / idx.name).exists()
 
 
 def test_the_fingerprint_is_stored_with_the_shard(tiny_ds, merged, tmp_path):

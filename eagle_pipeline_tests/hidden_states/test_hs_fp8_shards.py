@@ -26,6 +26,7 @@ from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, load_s
 from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 from eagle_pipeline.hidden_states.store import fp8
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import SCALES_NAME, shard_paths, shard_status, tensor_key
 from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 from eagle_pipeline_tests.doubles.speculators_fp8 import load_fp8_sample
@@ -70,9 +71,9 @@ def test_fp8_shard_files_hold_e4m3_states_and_per_token_per_layer_scales_within_
         fp8_bytes, bf16_bytes = fp8_bytes + path.stat().st_size, bf16_bytes + ref_path.stat().st_size
         with safe_open(str(path), framework="pt") as f, safe_open(str(ref_path), framework="pt") as r:
             meta = f.metadata()
-            assert meta["quantize"] == "fp8" and meta["scale_granularity"] == fp8.PER_TOKEN_LAYER
+            assert meta["scale_granularity"] == fp8.PER_TOKEN_LAYER and meta["scales_tensor"] == "state_scales"
             assert meta["stored_dtype"] == "float8_e4m3fn" and meta["dtype"] == "bfloat16"  # before quantizing
-            assert json.loads(meta["fingerprint"])["quantize"] == "fp8"
+            assert recorded_fingerprint(meta).quantize == "fp8"
             ids = {
                 name: [k.removesuffix("/input_ids") for k in h.keys() if k.endswith("/input_ids")]  # noqa: SIM118 (a safe_open handle is no dict: not iterable)
                 for name, h in (("ref", r), ("got", f))
@@ -234,4 +235,4 @@ def test_kill_9_mid_shard_with_fp8_shards_gives_identical_bytes_after_the_rerun(
     for name in ("shard-00000.safetensors", "target_head.safetensors"):
         assert (killed / name).read_bytes() == (clean / name).read_bytes(), name
     with safe_open(str(killed / "shard-00000.safetensors"), framework="pt") as f:
-        assert f.metadata()["quantize"] == "fp8"
+        assert recorded_fingerprint(f.metadata()).quantize == "fp8"

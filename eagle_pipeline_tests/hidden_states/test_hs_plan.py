@@ -8,6 +8,7 @@ import math
 import pytest
 
 from eagle_pipeline.hidden_states.models.model import KIMI_K25_TEXT_CONFIG
+from eagle_pipeline.hidden_states.plan.disk_plan import SHARD_FILE_BYTES
 from eagle_pipeline.hidden_states.plan.estimate import Compute, ModelShape, Storage, Workload, plan_extraction
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig, TorchrunConfig, VLLMEngineConfig
 
@@ -23,7 +24,7 @@ def test_kimi_k25_disk_and_gpu_hours_follow_the_formulas():
     assert p.aux_layers == (1, 29, 57)
     assert p.bytes_per_token == 4 * h * 2 + 4 + 1  # 3 aux + final, bf16, int32 id, int8 mask
     assert p.hidden_bytes == KIMI_TOKENS * 4 * h * 2
-    assert p.bytes_on_disk == KIMI_TOKENS * p.bytes_per_token + KIMI_SAMPLES * 640 + p.n_shards * 10_000
+    assert p.bytes_on_disk == KIMI_TOKENS * p.bytes_per_token + KIMI_SAMPLES * 640 + p.n_shards * SHARD_FILE_BYTES
     assert 7.8e12 < p.bytes_on_disk < 8.0e12  # the ~7.9 TB headline
     assert p.flops == 2 * KIMI_K25_TEXT_CONFIG["active_params"] * KIMI_TOKENS
     assert p.gpu_hours == pytest.approx(p.flops / (989e12 * 0.35) / 3600)

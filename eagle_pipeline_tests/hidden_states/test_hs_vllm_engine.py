@@ -24,6 +24,7 @@ from eagle_pipeline.hidden_states.engines.vllm.vllm_files import (
 )
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_status
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble, ids_key
 from eagle_pipeline_tests.hidden_states.engine_runs import vllm_shard
@@ -91,8 +92,9 @@ def test_engine_path_equals_in_process_path(family, tiny_ds, tiny_llama, merged,
         else:
             assert torch.equal(eng[key], want)
     meta = read_index_meta(s.index_path)
-    assert meta["engine"] == "vllm" and meta["vllm_layer_ids"] == [2, 4, 5, 8] and meta["aux_layers"] == [1, 3, 4]
-    assert meta["final_state_is_post_norm"] is False
+    fp = recorded_fingerprint(meta)
+    assert fp.engine == "vllm" and meta["vllm_layer_ids"] == [2, 4, 5, 8] and fp.aux_layers == (1, 3, 4)
+    assert fp.final_state == "pre_norm"
 
 
 def test_double_speaks_vllm_and_follows_its_layer_convention(tiny_ds, tmp_path):
@@ -268,7 +270,7 @@ def test_kill_9_mid_shard_resumes_with_identical_bytes(tiny_ds, merged, tmp_path
         s = _engine(merged, out, [srv.url], storage)
     assert s.sha256 == clean_sha and shard_status(out, 0) == "done"
     assert not journal.exists() and list(storage.iterdir()) == []  # the killed run's files are gone too
-    assert json.loads(json.dumps(read_index_meta(s.index_path)))["summary"]["rows"] == 8
+    assert json.loads(json.dumps(read_index_meta(s.index_path)))["rows"] == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

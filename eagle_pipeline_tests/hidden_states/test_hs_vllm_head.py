@@ -27,6 +27,7 @@ from eagle_pipeline.hidden_states.checks.audit import (
 from eagle_pipeline.hidden_states.checks.stored_audits import audit_shard_cached
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import vllm_layer_ids
 from eagle_pipeline.hidden_states.run import extract_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index_meta
 from eagle_pipeline.hidden_states.store.head import (
     SAFETENSORS_INDEX,
@@ -89,7 +90,11 @@ def test_engine_shards_are_judged_with_the_checkpoint_head(normed_model, texts, 
     merged = merged_factory(texts)
     s = _engine_shard(normed_model, checkpoint, merged, tmp_path, len(texts))
     meta = read_index_meta(s.index_path)
-    assert meta["final_state"] == "pre_norm" and meta["final_norm_eps"] == 1e-5 and meta["target_head_sha256"]
+    assert (
+        recorded_fingerprint(meta).final_state == "pre_norm"
+        and meta["final_norm_eps"] == 1e-5
+        and meta["target_head_sha256"]
+    )
     head = load_target_head(tmp_path / "eng")
     assert head.meta["source"]["final_norm"] == "model.safetensors:model.norm.weight"
     # The recorded head is the one the in-process engine records from the loaded model, tensor for tensor.

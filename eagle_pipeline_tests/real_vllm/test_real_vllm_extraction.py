@@ -18,6 +18,7 @@ from eagle_pipeline.config import load_config
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
 from eagle_pipeline.hidden_states.engines.engine import ExtractionPaths
 from eagle_pipeline.hidden_states.run import extract_shard, run_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index_meta, shard_status
 from eagle_pipeline_tests.hidden_states.conftest import make_rows, write_merged
 
@@ -95,7 +96,7 @@ def test_engine_shard_equals_in_process_extraction(real_vllm, tmp_path):
     print(f"\nreal vLLM vs in process (llama fp32): max |diff| {worst:.2e} over {len(x.rows)} samples")
     assert worst < 1e-5  # what docs/hidden_states.md states for Llama in fp32
     meta = read_index_meta(x.summary.index_path)
-    assert meta["engine"] == "vllm" and meta["vllm_layer_ids"] == [2, 4, 5, 8]
+    assert recorded_fingerprint(meta).engine == "vllm" and meta["vllm_layer_ids"] == [2, 4, 5, 8]
 
 
 BF16_PATHS = 2.0  # two bf16 forwards of one model, each its own rounding away from fp32

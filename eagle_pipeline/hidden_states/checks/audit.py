@@ -34,10 +34,10 @@ import torch
 from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
 from eagle_pipeline.hidden_states.checks.verify import MAX_FAILING_IDS
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import open_shard
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta, shard_paths
 from eagle_pipeline.hidden_states.store.head import TargetHead, load_target_head
 from eagle_pipeline.hidden_states.store.merged import read_rows
-from eagle_pipeline.hidden_states.store.shard_index import shard_final_state
 from eagle_pipeline.shared.checks import CheckResult
 
 # docs/hidden_states.md §7: tiny targets on their own greedy text agree at 1.0, every injected corruption at <= 0.16;
@@ -157,10 +157,11 @@ def audit_shard(
     idx_path = shard_paths(out_dir, shard_index)[1]
     meta = read_index_meta(idx_path)
     index = read_index(idx_path)
-    hidden, aux_layers = int(meta["hidden_size"]), [int(x) for x in meta["aux_layers"]]
-    n_layers = meta.get("model", {}).get("num_layers")
+    fp = recorded_fingerprint(meta)
+    hidden, aux_layers = int(meta["hidden_size"]), list(fp.aux_layers)
+    n_layers = meta["model"].get("num_layers")
     expected = list(resolve_aux_layers(expected_aux_layers, int(n_layers))) if n_layers else aux_layers
-    convention = shard_final_state(meta)
+    convention = fp.final_state
     head, no_head = _audit_head(out_dir, head, device)
     merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
     merged_len = {sid: len(ids) for sid, ids in zip(merged.sample_ids, merged.input_ids)}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.hidden_states.checks.audit import AUDIT_CHECKS, FAIL, AuditCheck, audit_shard
-from eagle_pipeline.hidden_states.store.format import read_index_meta, sample_file_digest_of, shard_paths
+from eagle_pipeline.hidden_states.store.format import SAMPLE_FILE_DIGEST, read_index_meta, shard_paths
 from eagle_pipeline.hidden_states.store.head import recorded_head_sha256, stale_head_note
 
 
@@ -31,7 +31,7 @@ def audit_shard_cached(
     manifest = Path(merged_dir) / "manifest.json"
     key = {
         "shard_sha256": meta["sha256"],
-        "sample_files_digest": [sample_file_digest_of(f) for f in meta.get("sample_files", [])],
+        "sample_files_digest": [f[SAMPLE_FILE_DIGEST] for f in meta.get("sample_files", [])],
         "target_head_sha256": meta.get("target_head_sha256"),
         "recorded_head_sha256": recorded_head_sha256(out_dir),  # the head it is judged with now
         "merged_manifest_sha256": file_sha256(manifest) if manifest.exists() else None,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta, shard_paths
 from eagle_pipeline.hidden_states.store.merged import read_rows
 from eagle_pipeline.shared.checks import CheckResult
@@ -48,7 +49,7 @@ def verify_shard(out_dir: str | Path, shard_index: int, merged_dir: str | Path) 
     idx_path = shard_paths(out_dir, shard_index)[1]
     meta = read_index_meta(idx_path)
     index = read_index(idx_path)
-    hidden, n_aux = int(meta["hidden_size"]), len(meta["aux_layers"])
+    hidden, n_aux = int(meta["hidden_size"]), len(recorded_fingerprint(meta).aux_layers)
     merged = read_rows(merged_dir, int(meta["row_start"]), int(meta["row_stop"]))
     merged_by_id = {sid: i for i, sid in enumerate(merged.sample_ids)}
 

@@ -135,8 +135,8 @@ def run_world(
         )
     if log is not None and proc.stdout.strip():
         log(f"shard {s.shard_index:05d}: world done: {proc.stdout.strip().splitlines()[-1]}")
-    stored = read_index_meta(shard_paths(s.out_dir, s.shard_index)[1])
-    return ShardSummary(**{**stored["summary"], "fingerprint": stored.get("fingerprint") or {}})
+    idx_path = shard_paths(s.out_dir, s.shard_index)[1]
+    return ShardSummary.from_index(read_index_meta(idx_path), idx_path)
 
 
 class TorchrunEngine:

@@ -24,9 +24,9 @@ from eagle_pipeline.drafter_types import (
     why_not_served,
 )
 from eagle_pipeline.hidden_states.settings import SHARDS
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.fp8 import FP8_BACKEND, FP8_BACKEND_FLAG, QUANTIZE_FP8, QUANTIZE_NONE
 from eagle_pipeline.hidden_states.store.shard_index import shard_indexes
-from eagle_pipeline.hidden_states.store.shards import FINGERPRINT_META_KEY
 
 CONVENTIONS = {
     "project": "0-based decoder-layer outputs: the residual stream after layer k",
@@ -53,14 +53,14 @@ def capture_of_shards(hs_dir: str | Path) -> Capture:
     seen: dict[tuple[Any, ...], int] = {}
     capture: Capture | None = None
     for shard, meta, _ids in shard_indexes(hs_dir):
-        model = dict(meta.get("model") or {})
+        model, fp = dict(meta["model"]), recorded_fingerprint(meta)
         c = Capture(
-            aux_layers=tuple(int(x) for x in meta["aux_layers"]),
+            aux_layers=fp.aux_layers,
             num_layers=int(model["num_layers"]) if model.get("num_layers") is not None else None,
             hidden_size=int(meta["hidden_size"]),
             dtype=str(meta["dtype"]),
-            target={"description": model, "identity": (meta.get(FINGERPRINT_META_KEY) or {}).get("model")},
-            quantize=str((meta.get(FINGERPRINT_META_KEY) or {}).get("quantize", QUANTIZE_NONE)),
+            target={"description": model, "identity": fp.model},
+            quantize=fp.quantize,
         )
         key = (c.aux_layers, c.hidden_size, c.dtype, c.quantize)
         if seen and key not in seen:

@@ -67,6 +67,7 @@ from eagle_pipeline.hidden_states.layouts.trainer_exports import (
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id
 from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store import fp8
+from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import (
     SCALES_NAME,
     TENSOR_NAMES,
@@ -86,8 +87,6 @@ from eagle_pipeline.hidden_states.store.shard_index import (
     MASK_BYTES,
     PROJECT_SHARD_SAMPLE_BYTES,
     recorded_drops,
-    recorded_layout,
-    shard_final_state,
     shard_indexes,
 )
 from eagle_pipeline.merge.vocab import D2T_NPY, DRAFT_VOCAB_PT, T2D_NPY
@@ -264,16 +263,15 @@ class TrainerLayout(Layout):
                 raise ValueError(
                     f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table"
                 )
-            quantize = str(
-                meta.get("quantize", QUANTIZE_NONE)
-            )  # FP8 shards give FP8 files, where the trainer reads them
+            fp = recorded_fingerprint(meta)
+            quantize = fp.quantize  # an FP8 extraction gives FP8 files, where the trainer reads them
             if quantize not in self.quantize_modes:
                 raise ValueError(
                     f"{hs_dir}: shard {meta['shard_index']} holds {quantize} states and {self.name} has no reader for "
                     f"them: a dequantized copy would cost twice their bytes for states already rounded to e4m3. "
                     "Re-extract with quantize: none for this trainer"
                 )
-            have = shard_final_state(meta)
+            have = fp.final_state
             if have != self.final_state and self.final_state == PRE_NORM:
                 raise ValueError(
                     f"{hs_dir}: shard {meta['shard_index']} stores the final state post-norm; {self.name} applies the "
@@ -282,7 +280,7 @@ class TrainerLayout(Layout):
             if have != self.final_state:
                 head = head or load_target_head(hs_dir)
                 t = {**t, "final_hidden_state": head.final_norm(t["final_hidden_state"])}
-            data = self.serialise(t, len(meta["aux_layers"]), int(meta["hidden_size"]), aliases, quantize)
+            data = self.serialise(t, len(fp.aux_layers), int(meta["hidden_size"]), aliases, quantize)
             write_bytes_atomic(data, out_dir / rel)
             nbytes += len(data)
             found.add(sid)
@@ -615,13 +613,14 @@ class ShardReader:
 
     def __init__(self, f: Any, meta: dict[str, Any], out_dir: Path):
         self._f, self.meta, self._out_dir = f, meta, out_dir
-        self.layout = recorded_layout(meta)
+        fp = recorded_fingerprint(meta)
+        self.layout = fp.layout
         self._layout = layout_of(self.layout)
         self._keys = set(f.keys())
         self._files = {d["sample_id"]: out_dir / d["path"] for d in meta.get("sample_files", [])}
-        self._n_aux = len(meta["aux_layers"])
+        self._n_aux = len(fp.aux_layers)
         # FP8 states in the shard file itself (a trainer layout's files record their own quantization)
-        self._fp8 = self._layout.states_in_shards and meta.get("quantize") == QUANTIZE_FP8
+        self._fp8 = self._layout.states_in_shards and fp.quantize == QUANTIZE_FP8
         self._path = shard_paths(out_dir, int(meta["shard_index"]))[0]
         # the tensors the shard file holds of each sample
         self._own: tuple[str, ...] = ("input_ids", "loss_mask")
@@ -671,7 +670,7 @@ def iter_shard_samples(
     """(sample_id, the four tensors, the shard's index metadata) for every sample of every shard, one at a time;
     shards already in `skip_layout` are passed over."""
     for shard, meta, sample_ids in shard_indexes(hs_dir):
-        if skip_layout is not None and recorded_layout(meta) == skip_layout:
+        if skip_layout is not None and recorded_fingerprint(meta).layout == skip_layout:
             continue
         with open_shard(hs_dir, shard) as reader:
             for sid in sample_ids:
@@ -683,7 +682,7 @@ def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
     table puts them."""
     found: set[str] = set()
     for _shard, meta, _ids in shard_indexes(hs_dir):
-        if recorded_layout(meta) != target.name:
+        if recorded_fingerprint(meta).layout != target.name:
             continue
         for d in meta.get("sample_files", []):
             want = target.file_of.get(d["sample_id"])

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
 
 # Beyond the tensors' bytes, measured with the writers (test_hs_disk_plan holds the plan within 1 % of real files):
-SHARD_FILE_BYTES = 10_000  # per shard: its header's metadata (~1.4 KB) and the index's Parquet footer (~8.3 KB)
+SHARD_FILE_BYTES = 6_500  # per shard: its header's metadata (~1.3 KB) and the index's Parquet footer (~5.0 KB)
 FP8_SCALE_BYTES = 4  # one fp32 scale per state vector (per token per layer)
 SERVED_FP8_SOURCE_BYTES = 2  # the bf16 a vLLM server writes, which the client quantizes to FP8
 CONNECTOR = "connector"  # where the vLLM connector's files land; a layout's own places: `trainer_layouts`
@@ -359,12 +359,13 @@ def check_disk_for_run(
 def states_bytes(hs_dir: str | Path, *, skip_layout: str | None = None) -> int:
     """Bytes of the shards' states (from their indexes), leaving out shards already in `skip_layout`: about what
     converting them to a trainer layout writes again."""
-    from eagle_pipeline.hidden_states.store.shard_index import recorded_layout, shard_indexes
+    from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
+    from eagle_pipeline.hidden_states.store.shard_index import shard_indexes
 
     return sum(
         int(meta["size_bytes"])
         for _shard, meta, _ids in shard_indexes(hs_dir)
-        if skip_layout is None or recorded_layout(meta) != skip_layout
+        if skip_layout is None or recorded_fingerprint(meta).layout != skip_layout
     )
 
 

@@ -1,6 +1,8 @@
 """The extraction fingerprint: every setting and input that decides what a hidden-state shard holds.
 
-It is stored with each shard (index metadata and safetensors metadata). A finished shard is reused only when its
+It is stored with each shard (index metadata and safetensors metadata, key `fingerprint`), and it is the one record
+there of the facts it covers (layers, final state, layout, quantization, engine): readers take them from
+`recorded_fingerprint`. A finished shard is reused only when its
 fingerprint equals the one asked for now; otherwise it is refused with the fields that differ, or, on explicit
 request, extracted again with the old files moved aside (`shards.prepare_shard`). See docs/hidden_states.md §6.
 """
@@ -18,11 +20,11 @@ import torch
 
 from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
 from eagle_pipeline.hidden_states.settings import SHARDS
-from eagle_pipeline.hidden_states.store.format import FORMAT_VERSION
 from eagle_pipeline.hidden_states.store.merged import merged_parts
 from eagle_pipeline.merge.manifest import MANIFEST_NAME
 from eagle_pipeline.shared.storage import file_sha256, read_json
 
+FINGERPRINT_META_KEY = "fingerprint"
 ENGINE_IN_PROCESS = "in_process"  # transformers forward in this process; 'vllm' and 'torchrun' record their own
 FINAL_STATES = (POST_NORM, PRE_NORM)
 # Keys of a transformers config that do not change what the model computes (or are recorded elsewhere: the stored
@@ -63,7 +65,6 @@ class ExtractionFingerprint:
     engine: str = ENGINE_IN_PROCESS
     layout: str = SHARDS
     quantize: str = "none"  # fp8.QUANTIZE_MODES: how the states are stored
-    format_version: int = FORMAT_VERSION
     # Sample ids of the shard's rows it holds no states for (vLLM, `too_long_rows: drop`), sorted; None where the
     # engine leaves nothing out. The servers' max_model_len and too_long_rows change what a shard holds only through
     # these rows, so they are recorded instead: a server restarted with a larger limit keeps every shard that lost
@@ -93,18 +94,21 @@ class ExtractionFingerprint:
         """A short stable id of this fingerprint (names the folder a superseded shard is moved to)."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def diff(self, stored: ExtractionFingerprint | None) -> dict[str, tuple[Any, Any]]:
+    def diff(self, stored: ExtractionFingerprint) -> dict[str, tuple[Any, Any]]:
         """Field -> (on disk, wanted) for every field that differs; nested model fields as `model.<key>`.
-        A field this fingerprint leaves unpinned (None) is not compared. A shard without a fingerprint (written
-        before fingerprints existed) differs in every field."""
-        if stored is None:
-            return {"fingerprint": (None, "present")}
+        A field this fingerprint leaves unpinned (None) is not compared."""
         mine, theirs = _flat(self.to_dict()), _flat(stored.to_dict())
         return {
             k: (theirs.get(k), mine.get(k))
             for k in sorted(set(mine) | set(theirs))
             if mine.get(k) is not None and mine.get(k) != theirs.get(k)
         }
+
+
+def recorded_fingerprint(meta: Mapping[str, Any]) -> ExtractionFingerprint:
+    """The fingerprint a shard's index or safetensors metadata records (JSON text in the latter)."""
+    raw = meta[FINGERPRINT_META_KEY]
+    return ExtractionFingerprint.from_dict(json.loads(raw) if isinstance(raw, str) else raw)
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

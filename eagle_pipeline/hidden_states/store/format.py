@@ -27,7 +27,7 @@ import xxhash
 from eagle_pipeline.shared.storage import TMP_SUFFIX, file_sha256, file_xxh3_128
 
 FORMAT_NAME = "eagle_pipeline.hidden_states"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # a shard of another version is stale (`shards.shard_state`): extracted again, never read
 INDEX_META_KEY = b"eagle_pipeline.hidden_states"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reader refuses larger headers (~1 KB per sample here)
 TENSOR_NAMES = ("aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask")
@@ -263,7 +263,6 @@ def shard_status(out_dir: str | Path, shard_index: int, *, check_hash: bool = Tr
 # The integrity record of a trainer file: at Kimi's rate (~1.4 GB/s of states per server) a sha256 pass was the
 # largest cost of the zero-copy hand-off; XXH3-128 detects the same torn or truncated writes at ~0.05 s/GB.
 SAMPLE_FILE_DIGEST = "xxh3_128"
-_FILE_DIGESTS = {SAMPLE_FILE_DIGEST: file_xxh3_128, "sha256": file_sha256}
 
 
 def sample_file_digest(data: Any) -> str:
@@ -276,11 +275,6 @@ def sample_file_entry(sample_id: str, rel_path: str, size: int, digest: str) -> 
     return {"sample_id": sample_id, "path": rel_path, "size": size, SAMPLE_FILE_DIGEST: digest}
 
 
-def sample_file_digest_of(entry: dict[str, Any]) -> str:
-    """The digest a `sample_files` entry records, whichever kind it is."""
-    return str(entry.get(SAMPLE_FILE_DIGEST) or entry["sha256"])
-
-
 def sample_file_intact(out_dir: str | Path, entry: dict[str, Any], *, check_hash: bool = True) -> bool:
     """Whether the trainer file of `entry` exists with its recorded size (and digest, unless `check_hash=False`)."""
     p = Path(out_dir) / entry["path"]
@@ -288,8 +282,7 @@ def sample_file_intact(out_dir: str | Path, entry: dict[str, Any], *, check_hash
         return False
     if not check_hash:
         return True
-    kind = SAMPLE_FILE_DIGEST if SAMPLE_FILE_DIGEST in entry else "sha256"
-    return bool(_FILE_DIGESTS[kind](p) == entry[kind])
+    return bool(file_xxh3_128(p) == entry[SAMPLE_FILE_DIGEST])
 
 
 def remove_shard(out_dir: str | Path, shard_index: int) -> None:

@@ -3,14 +3,11 @@ shard's ids and masks."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle_pipeline.drafter_types import POST_NORM, PRE_NORM
-from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta
 
 IDS_DTYPE = torch.int32
@@ -29,18 +26,6 @@ def shard_indexes(hs_dir: str | Path) -> list[tuple[int, dict[str, Any], list[st
         meta = read_index_meta(idx_path)
         out.append((int(meta["shard_index"]), meta, read_index(idx_path).column("sample_id").to_pylist()))
     return out
-
-
-def recorded_layout(meta: Mapping[str, Any]) -> str:
-    """The layout a shard's index metadata records its states in (`settings.LAYOUT_NAMES`)."""
-    return str(meta.get("layout", SHARDS))
-
-
-def shard_final_state(meta: Mapping[str, Any]) -> str:
-    """The final-state convention a shard's index metadata records ('pre_norm' | 'post_norm')."""
-    if "final_state" in meta:
-        return str(meta["final_state"])
-    return POST_NORM if meta.get("final_state_is_post_norm", True) else PRE_NORM
 
 
 def recorded_drops(hs_dir: str | Path) -> list[dict[str, Any]]:

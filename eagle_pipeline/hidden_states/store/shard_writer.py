@@ -2,8 +2,11 @@
 
 An engine describes the shard once (`ShardFacts`), hands each row's states to `ShardWriter` in the order it declared,
 and ends with what only the run knew (`ShardRun`: timings, NaN/Inf counts, a trainer layout's files, the head's hash).
-Every fact about the shard is taken from those two objects in one place: `ShardFacts.record` (what the safetensors
-header records, and the index with it), `ShardFacts.summary` and `ShardFacts.index_meta`. The states file is written
+Every fact about the shard is taken from those two objects in one place, `ShardFacts.record`, and stated once in it:
+the fingerprint is the record of the layers, the final state, the layout, the quantization and the engine
+(`fingerprint.recorded_fingerprint` reads them). The safetensors header holds the record, so that the file describes
+itself; the index holds it too (`ShardFacts.index_meta`, with what only the run knew), so that listings and the reuse
+decision never open a states file; the summary is derived from the index (`ShardSummary.from_index`). The states file is written
 to a temporary file renamed into place when complete, the index (the 'done' marker) after it: a killed run leaves
 only temporaries, and a rerun writes the same bytes.
 """
@@ -24,8 +27,9 @@ import torch
 
 from eagle_pipeline.drafter_types import POST_NORM
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_hf_index, final_state_hf_index
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store import fp8
-from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint
+from eagle_pipeline.hidden_states.store.fingerprint import FINGERPRINT_META_KEY, ExtractionFingerprint
 from eagle_pipeline.hidden_states.store.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -40,7 +44,7 @@ from eagle_pipeline.hidden_states.store.format import (
 )
 from eagle_pipeline.hidden_states.store.merged import MergedRows
 from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
-from eagle_pipeline.hidden_states.store.shards import FINGERPRINT_META_KEY, HEAD_META_KEY, ShardSummary
+from eagle_pipeline.hidden_states.store.shards import FORMAT_META_KEY, HEAD_META_KEY, RUN_META_KEY, ShardSummary
 from eagle_pipeline.shared.storage import atomic_path
 
 VLLM_LAYER_IDS_CONVENTION = (
@@ -56,8 +60,6 @@ _HEADER_ONLY = frozenset(
         "hf_hidden_states_final_index",
         "ids_dtype",
         "mask_dtype",
-        "rows",
-        "tokens",
         "torch_version",
         "transformers_version",
         "vllm_layer_ids_convention",
@@ -91,13 +93,16 @@ class ShardFacts:
     layout_root: Path | None = None  # that layout's folder
     vllm: VllmFacts | None = None
 
+    def __post_init__(self) -> None:
+        if (self.layout or SHARDS) != self.fingerprint.layout:
+            raise ValueError(
+                f"shard {self.index:05d}: its states go to the {self.layout or SHARDS} layout, but its fingerprint "
+                f"records {self.fingerprint.layout}"
+            )
+
     @property
     def aux(self) -> list[int]:
         return list(self.fingerprint.aux_layers)
-
-    @property
-    def post_norm(self) -> bool:
-        return self.fingerprint.final_state == POST_NORM
 
     @property
     def states_in_shard(self) -> bool:
@@ -110,19 +115,20 @@ class ShardFacts:
         return self.states_in_shard and self.fingerprint.quantize == fp8.QUANTIZE_FP8
 
     def record(self) -> dict[str, Any]:
-        """The shard's facts, typed, in the order the safetensors header lists them (the file format,
-        docs/hidden_states.md); the index records those not in `_HEADER_ONLY`."""
+        """The shard's facts, each once, typed, in the order the safetensors header lists them (the file format,
+        docs/hidden_states.md §5); the index records those not in `_HEADER_ONLY`."""
         rows, n = self.rows, self.num_layers
         facts: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "aux_layers": self.aux,
+            FORMAT_META_KEY: FORMAT_VERSION,
+            FINGERPRINT_META_KEY: self.fingerprint.to_dict(),
             "aux_layers_convention": "0-based decoder-layer outputs",
-            # null where the tensor is not in transformers' tuple (the last layer's raw output; a pre-norm state)
+            # transformers' names of the same tensors, for a reader of the file alone; null where the tensor is not
+            # in transformers' tuple (the last layer's raw output; a pre-norm state)
             "hf_hidden_states_indices": [aux_layer_to_hf_index(x, n) for x in self.aux],
-            "hf_hidden_states_final_index": final_state_hf_index(n, post_norm=self.post_norm),
-            "final_state_is_post_norm": self.post_norm,
-            "final_state": self.fingerprint.final_state,
+            "hf_hidden_states_final_index": final_state_hf_index(
+                n, post_norm=self.fingerprint.final_state == POST_NORM
+            ),
             "hidden_size": self.hidden_size,
             "dtype": dtype_name(self.dtype),
             "ids_dtype": dtype_name(IDS_DTYPE),
@@ -133,7 +139,6 @@ class ShardFacts:
             "rows": len(rows),
             "tokens": int(sum(rows.lengths)),
             "model": dict(self.model),
-            FINGERPRINT_META_KEY: self.fingerprint.to_dict(),
             "torch_version": torch.__version__,
             "transformers_version": transformers_version(),
         }
@@ -141,17 +146,13 @@ class ShardFacts:
             facts["final_norm_eps"] = self.final_norm_eps
         if self.vllm is not None:
             facts.update(
-                engine="vllm",
                 vllm_layer_ids=list(self.vllm.layer_ids),
                 vllm_max_model_len=self.vllm.max_model_len,
                 dropped_rows=self.vllm.dropped,
                 vllm_layer_ids_convention=VLLM_LAYER_IDS_CONVENTION,
             )
-        if self.layout is not None:
-            facts["layout"] = self.layout
         if self.quantized:  # `dtype` stays the states' dtype before quantizing, what the readers dequantize back to
             facts.update(
-                quantize=fp8.QUANTIZE_FP8,
                 stored_dtype=dtype_name(fp8.FP8_DTYPE),
                 scale_granularity=fp8.PER_TOKEN_LAYER,
                 scales_tensor=SCALES_NAME,
@@ -166,43 +167,22 @@ class ShardFacts:
             for k, v in self.record().items()
         }
 
-    def summary(self, writer: ShardWriter, run: ShardRun) -> ShardSummary:
-        """The summary of the shard `writer` has just written, as every engine reports and stores it."""
-        real, padded = int(sum(self.rows.lengths)), run.padded_tokens
-        st_path, idx_path = writer.paths
-        return ShardSummary(
-            shard_index=self.index,
-            row_start=self.rows.row_start,
-            row_stop=self.rows.row_stop,
-            rows=len(self.rows),
-            tokens=real,
-            padded_tokens=padded,
-            padding_fraction=padded / max(real + padded, 1),
-            batches=run.batches,
-            seconds=run.seconds,
-            tokens_per_s=real / run.seconds if run.seconds > 0 else float("inf"),
-            path=str(st_path),
-            index_path=str(idx_path),
-            sha256=writer.sha256,
-            size_bytes=writer.size_bytes,
-            dtype=dtype_name(self.dtype),
-            aux_layers=self.aux,
-            final_state_is_post_norm=self.post_norm,
-            n_nonfinite_samples=int((run.nonfinite > 0).sum()),
-            compute_seconds=run.compute_seconds,
-            write_wait_seconds=run.write_wait_seconds,
-            fingerprint=self.fingerprint.to_dict(),
-        )
-
-    def index_meta(self, writer: ShardWriter, summary: ShardSummary, run: ShardRun) -> dict[str, Any]:
-        """The index's metadata: the file's name, hash and size, the facts the header records too, the summary,
-        and what only the run knew."""
+    def index_meta(self, writer: ShardWriter, run: ShardRun) -> dict[str, Any]:
+        """The index's metadata: the file's name, hash and size, the facts the header records too, and what only
+        the run knew."""
         meta: dict[str, Any] = {
-            "safetensors_file": Path(summary.path).name,
-            "sha256": summary.sha256,
-            "size_bytes": summary.size_bytes,
-            "summary": summary.to_dict(),
+            "safetensors_file": writer.paths[0].name,
+            "sha256": writer.sha256,
+            "size_bytes": writer.size_bytes,
             **{k: v for k, v in self.record().items() if k not in _HEADER_ONLY},
+            RUN_META_KEY: {
+                "seconds": run.seconds,
+                "compute_seconds": run.compute_seconds,
+                "write_wait_seconds": run.write_wait_seconds,
+                "batches": run.batches,
+                "padded_tokens": run.padded_tokens,
+                "n_nonfinite_samples": int((run.nonfinite > 0).sum()),
+            },
         }
         if run.head_sha256 is not None:
             meta[HEAD_META_KEY] = run.head_sha256
@@ -333,8 +313,7 @@ class ShardWriter:
         facts = self.facts
         if facts is None or not self.sha256:
             raise ValueError(f"{self.paths[0]}: the states file is not complete; no index is written")
-        summary = facts.summary(self, run)
-        rows = facts.rows
+        rows, meta = facts.rows, facts.index_meta(self, run)
         write_index(
             self.paths[1],
             {
@@ -346,9 +325,9 @@ class ShardWriter:
                 "n_nonfinite": run.nonfinite.tolist(),
                 "keys": [[tensor_key(sid, k) for k in TENSOR_NAMES] for sid in rows.sample_ids],
             },
-            facts.index_meta(self, summary, run),
+            meta,
         )
-        return summary
+        return ShardSummary.from_index(meta, self.paths[1])
 
 
 def transformers_version() -> str:

@@ -9,12 +9,15 @@ or `missing` (`format.shard_status`).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint, describe_diff
+from eagle_pipeline.drafter_types import POST_NORM
+from eagle_pipeline.hidden_states.store.fingerprint import ExtractionFingerprint, describe_diff, recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import (
+    FORMAT_VERSION,
     read_index_meta,
     remove_shard,
     shard_number,
@@ -26,8 +29,9 @@ from eagle_pipeline.hidden_states.store.merged import count_rows, num_shards
 
 ON_MISMATCH = ("refuse", "redo")
 SUPERSEDED_DIR = "superseded"
-FINGERPRINT_META_KEY = "fingerprint"
 HEAD_META_KEY = "target_head_sha256"  # the index's record of the head file the shard was cut with
+RUN_META_KEY = "run"  # the index's record of what only the run knew (`shard_writer.ShardRun`)
+FORMAT_META_KEY = "format_version"
 
 
 @dataclass
@@ -58,6 +62,38 @@ class ShardSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_index(cls, meta: Mapping[str, Any], index_path: str | Path, *, skipped: bool = False) -> ShardSummary:
+        """The summary of a shard from its index metadata (`shard_writer.ShardFacts.index_meta`): built here alone,
+        for the run that wrote the shard and for every later run that reuses it."""
+        fp, run = recorded_fingerprint(meta), meta[RUN_META_KEY]
+        tokens, padded, seconds = int(meta["tokens"]), int(run["padded_tokens"]), float(run["seconds"])
+        index_path = Path(index_path)
+        return cls(
+            shard_index=int(meta["shard_index"]),
+            row_start=int(meta["row_start"]),
+            row_stop=int(meta["row_stop"]),
+            rows=int(meta["rows"]),
+            tokens=tokens,
+            padded_tokens=padded,
+            padding_fraction=padded / max(tokens + padded, 1),
+            batches=int(run["batches"]),
+            seconds=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
+            path=str(index_path.with_name(meta["safetensors_file"])),
+            index_path=str(index_path),
+            sha256=str(meta["sha256"]),
+            size_bytes=int(meta["size_bytes"]),
+            dtype=str(meta["dtype"]),
+            aux_layers=list(fp.aux_layers),
+            final_state_is_post_norm=fp.final_state == POST_NORM,
+            n_nonfinite_samples=int(run["n_nonfinite_samples"]),
+            compute_seconds=float(run["compute_seconds"]),
+            write_wait_seconds=float(run["write_wait_seconds"]),
+            skipped=skipped,
+            fingerprint=fp.to_dict(),
+        )
+
 
 @dataclass(frozen=True)
 class ShardState:
@@ -74,6 +110,12 @@ class ShardMismatchError(ValueError):
         self.shard_index = shard_index
         self.differences = differences
         st_path, _ = shard_paths(out_dir, shard_index)
+        older = (
+            f" (written in format version {differences[FORMAT_META_KEY][0]} of this project's shard files; this "
+            f"version reads {FORMAT_VERSION} only, so its states must be extracted again)"
+            if FORMAT_META_KEY in differences
+            else ""
+        )
         head = (
             f" (the target's final norm / lm_head in {Path(out_dir) / TARGET_HEAD_FILE} was rewritten since: its "
             "checkpoint changed in place or another one was used)"
@@ -82,7 +124,7 @@ class ShardMismatchError(ValueError):
         )
         super().__init__(
             f"hidden-state shard {shard_index:05d} ({st_path}) was extracted with other settings: "
-            f"{describe_diff(differences)}{head}. It is neither reused nor overwritten. To extract it again under the "
+            f"{describe_diff(differences)}{older}{head}. It is neither reused nor overwritten. To extract it again under the "
             f"current settings, set hidden_states.on_settings_change: redo (Python API: on_mismatch='redo'); the "
             f"old files are then moved to {Path(out_dir) / SUPERSEDED_DIR}/. To keep the old states, restore the "
             "settings they were extracted with."
@@ -103,23 +145,24 @@ class ShardsNotReadyError(RuntimeError):
         return type(self), (str(self), self.states)
 
 
-def stored_fingerprint(out_dir: str | Path, shard_index: int) -> ExtractionFingerprint | None:
-    """The fingerprint a shard's index records, or None for a shard written before fingerprints existed."""
-    meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
-    raw = meta.get(FINGERPRINT_META_KEY)
-    return ExtractionFingerprint.from_dict(raw) if raw else None
+def stored_fingerprint(out_dir: str | Path, shard_index: int) -> ExtractionFingerprint:
+    """The fingerprint a shard's index records."""
+    return recorded_fingerprint(read_index_meta(shard_paths(out_dir, shard_index)[1]))
 
 
 def shard_state(
     out_dir: str | Path, shard_index: int, wanted: ExtractionFingerprint, *, check_hash: bool = True
 ) -> ShardState:
-    """`format.shard_status`, plus `stale` for a done shard whose fingerprint differs from `wanted`."""
+    """`format.shard_status`, plus `stale` for a done shard whose fingerprint differs from `wanted`, or that an
+    older `format.FORMAT_VERSION` wrote (its facts are not read: the version alone decides)."""
     status = shard_status(out_dir, shard_index, check_hash=check_hash)
     if status != "done":
         return ShardState(shard_index, status)
     meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
-    raw = meta.get(FINGERPRINT_META_KEY)
-    differences = wanted.diff(ExtractionFingerprint.from_dict(raw) if raw else None)
+    written = meta.get(FORMAT_META_KEY)
+    if written != FORMAT_VERSION:
+        return ShardState(shard_index, "stale", {FORMAT_META_KEY: (written, FORMAT_VERSION)})
+    differences = wanted.diff(recorded_fingerprint(meta))
     # The head recorded beside the shards was rewritten since this shard was cut (its checkpoint changed in place):
     # its states, and every check judged with its head, belong to the old one.
     recorded = meta.get(HEAD_META_KEY)
@@ -130,11 +173,9 @@ def shard_state(
 
 
 def done_summary(out_dir: str | Path, shard_index: int) -> ShardSummary:
-    """The summary a done shard's index stored, marked `skipped`."""
-    stored = read_index_meta(shard_paths(out_dir, shard_index)[1])
-    known = {f.name for f in fields(ShardSummary)}
-    summary = {k: v for k, v in stored["summary"].items() if k in known}
-    return ShardSummary(**{**summary, "fingerprint": stored.get(FINGERPRINT_META_KEY) or {}, "skipped": True})
+    """The summary a done shard's index records, marked `skipped`."""
+    idx_path = shard_paths(out_dir, shard_index)[1]
+    return ShardSummary.from_index(read_index_meta(idx_path), idx_path, skipped=True)
 
 
 @dataclass(frozen=True)
@@ -174,10 +215,13 @@ def prepare_shard(
 
 
 def supersede_shard(out_dir: str | Path, shard_index: int) -> Path:
-    """Move a shard's two files to `superseded/<its fingerprint digest>/` (a rename: no copy, no data lost).
-    The index goes first, so the main folder never holds an index without its file."""
-    old = stored_fingerprint(out_dir, shard_index)
-    dest = Path(out_dir) / SUPERSEDED_DIR / (old.digest() if old is not None else "no-fingerprint")
+    """Move a shard's two files to `superseded/<its fingerprint digest>/` (`format-v<N>/` for a shard of an older
+    format: a rename, no copy, no data lost). The index goes first, so the main folder never holds an index without
+    its file."""
+    meta = read_index_meta(shard_paths(out_dir, shard_index)[1])
+    written = meta.get(FORMAT_META_KEY)
+    name = recorded_fingerprint(meta).digest() if written == FORMAT_VERSION else f"format-v{written}"
+    dest = Path(out_dir) / SUPERSEDED_DIR / name
     dest.mkdir(parents=True, exist_ok=True)
     st_path, idx_path = shard_paths(out_dir, shard_index)
     os.replace(idx_path, dest / idx_path.name)
@@ -207,7 +251,7 @@ def require_shards_ready(
     extra = sorted(p.name for p in out_dir.glob("shard-*.*") if shard_number(p.name) >= n)
     if extra:
         problems.append(f"shard files beyond the {n} shards of the current merged table: {extra}")
-    digests = {d for s in states if s.status == "done" and (d := _digest(out_dir, s.shard_index))}
+    digests = {stored_fingerprint(out_dir, s.shard_index).digest() for s in states if s.status == "done"}
     if len(digests) > 1:
         problems.append(f"done shards were extracted under {len(digests)} different fingerprints (e.g. dtypes)")
     if problems:
@@ -217,8 +261,3 @@ def require_shards_ready(
             states,
         )
     return states
-
-
-def _digest(out_dir: Path, shard_index: int) -> str | None:
-    fp = stored_fingerprint(out_dir, shard_index)
-    return fp.digest() if fp is not None else None
