@@ -28,7 +28,7 @@ import torch
 
 from eagle_pipeline.hidden_states.engines.batching import padding_of, plan_batches
 from eagle_pipeline.hidden_states.models.layers import default_aux_layers, get_backbone
-from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.models.model import build_model_from_config, tiny_config
 from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.hidden_states.store.merged import read_rows
 from eagle_pipeline_tests.doubles.synthetic import write_synthetic_merged
@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     vocab = 32000
-    model = build_tiny_model(vocab, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers)
+    model = build_model_from_config(
+        tiny_config(vocab, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers)
+    )
     aux = default_aux_layers(args.layers)
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
         merged, n_tokens = write_synthetic_merged(

@@ -31,7 +31,7 @@ import torch
 
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import validate_states_file, vllm_layer_ids
 from eagle_pipeline.hidden_states.models.layers import default_aux_layers
-from eagle_pipeline.hidden_states.models.model import build_tiny_model
+from eagle_pipeline.hidden_states.models.model import build_model_from_config, tiny_config
 from eagle_pipeline.hidden_states.store.format import StreamingSafetensorsWriter, shard_layout, tensor_key
 from eagle_pipeline.hidden_states.store.merged import read_rows
 from eagle_pipeline.hidden_states.store.shard_index import IDS_DTYPE, MASK_DTYPE
@@ -46,7 +46,7 @@ def _serve(conn, storage: str, family: str, hidden: int, layers: int, latency_s:
     torch.set_num_threads(1)
     from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
 
-    model = build_tiny_model(VOCAB, family=family, hidden_size=hidden, num_layers=layers)
+    model = build_model_from_config(tiny_config(VOCAB, family=family, hidden_size=hidden, num_layers=layers))
     ids = vllm_layer_ids(default_aux_layers(layers), layers)
     with VLLMHiddenStatesDouble(model, layer_ids=ids, storage_path=storage, latency_s=latency_s) as srv:
         conn.send(srv.url)

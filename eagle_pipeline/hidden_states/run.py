@@ -21,7 +21,7 @@ from eagle_pipeline.hidden_states.engines.engine_in_process import InProcessEngi
 from eagle_pipeline.hidden_states.engines.engine_torchrun import TorchrunEngine
 from eagle_pipeline.hidden_states.engines.runtime import fingerprint_for_config
 from eagle_pipeline.hidden_states.engines.vllm.vllm_command import VLLMEngine
-from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST, StatesExportSummary
+from eagle_pipeline.hidden_states.layouts.trainer_exports import EXPORT_MANIFEST, StatesExport, StatesExportSummary
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, LayoutTarget, TrainerLayout
 from eagle_pipeline.hidden_states.models.layers import get_backbone, token_embedding
 from eagle_pipeline.hidden_states.models.model import TINY_RANDOM
@@ -219,7 +219,7 @@ def export_for_trainers(
     vocab_built = (root.draft_vocab_dir / DRAFT_VOCAB_PT).exists()
     for layout in layouts:
         check_export_room(root.hidden_states_dir, out / layout.name, layout.name)
-        exported[layout.export_format] = layout.export(
+        job = StatesExport(
             root.hidden_states_dir,
             root.merged_dir,
             out / layout.name,
@@ -228,6 +228,7 @@ def export_for_trainers(
             extraction_layout=settings.layout,
             verifier=settings.model if settings.model != TINY_RANDOM else None,
         )
+        exported[layout.export_format] = layout.export(job)
     manifest = {
         "specforge_jsonl": spec.to_dict(),
         "hf_parquet": hf.to_dict(),

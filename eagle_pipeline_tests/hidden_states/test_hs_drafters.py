@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from eagle_pipeline.cli import main
 from eagle_pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from eagle_pipeline.drafter_types import SPECFORGE, SPECULATORS
+from eagle_pipeline.hidden_states.layouts.trainer_exports import StatesExport
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, load_sample
 from eagle_pipeline.hidden_states.models.layers import get_backbone
 from eagle_pipeline.hidden_states.run import extract_shard
@@ -72,8 +73,10 @@ def _specforge_files(folder: Path) -> dict[str, tuple[str, dict]]:
 def test_specforge_serves_each_type_from_one_ckpt_without_a_second_copy(extracted, normed_model, tmp_path):
     rows, merged, hs, aux = extracted
     n = len(aux)
-    LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "plain", drafters=["eagle3"] if n == 3 else ["dflash"])
-    s = LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "sf", drafters=ALL)
+    LAYOUTS[SPECFORGE].export(
+        StatesExport(hs, merged, tmp_path / "plain", drafters=["eagle3"] if n == 3 else ["dflash"])
+    )
+    s = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, tmp_path / "sf", drafters=ALL))
     served = {e["type"]: e for e in s.extra["drafters"]}
     # What each type reads (drafter_formats.md), and which it cannot have offline.
     assert not served["p-eagle"]["served"] and "online only" in served["p-eagle"]["reason"]
@@ -133,7 +136,7 @@ def test_speculators_files_serve_each_type_with_its_flags(extracted, tmp_path):
     datasets = pytest.importorskip("datasets")
     rows, merged, hs, aux = extracted
     n = len(aux)
-    s = LAYOUTS[SPECULATORS].export(hs, merged, tmp_path / "sp", drafters=ALL, verifier="/models/target")
+    s = LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, tmp_path / "sp", drafters=ALL, verifier="/models/target"))
     by_type = {e["type"]: e for e in s.extra["drafters"]}
     assert not by_type["domino"]["served"] and "no Domino" in by_type["domino"]["reason"]
     names = {"eagle3": "eagle3", "eagle3.1": "eagle3", "p-eagle": "peagle", "dflash": "dflash", "dspark": "dspark"}
@@ -173,8 +176,8 @@ def test_the_readmes_state_the_files_shape_and_name_only_a_vocabulary_copied_bes
     np.save(vocab / "t2d.npy", np.arange(VOCAB) < 4)
     torch.save({"d2t": torch.arange(4), "t2d": torch.arange(VOCAB) < 4}, vocab / "draft_vocab.pt")
     sp, sf = tmp_path / "sp", tmp_path / "sf"
-    LAYOUTS[SPECULATORS].export(hs, merged, sp, draft_vocab_dir=vocab)
-    copied = LAYOUTS[SPECFORGE].export(hs, merged, sf, draft_vocab_dir=vocab)
+    LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, sp, draft_vocab_dir=vocab))
+    copied = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, sf, draft_vocab_dir=vocab))
     slots = load_file(sp / "hidden_states" / "hs_0.safetensors")["hidden_states"].shape[1]
     assert slots == len(aux) + 1  # the aux layers, then the final state
     readme = (sp / "README.md").read_text()
@@ -182,8 +185,8 @@ def test_the_readmes_state_the_files_shape_and_name_only_a_vocabulary_copied_bes
     assert f"--d2t-path {sp / 'd2t.npy'} --t2d-path {sp / 't2d.npy'}" in readme
     assert copied.extra["config"]["model.vocab_mapping_path"] == str(sf / "draft_vocab.pt")
     # Exported again without a draft vocabulary: the earlier copies go, and nothing names them.
-    s = LAYOUTS[SPECULATORS].export(hs, merged, sp)
-    f = LAYOUTS[SPECFORGE].export(hs, merged, sf)
+    s = LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, sp))
+    f = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, sf))
     for folder, summary in ((sp, s), (sf, f)):
         text = (folder / "README.md").read_text() + (folder / "export.json").read_text()
         assert "--d2t-path" not in text and "--t2d-path" not in text and str(folder / "d2t.npy") not in text
@@ -202,8 +205,8 @@ def exports(normed_model, merged_factory, tmp_path):
     hs = tmp_path / "hs"
     _extract(normed_model, merged, hs, None)
     out = tmp_path / "exports"
-    LAYOUTS[SPECFORGE].export(hs, merged, out / "specforge", drafters=["eagle3", "dflash"])
-    LAYOUTS[SPECULATORS].export(hs, merged, out / "speculators", drafters=["dflash"])
+    LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, out / "specforge", drafters=["eagle3", "dflash"]))
+    LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, out / "speculators", drafters=["dflash"]))
     return out, [1, L // 2 - 1, L - 4]
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from eagle_pipeline.drafter_types import SPECULATORS
 from eagle_pipeline.hidden_states.checks.audit import TeacherJudgement, audit_shard
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.layouts.trainer_exports import StatesExport
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, load_sample, plan_layout_target
 from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.hidden_states.store import fp8
@@ -100,7 +101,7 @@ def test_fp8_through_the_project_readers_checks_and_audit(both):
 
 def test_fp8_export_names_speculators_fp8_backend(both):
     _rows, merged, _ref, got = both
-    s = LAYOUTS[SPECULATORS].export(got / "hs", merged, got / "sp")
+    s = LAYOUTS[SPECULATORS].export(StatesExport(got / "hs", merged, got / "sp"))
     assert s.bytes_written == 0 and s.extra["hidden_states_backend"] == "fp8"
     assert "--hidden-states-backend fp8" in s.extra["args"]
     saved = json.loads((got / "sp" / "export.json").read_text())
@@ -115,7 +116,7 @@ def test_the_fp8_readme_states_the_shape_of_its_files_at_another_layer_count(nor
     merged = merged_factory(make_rows(4, seed=33))
     out, hs = tmp_path / "sp", tmp_path / "hs"
     _extract(normed_model, merged, out, hs, "fp8", shards=1, aux_layers=2)
-    LAYOUTS[SPECULATORS].export(hs, merged, out)
+    LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, out))
     raw = load_file(out / "hidden_states" / "hs_0.safetensors")
     assert raw["hidden_states"].shape[1] == raw["hidden_states_scales"].shape[1] == 3  # 2 aux layers + the final
     readme = (out / "README.md").read_text()

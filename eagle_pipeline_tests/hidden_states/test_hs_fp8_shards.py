@@ -22,6 +22,7 @@ from safetensors import safe_open
 from eagle_pipeline.drafter_types import SPECFORGE, SPECULATORS
 from eagle_pipeline.hidden_states.checks.audit import TeacherJudgement, audit_shard
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
+from eagle_pipeline.hidden_states.layouts.trainer_exports import StatesExport
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import LAYOUTS, load_sample
 from eagle_pipeline.hidden_states.run import extract_shard
 from eagle_pipeline.hidden_states.settings import HiddenStatesConfig
@@ -122,7 +123,7 @@ def test_fp8_shards_through_the_project_readers_checks_and_audit(both):
 def test_the_speculators_export_of_fp8_shards_is_fp8_read_through_speculators_contract(both, tmp_path):
     rows, merged, ref, got = both
     out = tmp_path / "sp"
-    s = LAYOUTS[SPECULATORS].export(got, merged, out)
+    s = LAYOUTS[SPECULATORS].export(StatesExport(got, merged, out))
     assert s.extra["hidden_states_backend"] == "fp8" and "--hidden-states-backend fp8" in s.extra["args"]
     assert "--hidden-states-backend fp8" in (out / "README.md").read_text()
     # each exported file against the bf16 shard of the same sample
@@ -146,7 +147,7 @@ def test_the_speculators_export_of_fp8_shards_is_fp8_read_through_speculators_co
 def test_specforge_is_refused_beside_fp8_shards_with_its_reason(both, tmp_path):
     _rows, merged, _ref, got = both
     with pytest.raises(ValueError, match=r"fp8 states and specforge has no reader for them.*quantize: none"):
-        LAYOUTS[SPECFORGE].export(got, merged, tmp_path / "sf")
+        LAYOUTS[SPECFORGE].export(StatesExport(got, merged, tmp_path / "sf"))
     problems = HiddenStatesConfig.rule_problems(
         {"quantize": "fp8", "layout": "shards", "trainer_layouts": ["specforge"]}
     )

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_pipeline.drafter_types import SPECFORGE, SPECULATORS
-from eagle_pipeline.hidden_states.layouts.trainer_exports import train_data_ratio
+from eagle_pipeline.hidden_states.layouts.trainer_exports import StatesExport, train_data_ratio
 from eagle_pipeline.hidden_states.layouts.trainer_layouts import (
     LAYOUTS,
     load_sample,
@@ -54,7 +54,7 @@ def test_specforge_offline_files_follow_its_contract(extracted, normed_model, tm
     out = tmp_path / "exports" / "specforge"
     (out / "train").mkdir(parents=True)
     torch.save({}, out / "train" / "stale.ckpt")
-    s = LAYOUTS[SPECFORGE].export(hs, merged, out, draft_vocab_dir=vocab)
+    s = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, out, draft_vocab_dir=vocab))
     assert s.rows == {"train": 11, "eval": 3} and s.final_state == "post_norm"
     # SpecForge's reader: every *.ckpt under the folder (recursively), torch.load(mmap=True), one sample per file.
     found = {}
@@ -92,7 +92,7 @@ def test_speculators_offline_files_follow_its_contract(extracted, normed_model, 
     out = tmp_path / "exports" / "speculators"
     (out / "hidden_states").mkdir(parents=True)
     (out / "hidden_states" / "hs_99.safetensors").write_bytes(b"stale")
-    s = LAYOUTS[SPECULATORS].export(hs, merged, out, draft_vocab_dir=vocab)
+    s = LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, out, draft_vocab_dir=vocab))
     # speculators' ArrowDataset: load_from_disk(data_path), torch format, seq_len, then split by the ratio.
     data = datasets.load_from_disk(str(out))
     assert data.format["type"] == "torch"
@@ -131,7 +131,7 @@ def test_speculators_refuses_post_norm_shards(normed_model, merged_factory, tmp_
     hs = tmp_path / "hs"
     extract_shard(normed_model, merged, shard_index=0, shard_size=4, out_dir=hs, final_state="post_norm")
     with pytest.raises(ValueError, match="shard 0 stores the final state post-norm"):
-        LAYOUTS[SPECULATORS].export(hs, merged, tmp_path / "spec")
+        LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, tmp_path / "spec"))
 
 
 def test_export_refuses_missing_shards(extracted, tmp_path):
@@ -139,7 +139,7 @@ def test_export_refuses_missing_shards(extracted, tmp_path):
     for p in hs.glob("shard-00001.*"):
         p.unlink()
     with pytest.raises(ValueError, match="6 merged rows have no hidden states"):
-        LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "sf")
+        LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, tmp_path / "sf"))
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
@@ -184,21 +184,23 @@ def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merge
         got, want = load_sample(hs, r["sample_id"]), load_sample(ref, r["sample_id"])
         assert all(torch.equal(got[n], want[n]) for n in want)
     if layout == "speculators":
-        s = LAYOUTS[SPECULATORS].export(hs, merged, out)
+        s = LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, out))
         assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
         order = [r for r in rows if r["split"] == "train"] + [r for r in rows if r["split"] == "eval"]
         for i, r in enumerate(order):
             states = load_file(out / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
             assert torch.equal(states[:, -1], load_sample(ref, r["sample_id"])["final_hidden_state"])
-        derived = LAYOUTS[SPECFORGE].export(hs, merged, tmp_path / "exports" / "specforge")  # the other trainer: a copy
+        derived = LAYOUTS[SPECFORGE].export(
+            StatesExport(hs, merged, tmp_path / "exports" / "specforge")
+        )  # the other trainer: a copy
         assert derived.bytes_written > 0
     else:
-        s = LAYOUTS[SPECFORGE].export(hs, merged, out)
+        s = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, out))
         assert s.bytes_written == 0 and s.extra["samples_written_by_extraction"] == len(rows)
         rec = torch.load(out / rows[0]["split"] / f"{rows[0]['sample_id']}.ckpt", mmap=True)
         assert torch.equal(rec["hidden_state"][0], load_sample(ref, rows[0]["sample_id"])["final_hidden_state"])
         with pytest.raises(ValueError, match="post-norm"):
-            LAYOUTS[SPECULATORS].export(hs, merged, tmp_path / "exports" / "speculators")
+            LAYOUTS[SPECULATORS].export(StatesExport(hs, merged, tmp_path / "exports" / "speculators"))
     # A damaged trainer file makes its shard partial; extraction then redoes it.
     victim = next(out.rglob("*.ckpt" if layout == "specforge" else "hs_*.safetensors"))
     victim.write_bytes(b"damaged")

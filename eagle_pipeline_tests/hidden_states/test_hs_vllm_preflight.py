@@ -10,6 +10,7 @@ import pytest
 
 from eagle_pipeline.hidden_states.checks.verify import verify_shard
 from eagle_pipeline.hidden_states.engines.vllm.vllm_files import EngineShardError, vllm_layer_ids
+from eagle_pipeline.hidden_states.layouts.trainer_exports import StatesExport
 from eagle_pipeline.hidden_states.store.format import read_index, read_index_meta, shard_paths, shard_status
 from eagle_pipeline.hidden_states.store.shards import ShardMismatchError
 from eagle_pipeline.simulation.vllm_hidden_states import VLLMHiddenStatesDouble
@@ -175,7 +176,7 @@ def test_dropped_rows_leave_no_gap_in_the_speculators_numbering(tiny_ds, merged_
                 merged, out, srv, storage, shard_index=shard, shard_size=4, too_long_rows="drop", layout_target=target
             )
     assert sorted(p.name for p in (exports / "hidden_states").iterdir()) == [f"hs_{i}.safetensors" for i in range(6)]
-    summary = LAYOUTS[SPECULATORS].export(out, merged, exports)
+    summary = LAYOUTS[SPECULATORS].export(StatesExport(out, merged, exports))
     ds = datasets.load_from_disk(str(exports)).with_format("torch")
     dropped = {rows[2]["sample_id"], rows[5]["sample_id"]}
     assert len(ds) == 6 and dropped.isdisjoint(ds["sample_id"])

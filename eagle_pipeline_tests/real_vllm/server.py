@@ -52,10 +52,10 @@ def vllm_venv() -> Path | None:
 def write_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     """A tiny seeded Llama (the project's builder) with a byte-level tokenizer and chat template, saved as a
     checkpoint directory vLLM loads offline."""
-    from eagle_pipeline.hidden_states.models.model import build_tiny_model
+    from eagle_pipeline.hidden_states.models.model import build_model_from_config, tiny_config
 
     # Two heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the builder's default 16).
-    model = build_tiny_model(VOCAB, family="llama", seed=seed, hidden_size=64, num_heads=2)
+    model = build_model_from_config(tiny_config(VOCAB, family="llama", hidden_size=64, num_heads=2), seed=seed)
     model.save_pretrained(out)
     return _write_byte_tokenizer(out)
 

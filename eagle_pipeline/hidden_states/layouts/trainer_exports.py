@@ -6,13 +6,15 @@ speculators' `--train-data-ratio` arithmetic."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from eagle_pipeline.drafter_types import DEFAULT_DRAFTERS
+from eagle_pipeline.hidden_states.settings import SHARDS
 from eagle_pipeline.hidden_states.store.shard_index import recorded_drops
 from eagle_pipeline.shared.storage import atomic_path
 
@@ -20,6 +22,28 @@ from eagle_pipeline.shared.storage import atomic_path
 EXPORT_MANIFEST = "manifest.json"
 EXPORT_JSON = "export.json"  # each layout's summary, in its own folder
 SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class StatesExport:
+    """One trainer export (`TrainerLayout.export`): from the finished shards under `hs_dir` and the merged rows, the
+    trainer's folder at `out_dir`. `draft_vocab_dir`: the draft vocabulary copied beside the states (None: none
+    built); `drafters`: the drafter types to hand off; `extraction_layout`: where extraction wrote the states
+    (`hidden_states.layout`); `verifier`: the target the commands name (None: a placeholder)."""
+
+    hs_dir: Path
+    merged_dir: Path
+    out_dir: Path
+    draft_vocab_dir: Path | None = None
+    drafters: Sequence[Any] = DEFAULT_DRAFTERS
+    extraction_layout: str = SHARDS
+    verifier: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hs_dir", "merged_dir", "out_dir", "draft_vocab_dir"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
 
 
 @dataclass

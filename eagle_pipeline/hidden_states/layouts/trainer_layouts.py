@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,6 @@ import pyarrow as pa
 import torch
 
 from eagle_pipeline.drafter_types import (
-    DEFAULT_DRAFTERS,
     POST_NORM,
     PRE_NORM,
     SF_EAGLE3_KEYS,
@@ -54,6 +53,7 @@ from eagle_pipeline.hidden_states.layouts.drafters import capture_of_shards, cap
 from eagle_pipeline.hidden_states.layouts.trainer_exports import (
     EXPORT_JSON,
     SPLITS,
+    StatesExport,
     StatesExportSummary,
     check_complete,
     dropped_ids,
@@ -190,21 +190,10 @@ class TrainerLayout(Layout):
         """aux [T, n_aux*H] and final [T, H] of one sample's file."""
         raise NotImplementedError
 
-    def export(
-        self,
-        hs_dir: str | Path,
-        merged_dir: str | Path,
-        out_dir: str | Path,
-        *,
-        draft_vocab_dir: str | Path | None = None,
-        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
-        extraction_layout: str = SHARDS,
-        verifier: str | None = None,
-    ) -> StatesExportSummary:
-        """The trainer's folder at `out_dir` from the finished shards, with its `export.json` and README, and the
-        draft vocabulary under `draft_vocab_dir` copied beside it when given; the hand-off of each drafter type in
-        `drafters` (docs/drafters.md). `extraction_layout`: where extraction wrote the states
-        (`hidden_states.layout`); `verifier` names the target in the commands."""
+    def export(self, job: StatesExport) -> StatesExportSummary:
+        """The trainer's folder at `job.out_dir` from the finished shards, with its `export.json` and README, the
+        draft vocabulary copied beside it when the job names one, and the hand-off of each of its drafter types
+        (docs/drafters.md)."""
         raise NotImplementedError
 
     def target(
@@ -332,30 +321,20 @@ class SpecForgeLayout(TrainerLayout):
         rec = torch.load(path, mmap=True, weights_only=True)
         return {"aux_hidden_states": rec["aux_hidden_state"][0], "final_hidden_state": rec["hidden_state"][0]}
 
-    def export(
-        self,
-        hs_dir: str | Path,
-        merged_dir: str | Path,
-        out_dir: str | Path,
-        *,
-        draft_vocab_dir: str | Path | None = None,
-        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
-        extraction_layout: str = SHARDS,
-        verifier: str | None = None,
-    ) -> StatesExportSummary:
-        out_dir = Path(out_dir)
-        draft_vocab_pt = Path(draft_vocab_dir) / DRAFT_VOCAB_PT if draft_vocab_dir is not None else None
+    def export(self, job: StatesExport) -> StatesExportSummary:
+        hs_dir, out_dir = job.hs_dir, job.out_dir
+        draft_vocab_pt = job.draft_vocab_dir / DRAFT_VOCAB_PT if job.draft_vocab_dir is not None else None
         record = capture_record(capture_of_shards(hs_dir), SPECFORGE, POST_NORM)
         dirs = {s: out_dir / s for s in SPLITS}
-        rows, tokens = split_counts(merged_dir, dropped_ids(hs_dir))
+        rows, tokens = split_counts(job.merged_dir, dropped_ids(hs_dir))
         paths = {
             "train": dirs["train"],
             "eval": dirs["eval"] if rows["eval"] else None,
             "vocab_mapping": out_dir / DRAFT_VOCAB_PT if draft_vocab_pt is not None else None,
         }
-        entries = handoff(record, drafters, paths=paths, layout=extraction_layout)
+        entries = handoff(record, job.drafters, paths=paths, layout=job.extraction_layout)
         aliases = specforge_aliases([e["type"] for e in entries if e["served"]])
-        nbytes, n_direct = self.write_from_shards(hs_dir, merged_dir, out_dir, aliases=aliases)
+        nbytes, n_direct = self.write_from_shards(hs_dir, job.merged_dir, out_dir, aliases=aliases)
         place_draft_vocab(out_dir, {DRAFT_VOCAB_PT: draft_vocab_pt})
         summary = StatesExportSummary(
             format=self.export_format,
@@ -449,30 +428,20 @@ class SpeculatorsLayout(TrainerLayout):
             states = fp8.dequantize_checked(path, states, raw[fp8.SCALES_KEY])
         return {"aux_hidden_states": states[:, :n_aux].flatten(1), "final_hidden_state": states[:, n_aux]}
 
-    def export(
-        self,
-        hs_dir: str | Path,
-        merged_dir: str | Path,
-        out_dir: str | Path,
-        *,
-        draft_vocab_dir: str | Path | None = None,
-        drafters: Sequence[Any] = DEFAULT_DRAFTERS,
-        extraction_layout: str = SHARDS,
-        verifier: str | None = None,
-    ) -> StatesExportSummary:
+    def export(self, job: StatesExport) -> StatesExportSummary:
         import datasets
 
-        out_dir = Path(out_dir)
+        hs_dir, out_dir, vocab = job.hs_dir, job.out_dir, job.draft_vocab_dir
         record = capture_record(capture_of_shards(hs_dir), SPECULATORS, PRE_NORM)
-        nbytes, n_direct = self.write_from_shards(hs_dir, merged_dir, out_dir)
+        nbytes, n_direct = self.write_from_shards(hs_dir, job.merged_dir, out_dir)
         drops = recorded_drops(hs_dir)
-        table, n_train = _speculators_table(merged_dir, {d["sample_id"] for d in drops})
+        table, n_train = _speculators_table(job.merged_dir, {d["sample_id"] for d in drops})
         n_eval = table.num_rows - n_train
         aux_layers = list(record["aux_layers"])
         _save_arrow(datasets.Dataset(table).with_format("torch"), out_dir)
         place_draft_vocab(
             out_dir,
-            {name: None if draft_vocab_dir is None else Path(draft_vocab_dir) / name for name in (D2T_NPY, T2D_NPY)},
+            {name: None if vocab is None else vocab / name for name in (D2T_NPY, T2D_NPY)},
         )
         ratio = train_data_ratio(n_train, n_eval)
         fp8_states = record["quantize"] == QUANTIZE_FP8
@@ -481,9 +450,9 @@ class SpeculatorsLayout(TrainerLayout):
             "data": out_dir,
             "hidden_states": out_dir / SPECULATORS_HS_DIR,
             "train_data_ratio": ratio,
-            "d2t": out_dir / D2T_NPY if draft_vocab_dir is not None else None,
-            "t2d": out_dir / T2D_NPY if draft_vocab_dir is not None else None,
-            "verifier": verifier,
+            "d2t": out_dir / D2T_NPY if vocab is not None else None,
+            "t2d": out_dir / T2D_NPY if vocab is not None else None,
+            "verifier": job.verifier,
         }
         summary = StatesExportSummary(
             format=self.export_format,
@@ -504,11 +473,11 @@ class SpeculatorsLayout(TrainerLayout):
                 + (f" {FP8_BACKEND_FLAG} {FP8_BACKEND}" if fp8_states else "")
                 + (f" --train-data-ratio {ratio!r}" if ratio is not None else ""),
                 "capture": record,
-                "drafters": handoff(record, drafters, paths=paths),
+                "drafters": handoff(record, job.drafters, paths=paths),
             },
         )
         write_json_atomic(summary.to_dict(), out_dir / EXPORT_JSON)
-        vocab_args = f"--d2t-path {paths['d2t']} --t2d-path {paths['t2d']}" if draft_vocab_dir is not None else None
+        vocab_args = f"--d2t-path {paths['d2t']} --t2d-path {paths['t2d']}" if vocab is not None else None
         _write_speculators_readme(out_dir, summary, vocab_args)
         return summary
 

@@ -260,25 +260,10 @@ def build_tiny_model(
     *,
     family: str = "deepseek_v3",
     seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 8,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    n_routed_experts: int = 8,
-    num_experts_per_tok: int = 2,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """A tiny random-weight target (DeepSeek-V3 family = Kimi-K2's architecture: MLA + MoE with a shared
-    expert + first_k_dense_replace=1), deterministic for a given seed, in eval mode."""
-    cfg = tiny_config(
-        vocab_size,
-        family=family,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        n_routed_experts=n_routed_experts,
-        num_experts_per_tok=num_experts_per_tok,
-    )
-    return build_model_from_config(cfg, seed=seed, device=device, dtype=dtype)
+    """The default tiny random-weight target of `family` (`tiny_config`; DeepSeek-V3 family = Kimi-K2's
+    architecture: MLA + MoE with a shared expert + first_k_dense_replace=1), deterministic for a given seed, in eval
+    mode. Another shape: `build_model_from_config(tiny_config(...))`."""
+    return build_model_from_config(tiny_config(vocab_size, family=family), seed=seed, device=device, dtype=dtype)
