@@ -160,9 +160,10 @@ def why_not_served(drafter: str, trainer: str, *, n_aux: int, layout: str) -> st
             f"{trainer}'s {drafter} reads exactly {s.exact_layers} aux layers ({s.source}), but the extraction "
             f"captures {n_aux}: leave hidden_states.aux_layers unset (low/mid/high) or train {drafter} with {other}"
         )
-    if trainer == SPECFORGE and layout == SPECFORGE and set(s.keys) - set(SF_EAGLE3_KEYS):
+    # A trainer's own files written at extraction time (the layout is the trainer's) hold the EAGLE-3 keys alone.
+    if layout == trainer and set(s.keys) - set(SF_EAGLE3_KEYS):
         return (
-            "hidden_states.layout: specforge writes the EAGLE-3 keys at extraction time; the DFlash-family keys "
+            f"hidden_states.layout: {layout} writes the EAGLE-3 keys at extraction time; the DFlash-family keys "
             f"{sorted(set(s.keys) - set(SF_EAGLE3_KEYS))} are added by exports converted from the shards: set "
             "hidden_states.layout: shards"
         )

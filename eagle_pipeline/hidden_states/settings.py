@@ -20,6 +20,7 @@ from eagle_pipeline.drafter_types import (
     DEFAULT_DRAFTERS,
     DRAFTER_TYPES,
     SPECFORGE,
+    SPECULATORS,
     TRAINERS,
     drafter_problems,
     model_depth,
@@ -101,6 +102,14 @@ DrafterType = Literal[DRAFTER_TYPES]  # type: ignore[valid-type]
 SHARDS = "shards"
 LAYOUT_NAMES = (SHARDS, *TRAINERS)
 LayoutName = Literal[LAYOUT_NAMES]  # type: ignore[valid-type]
+# The `quantize` modes each layout's files hold (`store/fp8.py`), decided here, where the configuration is checked as
+# it loads, before any layout object (or torch) is imported; each object takes its own (`Layout.quantize_modes`).
+# SpecForge's loader reads its .ckpt files as they are, with no FP8 reader.
+LAYOUT_QUANTIZE: dict[str, tuple[str, ...]] = {
+    SHARDS: ("none", "fp8"),
+    SPECFORGE: ("none",),
+    SPECULATORS: ("none", "fp8"),
+}
 TrainerName = Literal[TRAINERS]  # type: ignore[valid-type]
 
 
@@ -189,27 +198,29 @@ class HiddenStatesConfig(SpecBase):
 
 
 def _quantize_problems(data: Mapping[str, Any]) -> list[Problem]:
-    """`quantize: fp8` where no reader of the stored files dequantizes, each with its reason."""
-    if data.get("quantize") != "fp8":
-        return []
+    """A `quantize` mode where no reader of the stored files dequantizes (`LAYOUT_QUANTIZE`), each with its reason."""
+    mode = data.get("quantize", "none")
     problems: list[Problem] = []
-    if data.get("layout", SHARDS) == SPECFORGE:
+    layout = data.get("layout", SHARDS)
+    if mode not in LAYOUT_QUANTIZE.get(layout, (mode,)):
+        able = " or ".join(n for n, modes in LAYOUT_QUANTIZE.items() if mode in modes)
         problems.append(
             (
                 ("quantize",),
-                "fp8 needs layout: shards or speculators (the project's shards and speculators' hs_{i}.safetensors "
-                "hold e4m3 states with their scales); SpecForge has no FP8 reader for its .ckpt files",
+                f"{mode} needs layout: {able} (the files those layouts write hold e4m3 states with their scales, and "
+                f"their readers dequantize); {layout} has no {mode} reader",
             )
         )
-    if SPECFORGE in (data.get("trainer_layouts") or ()):
-        problems.append(
-            (
-                ("trainer_layouts",),
-                "specforge with quantize: fp8: SpecForge has no FP8 reader, and a bf16 copy dequantized from the FP8 "
-                "states would cost twice their bytes (at Kimi scale 7.94 TB beside 3.97 TB) for states already "
-                "rounded to e4m3; extract SpecForge's states with quantize: none",
+    for name in data.get("trainer_layouts") or ():
+        if mode not in LAYOUT_QUANTIZE.get(name, (mode,)):
+            problems.append(
+                (
+                    ("trainer_layouts",),
+                    f"{name} with quantize: {mode}: {name} has no {mode} reader, and a bf16 copy dequantized from the "
+                    f"{mode} states would cost twice their bytes (at Kimi scale 7.94 TB beside 3.97 TB) for states "
+                    f"already rounded; extract {name}'s states with quantize: none",
+                )
             )
-        )
     return problems
 
 

@@ -152,7 +152,7 @@ def test_specforge_is_refused_beside_fp8_shards_with_its_reason(both, tmp_path):
         {"quantize": "fp8", "layout": "shards", "trainer_layouts": ["specforge"]}
     )
     assert [where for where, _why in problems] == [("trainer_layouts",)]
-    assert "SpecForge has no FP8 reader" in problems[0][1]
+    assert "specforge has no fp8 reader" in problems[0][1]
     assert HiddenStatesConfig.rule_problems({"quantize": "fp8", "layout": "shards"}) == []
 
 

@@ -226,6 +226,6 @@ def test_the_settings_take_fp8_with_vllm_and_refuse_what_is_not_built_naming_the
 
     assert problems(layout="speculators") == [] and problems(layout="shards") == []
     ((where, why),) = problems(layout="specforge")
-    assert where == ("quantize",) and "SpecForge has no FP8 reader" in why
+    assert where == ("quantize",) and "specforge has no fp8 reader" in why
     ((where, why),) = problems(layout="speculators", trainer_layouts=["specforge"])
-    assert where == ("trainer_layouts",) and "SpecForge has no FP8 reader" in why
+    assert where == ("trainer_layouts",) and "specforge has no fp8 reader" in why

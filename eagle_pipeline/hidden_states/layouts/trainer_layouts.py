@@ -65,7 +65,7 @@ from eagle_pipeline.hidden_states.layouts.trainer_exports import (
     write_readme,
 )
 from eagle_pipeline.hidden_states.models.layers import aux_layer_to_vllm_id
-from eagle_pipeline.hidden_states.settings import SHARDS
+from eagle_pipeline.hidden_states.settings import LAYOUT_QUANTIZE, SHARDS
 from eagle_pipeline.hidden_states.store import fp8
 from eagle_pipeline.hidden_states.store.fingerprint import recorded_fingerprint
 from eagle_pipeline.hidden_states.store.format import (
@@ -118,10 +118,14 @@ class Layout:
     name: ClassVar[str] = SHARDS
     final_state: ClassVar[str] = PRE_NORM  # the convention extraction stores
     states_in_shards: ClassVar[bool] = True  # the shard file holds the states (else only ids and masks)
-    # `fp8.QUANTIZE_MODES` its files can hold: the shard file holds e4m3 states with their scales (`ShardWriter`)
-    quantize_modes: ClassVar[tuple[str, ...]] = fp8.QUANTIZE_MODES
     # The vLLM connector's file is already this layout's sample file (the vLLM engine renames it into place).
     takes_connector_file: ClassVar[bool] = False
+
+    @property
+    def quantize_modes(self) -> tuple[str, ...]:
+        """The `fp8.QUANTIZE_MODES` its files hold (`settings.LAYOUT_QUANTIZE`, which the configuration checks as it
+        loads): the shard file and speculators' files hold e4m3 states with their scales."""
+        return LAYOUT_QUANTIZE[self.name]
 
     def target(
         self,
@@ -165,8 +169,6 @@ class TrainerLayout(Layout):
     the shard file keeps the ids and masks. `export` completes the trainer's folder from the finished shards."""
 
     states_in_shards = False
-    # a trainer's files hold FP8 only where its reader dequantizes them
-    quantize_modes: ClassVar[tuple[str, ...]] = (QUANTIZE_NONE,)
     export_format: ClassVar[str]  # the summary's `format`, its key in the export manifest
     file_glob: ClassVar[str]  # every sample file under the layout's root (stale ones are removed)
     file_rates: ClassVar[tuple[tuple[str, int, int], ...]]  # (what, extra bytes per token, bytes per sample)
@@ -378,7 +380,6 @@ class SpeculatorsLayout(TrainerLayout):
 
     name = SPECULATORS
     final_state = PRE_NORM
-    quantize_modes = fp8.QUANTIZE_MODES
     takes_connector_file = True
     export_format = "speculators_offline"
     file_glob = f"{SPECULATORS_HS_DIR}/hs_*.safetensors"
