@@ -5,10 +5,10 @@ and ends with what only the run knew (`ShardRun`: timings, NaN/Inf counts, a tra
 Every fact about the shard is taken from those two objects in one place, `ShardFacts.record`, and stated once in it:
 the fingerprint is the record of the layers, the final state, the layout, the quantization and the engine
 (`fingerprint.recorded_fingerprint` reads them). The safetensors header holds the record, so that the file describes
-itself; the index holds it too (`ShardFacts.index_meta`, with what only the run knew), so that listings and the reuse
-decision never open a states file; the summary is derived from the index (`ShardSummary.from_index`). The states file is written
-to a temporary file renamed into place when complete, the index (the 'done' marker) after it: a killed run leaves
-only temporaries, and a rerun writes the same bytes.
+itself; the index holds it too (`ShardFacts.index_meta`, with what only the run knew), so that listings and the
+reuse decision never open a states file; the summary is derived from the index (`ShardSummary.from_index`). The
+states file is written to a temporary file renamed into place when complete, the index (the 'done' marker) after it:
+a killed run leaves only temporaries, and a rerun writes the same bytes.
 """
 
 from __future__ import annotations
