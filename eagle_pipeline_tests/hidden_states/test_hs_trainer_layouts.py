@@ -190,9 +190,8 @@ def test_extraction_writes_a_trainer_layout_directly(layout, normed_model, merge
         for i, r in enumerate(order):
             states = load_file(out / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"]
             assert torch.equal(states[:, -1], load_sample(ref, r["sample_id"])["final_hidden_state"])
-        derived = LAYOUTS[SPECFORGE].export(
-            StatesExport(hs, merged, tmp_path / "exports" / "specforge")
-        )  # the other trainer: a copy
+        # the other trainer: a copy
+        derived = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, tmp_path / "exports" / "specforge"))
         assert derived.bytes_written > 0
     else:
         s = LAYOUTS[SPECFORGE].export(StatesExport(hs, merged, out))

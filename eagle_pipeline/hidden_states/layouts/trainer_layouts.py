@@ -248,13 +248,13 @@ class TrainerLayout(Layout):
             clean_stale_tmp(d)
         head = None
         found, nbytes = set(direct), 0
-        for sid, t, meta in iter_shard_samples(hs_dir, skip_layout=self.name):
+        for sid, t, reader in iter_shard_samples(hs_dir, skip_layout=self.name):
+            meta, fp = reader.meta, reader.fingerprint
             rel = target.file_of.get(sid)
             if rel is None:
                 raise ValueError(
                     f"{hs_dir}: shard {meta['shard_index']} holds {sid!r}, which is not in the merged table"
                 )
-            fp = recorded_fingerprint(meta)
             quantize = fp.quantize  # an FP8 extraction gives FP8 files, where the trainer reads them
             if quantize not in self.quantize_modes:
                 raise ValueError(
@@ -583,7 +583,7 @@ class ShardReader:
 
     def __init__(self, f: Any, meta: dict[str, Any], out_dir: Path):
         self._f, self.meta, self._out_dir = f, meta, out_dir
-        fp = recorded_fingerprint(meta)
+        self.fingerprint = fp = recorded_fingerprint(meta)
         self.layout = fp.layout
         self._layout = layout_of(self.layout)
         self._keys = set(f.keys())
@@ -636,15 +636,15 @@ def open_shard(out_dir: str | Path, shard_index: int) -> Iterator[ShardReader]:
 
 def iter_shard_samples(
     hs_dir: str | Path, *, skip_layout: str | None = None
-) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]:
-    """(sample_id, the four tensors, the shard's index metadata) for every sample of every shard, one at a time;
-    shards already in `skip_layout` are passed over."""
+) -> Iterator[tuple[str, dict[str, torch.Tensor], ShardReader]]:
+    """(sample_id, the four tensors, the reader of its shard: its index metadata and fingerprint) for every sample
+    of every shard, one at a time; shards already in `skip_layout` are passed over."""
     for shard, meta, sample_ids in shard_indexes(hs_dir):
         if skip_layout is not None and recorded_fingerprint(meta).layout == skip_layout:
             continue
         with open_shard(hs_dir, shard) as reader:
             for sid in sample_ids:
-                yield sid, reader.get(sid), meta
+                yield sid, reader.get(sid), reader
 
 
 def direct_samples(hs_dir: str | Path, target: LayoutTarget) -> set[str]:
